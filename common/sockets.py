@@ -1,0 +1,263 @@
+"""ZeroMQ sockets every role uses: a request/reply `Server` (ROUTER) and a reconnecting `Client` (DEALER).
+
+    server = Server(host, port, security, name="buffer")
+    while running:
+        request = server.poll(timeout_ms=100)        # None on timeout; bad messages are counted, never raised
+        if request is not None:
+            server.reply(request, Ok(learner_version=3))   # now, or later (a deferred reply is allowed)
+
+    client = Client("127.0.0.1:5555", security, identity="generator-0")
+    reply, payload = client.request(LeaseRequest(...), timeout_s=5)   # raises PeerUnavailable on timeout
+
+Frames on the wire: DEALER sends [b"", request_id (8 bytes), *message frames]; the ROUTER prepends the sender's
+identity. Replies echo the request id, so a late reply to an abandoned request is recognised and dropped.
+
+Security: binding a non-loopback address requires CurveZMQ keys (`zmq.auth.create_certificates`) or an explicit
+`insecure` opt-out, which logs a warning. Every socket has a maximum message size (ZMQ_MAXMSGSIZE per frame, and
+the total checked by `common.wire.decode`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import logging
+import os
+import struct
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from common.types import ErrorReply
+from common.wire import WireError, decode, encode
+
+log = logging.getLogger("tandem.sockets")
+
+
+class PeerUnavailable(ConnectionError):
+    """The peer did not answer in time (dead, restarting, or overloaded). The caller decides how to back off."""
+
+
+class SecurityError(RuntimeError):
+    """A socket would be exposed beyond loopback without CurveZMQ keys or an explicit insecure opt-out."""
+
+
+@dataclass(frozen=True)
+class SocketSecurity:
+    """What every socket needs to know about security and limits (built from `RunConfig`)."""
+
+    curve_keys_dir: Path | None = None
+    insecure: bool = False
+    max_message_bytes: int = 1 << 30
+
+    @classmethod
+    def from_run(cls, run: Any) -> SocketSecurity:
+        return cls(run.curve_keys_dir, run.insecure, int(run.max_message_mb * (1 << 20)))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address '{address}' must look like host:port")
+    return host.strip("[]"), int(port)
+
+
+def _tcp(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def _load_keys(keys_dir: Path, name: str) -> tuple[bytes, bytes]:
+    from zmq.auth import load_certificate
+
+    secret_file = keys_dir / f"{name}.key_secret"
+    if not secret_file.is_file():
+        raise SecurityError(f"{secret_file}: missing; create keys with zmq.auth.create_certificates('{keys_dir}', '{name}')")
+    public, secret = load_certificate(str(secret_file))
+    return public, secret
+
+
+_authenticators: dict[int, Any] = {}
+
+
+def _configure_server_security(ctx: zmq.Context, sock: zmq.Socket, host: str, security: SocketSecurity) -> None:
+    if security.curve_keys_dir is not None:
+        from zmq.auth.thread import ThreadAuthenticator
+
+        if id(ctx) not in _authenticators:
+            auth = ThreadAuthenticator(ctx)
+            auth.start()
+            auth.configure_curve(domain="*", location=str(security.curve_keys_dir))
+            _authenticators[id(ctx)] = auth
+        public, secret = _load_keys(security.curve_keys_dir, "server")
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_server = public, secret, True
+    elif not is_loopback(host):
+        if not security.insecure:
+            raise SecurityError(
+                f"binding {host} exposes the socket beyond this machine: set run.curve_keys_dir "
+                "(CurveZMQ keys) or run.insecure = true on a trusted network"
+            )
+        log.warning("binding %s WITHOUT encryption or authentication (run.insecure = true)", host)
+
+
+class Server:
+    """A ROUTER socket that receives validated requests and sends replies (possibly deferred).
+
+    Malformed, oversized or wrong-version messages never raise out of `poll`: the sender gets an `ErrorReply`,
+    and the reason is logged and counted in `rejected` (keys: the reason's first words).
+    """
+
+    def __init__(self, host: str, port: int, security: SocketSecurity, name: str) -> None:
+        self.name = name
+        self.security = security
+        self.context = zmq.Context.instance()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, security.max_message_bytes)
+        self.socket.setsockopt(zmq.RCVHWM, 10_000)
+        _configure_server_security(self.context, self.socket, host, security)
+        try:
+            self.socket.bind(_tcp(host, port))
+        except zmq.ZMQError as error:
+            self.socket.close()
+            raise OSError(f"{name}: cannot bind {host}:{port}: {error} (is another run using this port?)") from None
+        self.rejected: Counter[str] = Counter()
+        self.poller = zmq.Poller()
+        self.poller.register(self.socket, zmq.POLLIN)
+
+    def poll(self, timeout_ms: int) -> Request | None:
+        """The next valid request, or None when nothing valid arrived within the timeout."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            remaining = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self.poller.poll(remaining):
+                return None
+            frames = self.socket.recv_multipart(copy=False)
+            request = self._parse(frames)
+            if request is not None:
+                return request
+            if time.monotonic() >= deadline:
+                return None
+
+    def _parse(self, frames: list[zmq.Frame]) -> Request | None:
+        identity = frames[0].bytes
+        if len(frames) < 4 or frames[1].bytes != b"" or len(frames[2].bytes) != 8:
+            self._reject(identity, None, "bad envelope: expected [identity, '', request id, frames...]", "bad_envelope")
+            return None
+        request_id = frames[2].bytes
+        try:
+            message, payload = decode(frames[3:], self.security.max_message_bytes)
+        except WireError as error:
+            self._reject(identity, request_id, error.reason, error.kind)
+            return None
+        return Request(identity, request_id, message, payload)
+
+    def _reject(self, identity: bytes, request_id: bytes | None, reason: str, kind: str) -> None:
+        self.rejected[kind] += 1
+        log.warning("%s: rejected a message from %r: %s", self.name, identity, reason)
+        if request_id is not None:
+            self._send(identity, request_id, encode(ErrorReply(reason=reason)))
+
+    def reject(self, request: Request, reason: str, kind: str = "refused") -> None:
+        """Refuse a well-formed message whose content is not acceptable (counted like malformed input)."""
+        self._reject(request.identity, request.request_id, reason, kind)
+
+    def reply(self, request: Request, message: Any, payload: Sequence[Any] = ()) -> None:
+        self._send(request.identity, request.request_id, encode(message, payload))
+
+    def _send(self, identity: bytes, request_id: bytes, frames: list[Any]) -> None:
+        try:
+            self.socket.send_multipart([identity, b"", request_id, *frames], copy=False, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as error:  # the peer is gone or its queue is full: it will retry its request
+            log.warning("%s: reply to %r dropped: %s", self.name, identity, error)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+@dataclass
+class Request:
+    identity: bytes  # ZeroMQ identity of the sender (for logs and replies)
+    request_id: bytes
+    message: Any
+    payload: list[memoryview]
+
+    @property
+    def sender(self) -> str:
+        return self.identity.decode(errors="replace")
+
+
+class Client:
+    """A DEALER socket with request/reply semantics, timeouts and reconnection (the Lazy Pirate pattern).
+
+    After a timeout the socket is closed and reopened, so no stale request is delivered later and no stale
+    reply is mistaken for a new one. Safe to use from one thread at a time.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, address: str, security: SocketSecurity, identity: str) -> None:
+        self.host, self.port = split_address(address)
+        self.security = security
+        self.identity = f"{identity}-{os.getpid()}-{next(self._ids)}"
+        self.context = zmq.Context.instance()
+        self._sequence = itertools.count(1)
+        self.socket: zmq.Socket | None = None
+
+    def _open(self) -> zmq.Socket:
+        sock = self.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, self.identity.encode())
+        sock.setsockopt(zmq.MAXMSGSIZE, self.security.max_message_bytes)
+        if self.security.curve_keys_dir is not None:
+            from zmq.auth import load_certificate
+
+            public, secret = _load_keys(self.security.curve_keys_dir, "client")
+            server_public, _ = load_certificate(str(self.security.curve_keys_dir / "server.key"))
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, server_public
+        sock.connect(_tcp(self.host, self.port))
+        return sock
+
+    def request(self, message: Any, timeout_s: float, payload: Sequence[Any] = ()) -> tuple[Any, list[memoryview]]:
+        """Send and wait for the matching reply. Raises `PeerUnavailable` on timeout, `WireError` on a bad reply."""
+        if self.socket is None:
+            self.socket = self._open()
+        request_id = struct.pack("<Q", next(self._sequence))
+        self.socket.send_multipart([b"", request_id, *encode(message, payload)], copy=False)
+        deadline = time.monotonic() + timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            if not self.socket.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+                continue
+            frames = self.socket.recv_multipart(copy=False)
+            if len(frames) < 3 or frames[1].bytes != request_id:
+                continue  # a late reply to an abandoned request
+            return decode(frames[2:], self.security.max_message_bytes)
+        self.reset()
+        raise PeerUnavailable(f"no reply from {self.host}:{self.port} within {timeout_s:.1f}s")
+
+    def reset(self) -> None:
+        if self.socket is not None:
+            self.socket.close(linger=0)
+            self.socket = None
+
+    def close(self) -> None:
+        self.reset()
+
+
+def backoff_delays(max_s: float, base_s: float = 0.1) -> itertools.chain:
+    """0.1, 0.2, 0.4, ... capped at `max_s`, forever: the waits between reconnect attempts."""
+    return itertools.chain((min(max_s, base_s * 2**i) for i in range(32)), itertools.repeat(max_s))

@@ -1,0 +1,385 @@
+"""The types that cross process boundaries: defined once, each field saying its shape and alignment.
+
+Every message is a frozen dataclass registered under a wire name (see `common.wire`). Token data is columnar:
+a `RolloutGroup` holds the `n` completions of one prompt as flat arrays with `offsets`, so that a group of
+64 samples travels as a handful of zero-copy frames, not thousands of small objects.
+
+Alignment invariants of a `RolloutGroup` (checked by `validate()`, which `decode` always calls):
+  offsets            int64 [n + 1]   offsets[0] = 0, non-decreasing, offsets[n] = N (total completion tokens)
+  completion_tokens  int32 [N]       sample i is completion_tokens[offsets[i]:offsets[i + 1]]
+  behaviour_logprobs float32 [N]     log-prob of each token under the weights that sampled it; 0 where loss_mask = 0
+  loss_mask          uint8 [N]       1 = token sampled by the model (an action), 0 = environment token (multi-turn)
+  token_versions     int32 [N]       policy_version of the weights that produced each token (-1 on env tokens)
+  versions           int32 [n]       per sample: the oldest policy_version among its tokens; staleness uses it
+  rewards            float32 [n]     scalar reward of each sample (the sum of its components)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Increase whenever a message's fields change meaning or shape; peers with another version are refused.
+PROTOCOL_VERSION = 1
+
+MESSAGE_TYPES: dict[str, type] = {}
+
+
+class ContractError(ValueError):
+    """A message's fields break the data contract (wrong type, shape, dtype or alignment)."""
+
+
+def message(name: str):
+    """Register a frozen dataclass as a wire message under `name`."""
+
+    def register(cls: type) -> type:
+        cls = dataclass(frozen=True)(cls)
+        cls.WIRE_NAME = name
+        MESSAGE_TYPES[name] = cls
+        return cls
+
+    return register
+
+
+def array(dtype: str, ndim: int = 1) -> Any:
+    """A numpy array field of exactly this dtype and number of dimensions."""
+    return field(metadata={"dtype": np.dtype(dtype), "ndim": ndim})
+
+
+# ---------------------------------------------------------------------------------------------------- prompts
+@message("prompt")
+class PromptItem:
+    """One prompt of a lease. `messages` is a chat; the generator renders it with the model's chat template."""
+
+    prompt_id: int  # row of the dataset (stable across epochs)
+    epoch: int  # pass over the dataset this prompt was drawn in
+    messages: list[dict[str, str]]  # [{"role": "user", "content": "..."}]
+    metadata: dict[str, Any]  # what the reward needs (e.g. the answer); JSON-like values only
+
+
+@message("lease_request")
+class LeaseRequest:
+    """Generator -> buffer: 'give me up to `max_prompts` prompts'; `policy_version` = weights it samples with."""
+
+    generator_id: int
+    max_prompts: int
+    policy_version: int
+
+
+@message("lease_grant")
+class LeaseGrant:
+    """Buffer -> generator. Prompts must come back as groups (one per prompt) before `deadline` (unix time)."""
+
+    lease_id: int
+    deadline: float
+    prompts: list[PromptItem]
+
+
+@message("lease_refused")
+class LeaseRefused:
+    """Buffer -> generator. `reason`: 'stale' (load weights >= `min_version` first), 'full' (admission control:
+    wait for the learner), 'exhausted' (every epoch served). The generator waits, it does not spin."""
+
+    reason: str
+    min_version: int
+    retry_after_s: float
+
+
+@message("heartbeat")
+class Heartbeat:
+    """Generator -> buffer, periodically: 'I am alive, these leases are mine'."""
+
+    generator_id: int
+    policy_version: int
+    lease_ids: list[int]
+
+
+@message("lease_return")
+class LeaseReturn:
+    """Generator -> buffer on shutdown: these prompts were not finished; re-issue them."""
+
+    generator_id: int
+    lease_id: int
+    prompt_ids: list[int]
+
+
+# ---------------------------------------------------------------------------------------------------- rollouts
+@message("group")
+class RolloutGroup:
+    """The `n` completions of one prompt, columnar (alignment in the module docstring)."""
+
+    lease_id: int
+    prompt_id: int
+    epoch: int
+    generator_id: int
+    prompt_tokens: np.ndarray = array("int32")  # [P]
+    offsets: np.ndarray = array("int64")  # [n + 1]
+    completion_tokens: np.ndarray = array("int32")  # [N]
+    behaviour_logprobs: np.ndarray = array("float32")  # [N]
+    loss_mask: np.ndarray = array("uint8")  # [N]
+    token_versions: np.ndarray = array("int32")  # [N]
+    versions: np.ndarray = array("int32")  # [n] oldest policy_version behind each sample (staleness is judged by it)
+    rewards: np.ndarray = array("float32")  # [n]
+    reward_components: dict[str, np.ndarray] = field(default_factory=dict)  # name -> float32 [n]
+    finish_reasons: list[str] = field(default_factory=list)  # [n]: "stop", "length", "error: ...", env reasons
+    started_at: float = 0.0  # unix time the first sample was submitted to the engine
+    finished_at: float = 0.0  # unix time the last sample finished
+
+    @property
+    def group_id(self) -> tuple[int, int]:
+        """(lease_id, prompt_id): unique per lease; used to de-duplicate a re-sent or re-issued group."""
+        return (self.lease_id, self.prompt_id)
+
+    @property
+    def size(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def min_version(self) -> int:
+        """The oldest policy_version that produced any token of this group."""
+        return int(self.versions.min())
+
+    def validate(self) -> None:
+        n = self.size
+        if n < 1:
+            raise ContractError("group: offsets must hold n + 1 >= 2 entries")
+        if self.offsets[0] != 0 or np.any(np.diff(self.offsets) < 0):
+            raise ContractError("group.offsets: must start at 0 and never decrease")
+        total = int(self.offsets[-1])
+        for name in ("completion_tokens", "behaviour_logprobs", "loss_mask", "token_versions"):
+            if len(getattr(self, name)) != total:
+                raise ContractError(f"group.{name}: length {len(getattr(self, name))} != offsets[-1] = {total}")
+        if len(self.rewards) != n or len(self.versions) != n or len(self.finish_reasons) != n:
+            raise ContractError(f"group: rewards, versions and finish_reasons must have n = {n} entries")
+        for name, values in self.reward_components.items():
+            if not isinstance(values, np.ndarray) or values.dtype != np.float32 or values.shape != (n,):
+                raise ContractError(f"group.reward_components.{name}: must be float32 [{n}]")
+        if np.any(self.loss_mask > 1):
+            raise ContractError("group.loss_mask: values must be 0 or 1")
+        if not (np.all(np.isfinite(self.rewards)) and np.all(np.isfinite(self.behaviour_logprobs))):
+            raise ContractError("group: rewards and behaviour_logprobs must be finite")
+
+
+@message("group_ack")
+class GroupAck:
+    """Buffer -> generator. status: 'accepted', 'duplicate' (already have it: fine) or 'rejected' (+ reason)."""
+
+    lease_id: int
+    prompt_id: int
+    status: str
+    reason: str = ""
+
+
+# ---------------------------------------------------------------------------------------------------- learners
+@message("batch_request")
+class BatchRequest:
+    """Learner rank -> buffer: its share of the global batch for `step` (the learner's policy_version)."""
+
+    step: int
+    rank: int
+    world_size: int
+    num_groups: int  # groups in the GLOBAL batch; each rank gets num_groups / world_size
+    timeout_s: float  # how long the buffer may hold the request before answering `BatchNotReady`
+
+
+@message("batch")
+class Batch:
+    """Buffer -> learner rank: whole groups, with per-sample staleness at the step they were drawn for."""
+
+    step: int
+    rank: int
+    groups: list[RolloutGroup]
+    staleness: list[np.ndarray]  # per group: int32 [n] = step - group.versions
+    dropped_stale: int  # samples dropped as too stale so far (cumulative counter of the buffer)
+
+
+@message("batch_not_ready")
+class BatchNotReady:
+    """Buffer -> learner: no batch within the timeout; ask again. `buffered` = complete groups held now."""
+
+    step: int
+    buffered: int
+
+
+@message("version_report")
+class VersionReport:
+    """Learner (rank 0) -> buffer: weights of `policy_version` are published; `step` optimizer steps taken."""
+
+    policy_version: int
+    step: int
+
+
+@message("ok")
+class Ok:
+    """Generic acknowledgement, with the buffer's view of the learner's version."""
+
+    learner_version: int
+
+
+@message("error")
+class ErrorReply:
+    """Any service -> sender: your message was rejected, and why. The service stays up."""
+
+    reason: str
+
+
+@message("stats_request")
+class StatsRequest:
+    """Anyone -> buffer: send the accounting counters (for tests, metrics and the launcher)."""
+
+
+@message("stats")
+class BufferStats:
+    """The buffer's accounting: arrived = trained + dropped_stale + evicted + rejected + buffered (in samples)."""
+
+    counters: dict[str, int]
+    learner_version: int
+
+
+# ---------------------------------------------------------------------------------------------------- weights
+@message("tensor_spec")
+class TensorSpec:
+    """Where one tensor lies in the concatenated payload of a weights update."""
+
+    name: str
+    dtype: str  # numpy/torch dtype name: "bfloat16", "float32", ...
+    shape: list[int]
+    bucket: int  # index of the bucket (frame) that holds it
+    offset: int  # byte offset inside that bucket
+    nbytes: int
+
+
+@message("weights_request")
+class WeightsRequest:
+    """Generator -> learner publisher: send weights newer than `have_version` (-1 = any)."""
+
+    generator_id: int
+    have_version: int
+
+
+@message("weights_header")
+class WeightsHeader:
+    """Learner -> generator: the header of a weights update; the buckets follow as raw frames.
+    `transport` says how the payload travels: 'zmq' (frames follow this header) or 'nccl' (broadcast)."""
+
+    policy_version: int
+    tensors: list[TensorSpec]
+    bucket_sizes: list[int]  # bytes of each bucket
+    transport: str = "zmq"
+
+    def validate(self) -> None:
+        for spec in self.tensors:
+            if not 0 <= spec.bucket < len(self.bucket_sizes):
+                raise ContractError(f"weights_header.{spec.name}: bucket {spec.bucket} out of range")
+            if spec.offset < 0 or spec.offset + spec.nbytes > self.bucket_sizes[spec.bucket]:
+                raise ContractError(f"weights_header.{spec.name}: bytes outside its bucket")
+
+
+@message("weights_not_newer")
+class WeightsNotNewer:
+    """Learner -> generator: nothing newer than what you have; `latest_version` is the current one."""
+
+    latest_version: int
+
+
+# ---------------------------------------------------------------------------------------------------- decoding
+def _check(value: Any, annotation: Any, path: str, meta: dict | None = None) -> Any:
+    """Return `value` as `annotation` (strictly: no silent coercion except int -> float), or raise ContractError."""
+    if meta and "dtype" in meta:
+        if not isinstance(value, np.ndarray):
+            raise ContractError(f"{path}: expected an array, got {type(value).__name__}")
+        if value.dtype != meta["dtype"] or value.ndim != meta["ndim"]:
+            raise ContractError(
+                f"{path}: expected {meta['dtype']} with {meta['ndim']} dims, got {value.dtype} {value.shape}"
+            )
+        return value
+    origin = typing.get_origin(annotation)
+    if annotation is Any:
+        return value
+    if annotation is np.ndarray:
+        if not isinstance(value, np.ndarray):
+            raise ContractError(f"{path}: expected an array, got {type(value).__name__}")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ContractError(f"{path}: expected a number, got {type(value).__name__}")
+        return float(value)
+    if annotation in (int, str, bool):
+        if not isinstance(value, annotation) or (annotation is int and isinstance(value, bool)):
+            raise ContractError(f"{path}: expected {annotation.__name__}, got {type(value).__name__}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ContractError(f"{path}: expected a list, got {type(value).__name__}")
+        (item,) = typing.get_args(annotation)
+        return [_check(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ContractError(f"{path}: expected a map, got {type(value).__name__}")
+        key_t, value_t = typing.get_args(annotation)
+        return {_check(k, key_t, f"{path}.<key>"): _check(v, value_t, f"{path}.{k}") for k, v in value.items()}
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(annotation):
+            if option is type(None) and value is None:
+                return None
+            try:
+                return _check(value, option, path)
+            except ContractError:
+                continue
+        raise ContractError(f"{path}: {type(value).__name__} is none of {annotation}")
+    if dataclasses.is_dataclass(annotation):
+        return from_fields(annotation, value, path)
+    raise ContractError(f"{path}: unsupported field type {annotation}")
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def from_fields(cls: type, fields: Any, path: str = "") -> Any:
+    """Build a message of type `cls` from a decoded map, checking every field, then `validate()` if defined."""
+    path = path or cls.WIRE_NAME
+    if not isinstance(fields, dict):
+        raise ContractError(f"{path}: expected a map of fields, got {type(fields).__name__}")
+    hints = _HINTS.get(cls) or _HINTS.setdefault(cls, typing.get_type_hints(cls))
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(fields) - set(known)
+    if unknown:
+        raise ContractError(f"{path}: unknown fields {sorted(map(str, unknown))}")
+    values = {}
+    for name, spec in known.items():
+        if name not in fields:
+            if spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
+                raise ContractError(f"{path}.{name}: missing")
+            continue
+        values[name] = _check(fields[name], hints[name], f"{path}.{name}", dict(spec.metadata))
+    obj = cls(**values)
+    if hasattr(obj, "validate"):
+        obj.validate()
+    return obj
+
+
+def to_fields(obj: Any) -> dict[str, Any]:
+    """The fields of a message as a map (nested messages become maps; arrays stay arrays)."""
+    out = {}
+    for spec in dataclasses.fields(obj):
+        out[spec.name] = _plain(getattr(obj, spec.name))
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return to_fields(value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+

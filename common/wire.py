@@ -1,0 +1,171 @@
+"""Wire protocol: msgpack headers, numpy arrays as raw zero-copy frames, strict validation on decode.
+
+A message is a list of frames:
+    frame 0       msgpack map {"p": PROTOCOL_VERSION, "t": wire name, "a": number of array frames, "f": fields}
+                  where each numpy array in the fields is an ExtType(ARRAY_EXT, msgpack [frame index, dtype, shape])
+    frames 1..a   the arrays' raw bytes (C order), sent without copying
+    frames a+1..  optional raw payload (weights buckets), returned to the caller as memoryviews
+
+Nothing received is ever unpickled. `decode` either returns a fully validated message or raises `WireError`
+with the reason (garbage, truncated, oversized, wrong type, wrong version); it never returns a half-valid object.
+Decoded arrays are read-only views of the received frames: copy before writing to them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from common.types import MESSAGE_TYPES, PROTOCOL_VERSION, ContractError, from_fields, to_fields
+
+ARRAY_EXT = 1
+DEFAULT_MAX_BYTES = 1 << 30
+# Little-endian (or byte-order-free) numeric dtypes only: no object arrays, no structured dtypes.
+ALLOWED_DTYPES = frozenset(
+    np.dtype(name).str for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                                    "uint64", "float16", "float32", "float64")
+)
+
+
+class WireError(ValueError):
+    """A received message was rejected; `reason` says why (logged), `kind` is a short key (counted):
+    garbage, oversized, wrong_version, unknown_type, bad_frames, invalid_fields."""
+
+    def __init__(self, reason: str, kind: str = "invalid_fields") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.kind = kind
+
+
+def encode(message: Any, payload: Sequence[memoryview | bytes] = ()) -> list[memoryview | bytes]:
+    """Frames for a registered message (see `common.types.message`), plus optional raw payload frames.
+
+    Arrays are not copied when they are already C-contiguous; the caller must not mutate them until sent.
+    """
+    name = getattr(type(message), "WIRE_NAME", None)
+    if name is None:
+        raise TypeError(f"{type(message).__name__} is not a registered wire message")
+    arrays: list[memoryview] = []
+
+    def pack_array(obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.str not in ALLOWED_DTYPES:
+                raise TypeError(f"dtype {obj.dtype} cannot travel on the wire")
+            arrays.append(memoryview(np.ascontiguousarray(obj)).cast("B"))
+            header = msgpack.packb([len(arrays), obj.dtype.str, list(obj.shape)])
+            return msgpack.ExtType(ARRAY_EXT, header)
+        raise TypeError(f"cannot encode {type(obj).__name__}")
+
+    fields = to_fields(message)
+    header = msgpack.packb(
+        {"p": PROTOCOL_VERSION, "t": name, "a": _count_arrays(fields), "f": fields},
+        default=pack_array,
+        use_bin_type=True,
+    )
+    return [header, *arrays, *payload]
+
+
+def _count_arrays(value: Any) -> int:
+    if isinstance(value, np.ndarray):
+        return 1
+    if isinstance(value, dict):
+        return sum(_count_arrays(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_count_arrays(v) for v in value)
+    return 0
+
+
+def _frame_bytes(frame: Any) -> memoryview:
+    if hasattr(frame, "buffer"):  # zmq.Frame received with copy=False
+        return frame.buffer
+    return memoryview(frame)
+
+
+def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[Any, list[memoryview]]:
+    """(message, payload frames) from received frames, or raise `WireError` with the reason."""
+    views = [_frame_bytes(f) for f in frames]
+    if not views:
+        raise WireError("empty message", "bad_frames")
+    total = sum(v.nbytes for v in views)
+    if total > max_bytes:
+        raise WireError(f"message of {total} bytes exceeds the limit of {max_bytes}", "oversized")
+    head = views[0]
+    limit = min(head.nbytes, 1 << 24)
+    try:
+        header = msgpack.unpackb(
+            head,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=lambda code, data: _ArrayRef.parse(code, data),
+            max_str_len=limit,
+            max_bin_len=limit,
+            max_array_len=limit,
+            max_map_len=limit,
+            max_ext_len=limit,
+        )
+    except WireError:
+        raise
+    except Exception as error:  # msgpack raises many types for garbage; all mean the same here
+        raise WireError(f"header is not valid msgpack: {type(error).__name__}: {error}", "garbage") from None
+    if not isinstance(header, dict) or set(header) != {"p", "t", "a", "f"}:
+        raise WireError("header must be a map with exactly the keys p, t, a, f", "garbage")
+    if header["p"] != PROTOCOL_VERSION:
+        raise WireError(f"protocol version {header['p']!r} != {PROTOCOL_VERSION} (upgrade the older peer)", "wrong_version")
+    cls = MESSAGE_TYPES.get(header["t"]) if isinstance(header["t"], str) else None
+    if cls is None:
+        raise WireError(f"unknown message type {header['t']!r}", "unknown_type")
+    num_arrays = header["a"]
+    if not isinstance(num_arrays, int) or not 0 <= num_arrays <= len(views) - 1:
+        raise WireError(f"array frame count {num_arrays!r} does not fit {len(views) - 1} frames", "bad_frames")
+    try:
+        fields = _resolve_arrays(header["f"], views, num_arrays)
+        message = from_fields(cls, fields)
+    except WireError:
+        raise
+    except ContractError as error:
+        raise WireError(str(error), "invalid_fields") from None
+    return message, views[1 + num_arrays :]
+
+
+class _ArrayRef:
+    """An array placeholder found in the header, resolved against the frames after parsing."""
+
+    __slots__ = ("index", "dtype", "shape")
+
+    def __init__(self, index: int, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+        self.index, self.dtype, self.shape = index, dtype, shape
+
+    @classmethod
+    def parse(cls, code: int, data: bytes) -> _ArrayRef:
+        if code != ARRAY_EXT:
+            raise WireError(f"unknown msgpack extension type {code}", "garbage")
+        try:
+            index, dtype, shape = msgpack.unpackb(data, raw=False, max_array_len=64)
+        except Exception:
+            raise WireError("malformed array descriptor", "garbage") from None
+        if not isinstance(index, int) or not isinstance(dtype, str) or dtype not in ALLOWED_DTYPES:
+            raise WireError(f"array descriptor with bad index or dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and 0 <= d < 1 << 40 for d in shape):
+            raise WireError(f"array descriptor with bad shape {shape!r}")
+        return cls(index, np.dtype(dtype), tuple(shape))
+
+
+def _resolve_arrays(value: Any, views: list[memoryview], num_arrays: int) -> Any:
+    if isinstance(value, _ArrayRef):
+        if not 1 <= value.index <= num_arrays:
+            raise WireError(f"array refers to frame {value.index}, but only {num_arrays} array frames came", "bad_frames")
+        frame = views[value.index]
+        expected = int(np.prod(value.shape, dtype=np.int64)) * value.dtype.itemsize
+        if frame.nbytes != expected:
+            raise WireError(f"array frame {value.index} holds {frame.nbytes} bytes, shape needs {expected}", "bad_frames")
+        array = np.frombuffer(frame, dtype=value.dtype).reshape(value.shape)
+        array.flags.writeable = False
+        return array
+    if isinstance(value, dict):
+        return {k: _resolve_arrays(v, views, num_arrays) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_resolve_arrays(v, views, num_arrays) for v in value]
+    return value

@@ -1,0 +1,274 @@
+"""Policy and value losses, KL estimators and logits diagnostics: pure functions on torch tensors.
+
+Same conventions as `learners.advantages`: token tensors are [B, T] (right-padded completions), `mask` is 1 on
+action tokens and 0 on padding and environment tokens; masked positions may hold arbitrary values (even
+inf/NaN) and contribute to no loss, statistic or gradient. Log-probs are natural logs of the sampled tokens.
+
+Three policies appear in the asynchronous setting (staleness eta > 0):
+    pi_theta      the weights being trained                       `logprobs`            (requires grad)
+    pi_prox       the learner's weights before this update,       `proximal_logprobs`   (recomputed by the learner)
+    pi_behaviour  the weights/engine that sampled the tokens      `behaviour_logprobs`  (returned by vLLM)
+With eta = 0 and a numerically exact sampler, pi_behaviour == pi_prox and every correction is the identity.
+
+    lp = logprobs_from_logits(logits, tokens)                                   # [B, T]
+    loss, stats = policy_loss(lp, prox_lp, behaviour_lp, adv, mask, correction="decoupled")
+    loss = loss - entropy_coef * masked_mean(entropy_from_logits(logits), mask)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from learners.advantages import action_mask, masked_mean
+
+__all__ = [
+    "entropy_from_logits",
+    "kl_estimate",
+    "logprobs_from_logits",
+    "policy_loss",
+    "value_loss",
+]
+
+LOG_RATIO_LIMIT = 20.0  # |log pi_theta/pi_prox| is clamped here before exp: ratio in [2e-9, 5e8], never inf
+_CORRECTIONS = ("none", "decoupled", "tis")
+_TIS_LEVELS = ("token", "sequence")
+_AGGREGATIONS = ("token_mean", "seq_mean")
+
+
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str, mask: Tensor) -> Tensor:
+    """Per-token estimate [B, T] of KL(pi_theta || pi_ref) for tokens x sampled from pi_theta; 0 where mask == 0.
+
+    With log r = log pi_ref(x) - log pi_theta(x) (Schulman, "Approximating KL divergence"):
+        k1 = -log r                  unbiased, high variance, can be negative
+        k2 = (log r)^2 / 2           biased, low variance, >= 0; its gradient is the KL's gradient
+        k3 = (r - 1) - log r         unbiased, low variance, >= 0 (GRPO's KL term)
+    Each has expectation ~ KL(pi_theta || pi_ref) under x ~ pi_theta (k1 and k3 exactly).
+    logprobs, ref_logprobs, mask: [B, T]. Differentiable in both log-prob inputs.
+    """
+    m = action_mask(mask, logprobs.shape)
+    log_r = torch.where(m, ref_logprobs - logprobs, 0)            # [B, T]  log pi_ref/pi_theta
+    if kind == "k1":
+        kl = -log_r
+    elif kind == "k2":
+        kl = 0.5 * log_r**2
+    elif kind == "k3":
+        kl = torch.expm1(log_r) - log_r
+    else:
+        raise ValueError(f"kind must be 'k1', 'k2' or 'k3', got {kind!r}")
+    return torch.where(m, kl, 0)
+
+
+def _aggregate(per_token: Tensor, m: Tensor, aggregation: str) -> Tensor:
+    """token_mean: sum over all action tokens / their number. seq_mean: mean over each row's action tokens,
+    then mean over the rows that have at least one (empty rows are left out). No action token at all: 0."""
+    if aggregation == "token_mean":
+        return per_token.sum() / m.sum().clamp(min=1)
+    counts = m.sum(dim=1)                                                   # [B]
+    row_means = per_token.sum(dim=1) / counts.clamp(min=1)                  # [B]  0 for empty rows
+    return row_means.sum() / (counts > 0).sum().clamp(min=1)
+
+
+def _importance_weight(proximal: Tensor, behaviour: Tensor | None, m: Tensor, correction: str,
+                       tis_level: str, tis_cap: float) -> tuple[Tensor, Tensor]:
+    """Detached weights w = min(pi_prox/pi_behaviour, tis_cap) [B, T] and where they were truncated [B, T]."""
+    if correction == "none" or behaviour is None:  # behaviour is not None otherwise (_check_policy_args)
+        return m.to(proximal.dtype), torch.zeros_like(m)
+    log_w = torch.where(m, proximal - behaviour, 0).detach()                # [B, T]
+    if tis_level == "sequence":
+        log_w = torch.where(m, log_w.sum(dim=1, keepdim=True), 0)           # [B, T]  product over the row
+    log_cap = math.log(tis_cap)
+    w = torch.exp(log_w.clamp(max=log_cap))                                 # [B, T]  never inf
+    return torch.where(m, w, 0), m & (log_w > log_cap)
+
+
+def _check_policy_args(clip_low: float, clip_high: float, dual_clip: float | None, correction: str,
+                       tis_level: str, tis_cap: float, aggregation: str, has_behaviour: bool) -> None:
+    """Raises ValueError naming the argument to change."""
+    if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    for name, value, allowed in (("correction", correction, _CORRECTIONS), ("tis_level", tis_level, _TIS_LEVELS),
+                                 ("aggregation", aggregation, _AGGREGATIONS)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    if correction == "decoupled" and tis_level != "token":
+        raise ValueError("decoupled PPO weights each token; use correction='tis' for tis_level='sequence'")
+    if correction != "none" and not has_behaviour:
+        raise ValueError(f"correction={correction!r} needs behaviour_logprobs")
+    if not tis_cap > 0.0:
+        raise ValueError(f"tis_cap must be > 0 (math.inf for no truncation), got {tis_cap}")
+
+
+def policy_loss(logprobs: Tensor, proximal_logprobs: Tensor, behaviour_logprobs: Tensor | None,
+                advantages: Tensor, mask: Tensor, *, clip_low: float = 0.2, clip_high: float = 0.2,
+                dual_clip: float | None = None, correction: str = "none", tis_level: str = "token",
+                tis_cap: float = 2.0, aggregation: str = "token_mean") -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped policy-gradient loss (scalar, differentiable in `logprobs`) and its statistics.
+
+    Per action token, with r = pi_theta/pi_prox = exp(logprobs - proximal_logprobs) and advantage A:
+        l = -w * min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)              (PPO; clip-higher if high > low)
+        dual clip (A < 0 only): l = -w * max(min(r A, clip(r) A), dual_clip * A), i.e. capped at dual_clip |A|
+    and w, always detached, by `correction`:
+        "none"       w = 1. Plain PPO: pass the old (rollout-time) log-probs as proximal_logprobs.
+        "decoupled"  w = min(pi_prox/pi_behaviour, tis_cap) per token: decoupled PPO (Hilton et al. 2022;
+                     AReaL) where the trust region is around pi_prox and w corrects for the stale sampler.
+        "tis"        truncated importance sampling against vLLM's behaviour log-probs (Yao et al. 2025):
+                     tis_level="token": w_t = min(pi_prox(x_t)/pi_behaviour(x_t), tis_cap), the same numbers as
+                     "decoupled"; tis_level="sequence": w = min(prod_t pi_prox/pi_behaviour, tis_cap) over
+                     the row's action tokens (exp of the summed log ratio), shared by all its tokens.
+    Aggregation: "token_mean" = sum of l over every action token of the batch / number of action tokens;
+    "seq_mean" = mean of l over each row's action tokens, then mean over the rows with >= 1 action token
+    (empty rows are skipped, never NaN). With no action token at all the loss is 0.
+    log r is clamped to +-LOG_RATIO_LIMIT before exp (no inf; zero gradient beyond it).
+
+    Shapes: logprobs, proximal_logprobs, behaviour_logprobs (None allowed with correction="none"), advantages,
+    mask: [B, T]. Sample-level advantages go through `advantages.broadcast_to_tokens` first.
+    Stats (detached 0-d tensors over the batch's action tokens; the caller adds a namespace such as "policy/"):
+        clip_frac_low / clip_frac_high  tokens whose clipped branch is active (gradient cut): A < 0 and
+                                        r < 1 - clip_low / A > 0 and r > 1 + clip_high; clip_frac = their sum
+        dual_clip_frac                  tokens where the dual-clip cap is active (A < 0, r > dual_clip)
+        is_weight_mean/max/min, is_truncated_frac   the applied w, and tokens where truncation changed it
+        approx_kl                       mean of k3 between pi_theta and pi_prox: (pi_prox/pi_theta - 1) - log(...)
+        ratio_mean                      mean of r
+    """
+    _check_policy_args(clip_low, clip_high, dual_clip, correction, tis_level, tis_cap, aggregation,
+                       behaviour_logprobs is not None)
+    m = action_mask(mask, logprobs.shape)
+    for name, x in (("proximal_logprobs", proximal_logprobs), ("behaviour_logprobs", behaviour_logprobs),
+                    ("advantages", advantages)):
+        if x is not None and x.shape != logprobs.shape:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}, logprobs {tuple(logprobs.shape)}")
+    adv = torch.where(m, advantages, 0).detach()                                  # [B, T]
+    log_ratio = torch.where(m, logprobs - proximal_logprobs.detach(), 0)          # [B, T]
+    log_ratio = log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    ratio = torch.exp(log_ratio)                                                  # [B, T]
+    pg_unclipped = -adv * ratio                                                   # [B, T]
+    pg_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)              # [B, T]
+    pg = torch.maximum(pg_unclipped, pg_clipped)                                  # [B, T]
+    dual_active = torch.zeros_like(m)
+    if dual_clip is not None:
+        dual_active = m & (adv < 0) & (pg > -dual_clip * adv)
+        pg = torch.where(dual_active, -dual_clip * adv, pg)
+    w, truncated = _importance_weight(proximal_logprobs, behaviour_logprobs, m, correction, tis_level, tis_cap)
+    per_token = torch.where(m, w * pg, 0)                                         # [B, T]
+    loss = _aggregate(per_token, m, aggregation)
+
+    with torch.no_grad():
+        n = m.sum().clamp(min=1)
+        any_action = m.any()
+        clip_low_frac = (m & (adv < 0) & (ratio < 1.0 - clip_low)).sum() / n
+        clip_high_frac = (m & (adv > 0) & (ratio > 1.0 + clip_high)).sum() / n
+        w_max = torch.where(m, w, -math.inf).max()
+        w_min = torch.where(m, w, math.inf).min()
+        stats = {
+            "clip_frac": clip_low_frac + clip_high_frac,
+            "clip_frac_low": clip_low_frac,
+            "clip_frac_high": clip_high_frac,
+            "dual_clip_frac": dual_active.sum() / n,
+            "is_weight_mean": masked_mean(w, m),
+            "is_weight_max": torch.where(any_action, w_max, 0),
+            "is_weight_min": torch.where(any_action, w_min, 0),
+            "is_truncated_frac": truncated.sum() / n,
+            "approx_kl": masked_mean(torch.expm1(-log_ratio) + log_ratio, m),
+            "ratio_mean": masked_mean(ratio, m),
+        }
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float | None = 0.2,
+               aggregation: str = "token_mean") -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped value loss (scalar, differentiable in `values`) and {"clip_frac"}.
+
+    Per action token: v_c = old + clip(v - old, -clip, clip);  l = 1/2 max((v - R)^2, (v_c - R)^2),
+    aggregated like `policy_loss` (token_mean or seq_mean). clip=None: l = 1/2 (v - R)^2.
+    clip_frac: fraction of action tokens where the clipped term is the larger (gradient cut).
+    values, old_values, returns, mask: [B, T]; old_values and returns are treated as constants.
+    """
+    if aggregation not in _AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {_AGGREGATIONS}, got {aggregation!r}")
+    m = action_mask(mask, values.shape)
+    v = torch.where(m, values, 0)                                   # [B, T]
+    old = torch.where(m, old_values, 0).detach()                    # [B, T]
+    ret = torch.where(m, returns, 0).detach()                       # [B, T]
+    err = (v - ret) ** 2                                            # [B, T]
+    clipped_active = torch.zeros_like(m)
+    if clip is not None:
+        err_clipped = (old + (v - old).clamp(-clip, clip) - ret) ** 2   # [B, T]
+        clipped_active = m & (err_clipped > err)
+        err = torch.maximum(err, err_clipped)
+    loss = 0.5 * _aggregate(torch.where(m, err, 0), m, aggregation)
+    return loss, {"clip_frac": (clipped_active.sum() / m.sum().clamp(min=1)).detach()}
+
+
+def _compute_dtype(logits: Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def entropy_from_logits(logits: Tensor, chunk_size: int = 1024) -> Tensor:
+    """Entropy of softmax(logits) at every position: H = -sum_v p_v log p_v, [B, T, V] -> [B, T].
+
+    Computed from log_softmax (stable for large logits; logits of -inf, e.g. masked vocabulary entries,
+    contribute 0 and no NaN gradient), in float32 (float64 for float64 input), `chunk_size` rows of B*T at a
+    time so that a no-grad call holds one [chunk_size, V] float32 copy at most. Under autograd each chunk's
+    working tensors are kept for backward. Every position is computed; mask the result (e.g. masked_mean).
+    """
+    flat = logits.reshape(-1, logits.shape[-1])                                   # [B*T, V]
+    chunks = []
+    for start in range(0, flat.shape[0], chunk_size):
+        logp = torch.log_softmax(flat[start:start + chunk_size].to(_compute_dtype(logits)), dim=-1)  # [c, V]
+        p = logp.exp()                                                            # [c, V]
+        chunks.append(-(p * torch.where(p > 0, logp, 0)).sum(dim=-1))             # [c]
+    if not chunks:
+        return logits.new_zeros(logits.shape[:-1], dtype=_compute_dtype(logits))
+    return torch.cat(chunks).reshape(logits.shape[:-1])
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log softmax(z)[token] row by row, chunked, saving only the input logits and the log-normalisers."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, tokens: Tensor, chunk_size: int) -> Tensor:  # [N, V], [N] -> [N]
+        dtype = _compute_dtype(logits)
+        lse = logits.new_empty(logits.shape[0], dtype=dtype)                      # [N]
+        out = logits.new_empty(logits.shape[0], dtype=dtype)                      # [N]
+        for s in range(0, logits.shape[0], chunk_size):
+            z = logits[s:s + chunk_size].to(dtype)                                # [c, V]
+            lse[s:s + chunk_size] = torch.logsumexp(z, dim=-1)
+            out[s:s + chunk_size] = z.gather(1, tokens[s:s + chunk_size, None]).squeeze(1) - lse[s:s + chunk_size]
+        ctx.save_for_backward(logits, tokens, lse)
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None]:  # d/dz_v = g * (1[v = token] - p_v)
+        logits, tokens, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)                                           # [N, V] in the logits dtype
+        c = ctx.chunk_size
+        for s in range(0, logits.shape[0], c):
+            g = grad_out[s:s + c, None].to(lse.dtype)                             # [c, 1]
+            d = -torch.exp(logits[s:s + c].to(lse.dtype) - lse[s:s + c, None]) * g  # [c, V]
+            grad[s:s + c] = d.scatter_add_(1, tokens[s:s + c, None], g)
+        return grad, None, None
+
+
+def logprobs_from_logits(logits: Tensor, tokens: Tensor, chunk_size: int = 1024) -> Tensor:
+    """Log-prob of each token: logprobs[b, t] = z[b, t, tokens[b, t]] - logsumexp_v z[b, t, v].
+
+    logits: [B, T, V] (any float dtype, already aligned with `tokens`, i.e. shifted by one and divided by
+    the sampling temperature by the caller); tokens: [B, T] integer ids, valid (0 <= id < V) at every
+    position, including padding (use the pad id, not -100). Returns [B, T] float32 (float64 for float64 logits).
+    Memory: a custom autograd function works on `chunk_size` rows at a time and saves only the logits it was
+    given (no copy) and one float per row, so no [B, T, V] log_softmax or float32 upcast of bf16 logits is
+    kept; backward writes the [B, T, V] gradient in the logits dtype, chunk by chunk.
+    """
+    if tokens.shape != logits.shape[:-1]:
+        raise ValueError(f"tokens has shape {tuple(tokens.shape)}, logits {tuple(logits.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    flat = logits.reshape(-1, logits.shape[-1])                                   # [B*T, V]
+    out = _TokenLogprobs.apply(flat, tokens.reshape(-1).long(), chunk_size)       # [B*T]
+    return out.reshape(tokens.shape)
