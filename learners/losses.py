@@ -156,27 +156,32 @@ def policy_loss(logprobs: Tensor, proximal_logprobs: Tensor, behaviour_logprobs:
     w, truncated = _importance_weight(proximal_logprobs, behaviour_logprobs, m, correction, tis_level, tis_cap)
     per_token = torch.where(m, w * pg, 0)                                         # [B, T]
     loss = _aggregate(per_token, m, aggregation)
+    return loss, _policy_stats(m, adv, log_ratio, w, truncated, dual_active, clip_low, clip_high)
 
-    with torch.no_grad():
-        n = m.sum().clamp(min=1)
-        any_action = m.any()
-        clip_low_frac = (m & (adv < 0) & (ratio < 1.0 - clip_low)).sum() / n
-        clip_high_frac = (m & (adv > 0) & (ratio > 1.0 + clip_high)).sum() / n
-        w_max = torch.where(m, w, -math.inf).max()
-        w_min = torch.where(m, w, math.inf).min()
-        stats = {
-            "clip_frac": clip_low_frac + clip_high_frac,
-            "clip_frac_low": clip_low_frac,
-            "clip_frac_high": clip_high_frac,
-            "dual_clip_frac": dual_active.sum() / n,
-            "is_weight_mean": masked_mean(w, m),
-            "is_weight_max": torch.where(any_action, w_max, 0),
-            "is_weight_min": torch.where(any_action, w_min, 0),
-            "is_truncated_frac": truncated.sum() / n,
-            "approx_kl": masked_mean(torch.expm1(-log_ratio) + log_ratio, m),
-            "ratio_mean": masked_mean(ratio, m),
-        }
-    return loss, {k: v.detach() for k, v in stats.items()}
+
+@torch.no_grad()
+def _policy_stats(m: Tensor, adv: Tensor, log_ratio: Tensor, w: Tensor, truncated: Tensor, dual_active: Tensor,
+                  clip_low: float, clip_high: float) -> dict[str, Tensor]:
+    """The statistics documented in `policy_loss`; all inputs [B, T], already zero where m is False."""
+    n = m.sum().clamp(min=1)
+    ratio = torch.exp(log_ratio)                                                  # [B, T]
+    clip_low_frac = (m & (adv < 0) & (ratio < 1.0 - clip_low)).sum() / n
+    clip_high_frac = (m & (adv > 0) & (ratio > 1.0 + clip_high)).sum() / n
+    w_max = torch.where(m, w, -math.inf).max()
+    w_min = torch.where(m, w, math.inf).min()
+    stats = {
+        "clip_frac": clip_low_frac + clip_high_frac,
+        "clip_frac_low": clip_low_frac,
+        "clip_frac_high": clip_high_frac,
+        "dual_clip_frac": dual_active.sum() / n,
+        "is_weight_mean": masked_mean(w, m),
+        "is_weight_max": torch.where(m.any(), w_max, 0),
+        "is_weight_min": torch.where(m.any(), w_min, 0),
+        "is_truncated_frac": truncated.sum() / n,
+        "approx_kl": masked_mean(torch.expm1(-log_ratio) + log_ratio, m),
+        "ratio_mean": masked_mean(ratio, m),
+    }
+    return {k: v.detach() for k, v in stats.items()}
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float | None = 0.2,

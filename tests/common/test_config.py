@@ -1,0 +1,99 @@
+"""Config: defaults validate, files and overrides compose, every bad key or value fails with one clear line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.config import ConfigError, TandemConfig, load_config, parse_overrides, write_resolved
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_validate() -> None:
+    config = load_config(None)
+    assert isinstance(config, TandemConfig)
+    assert config.algo.max_staleness == 2 and config.algo.group_size >= 2
+
+
+def test_file_and_dotted_overrides(tmp_path: Path) -> None:
+    path = write(tmp_path, '[learner]\nlr = 3e-6\n[algo]\nmax_staleness = 4\n[run]\nname = "x"\n')
+    config = load_config(path, ["--learner.lr", "1e-6", "--algo.max_staleness=0", "--run.name", "abc"])
+    assert config.learner.lr == 1e-6
+    assert config.algo.max_staleness == 0
+    assert config.run.name == "abc"
+    assert config.run.run_dir == Path("runs/abc")
+
+
+def test_override_values_parse_like_toml() -> None:
+    assert parse_overrides(["--a.b", "true", "--a.c", "[1, 2]", "--a.d", "hello", "--a.e=2"]) == {
+        "a.b": True,
+        "a.c": [1, 2],
+        "a.d": "hello",
+        "a.e": 2,
+    }
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "expected"),
+    [
+        ("[learner]\nlrr = 1\n", [], "learner.lrr: unknown key"),
+        ("[learnr]\n", [], "learnr: unknown key"),
+        ("", ["--learner.lr", "-1"], "learner.lr: Input should be greater than 0"),
+        ("", ["--algo.estimator", "dpo"], "algo.estimator: Input should be 'grpo'"),
+        ("", ["--algo.group_size", "1"], "group_size: must be >= 2 for estimator 'grpo'"),
+        ("", ["--algo.max_staleness", "-1"], "algo.max_staleness: Input should be greater than or equal to 0"),
+        ("", ["--generator.buffer_address", "127.0.0.1:7000"], "generator.buffer_address"),
+        ("", ["--learner.sync_every", "5", "--algo.max_staleness", "1"], "learner.sync_every: must be <= "),
+        ("", ["--learner.world_size", "3", "--learner.groups_per_step", "4"], "multiple of learner.world_size"),
+        ("", ["--env.kind", "file"], "source: required when kind = 'file'"),
+        ("x = [", [], "not valid TOML"),
+    ],
+)
+def test_bad_config_names_the_key(tmp_path: Path, text: str, overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(write(tmp_path, text), overrides)
+    assert expected in str(error.value)
+
+
+def test_missing_file_and_bad_override_syntax(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="--section.key"):
+        load_config(None, ["learner.lr", "1"])
+    with pytest.raises(ConfigError, match="missing value"):
+        load_config(None, ["--learner.lr"])
+
+
+def test_unknown_key_lists_allowed_keys(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(write(tmp_path, "[buffer]\ncapacityy = 3\n"))
+    assert "allowed under buffer:" in str(error.value) and "capacity" in str(error.value)
+
+
+def test_every_field_is_documented() -> None:
+    for section_name, section in TandemConfig.model_fields.items():
+        for name, field in section.annotation.model_fields.items():
+            assert field.description, f"{section_name}.{name} has no description"
+
+
+def test_resolved_config_round_trips(tmp_path: Path) -> None:
+    config = load_config(None, ["--learner.lr", "2e-6"])
+    path = write_resolved(config, tmp_path / "run")
+    assert TandemConfig.model_validate_json(path.read_text()) == config
+
+
+def test_config_module_imports_no_engine() -> None:
+    code = (
+        "import sys, common.config, common.types, common.wire, common.sockets, common.metrics, common.logs, launch.cli\n"
+        "heavy = [m for m in ('torch', 'vllm', 'deepspeed', 'transformers', 'ray') if m in sys.modules]\n"
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
