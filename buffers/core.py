@@ -1,0 +1,272 @@
+"""The buffer's answers to every message, without sockets: `handle` maps a request to the replies to send now.
+
+    core = BufferCore(state, wire_rejections=server.rejected)
+    replies = core.handle(request.message, reply_to=request, sender=request.sender, now=time.time())
+    for reply_to, message in replies: server.reply(reply_to, message)      # may answer earlier, held requests
+    for reply_to, message in core.tick(time.time()): ...                   # expiries, BatchNotReady at timeouts
+
+Failure modes: a well-formed message the buffer cannot accept (unknown lease, rank >= world_size, a version
+from the future, ...) raises `RequestRejected(kind, reason)`; the caller answers it with an ErrorReply and
+counts it. A rollout group that breaks the contract or its lease is not an error: it is acked "rejected" with
+the reason, counted (samples and `rejected_<kind>`) and logged with its sender. Nothing here raises for bad
+input otherwise; an exception from here is a bug.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from buffers.batches import DrawnBatch
+from buffers.checks import (
+    batch_request_problem,
+    group_problem,
+    heartbeat_problem,
+    lease_request_problem,
+    lease_return_problem,
+    version_report_problem,
+)
+from buffers.staleness import admit
+from buffers.state import BufferState
+from common.types import (
+    Batch,
+    BatchNotReady,
+    BatchRequest,
+    BufferStats,
+    GroupAck,
+    Heartbeat,
+    LeaseGrant,
+    LeaseRefused,
+    LeaseRequest,
+    LeaseReturn,
+    Ok,
+    RolloutGroup,
+    StatsRequest,
+    VersionReport,
+)
+
+log = logging.getLogger("tandem.buffer")
+
+Reply = tuple[Any, Any]  # (reply_to, message)
+RETRY_FULL_S = 0.25  # how long a generator refused for admission control waits before asking again
+RETRY_STALE_S = 0.5
+RETRY_EXHAUSTED_S = 5.0
+
+
+class RequestRejected(Exception):
+    """A well-formed message the buffer refuses; `kind` is counted, `reason` is sent back and logged."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind, self.reason = kind, reason
+
+
+def group_nbytes(group: RolloutGroup) -> int:
+    """Bytes of a group's arrays (what it costs on the wire, within a few hundred bytes of header)."""
+    arrays = (group.prompt_tokens, group.offsets, group.completion_tokens, group.behaviour_logprobs,
+              group.loss_mask, group.token_versions, group.versions, group.rewards)  # fmt: skip
+    return sum(a.nbytes for a in arrays) + sum(a.nbytes for a in group.reward_components.values())
+
+
+class BufferCore:
+    """Message handlers over a `BufferState`; single-threaded (the service's poll loop calls it)."""
+
+    def __init__(self, state: BufferState, wire_rejections: Mapping[str, int] | None = None) -> None:
+        self.state = state
+        self.settings = state.settings
+        self.wire_rejections = wire_rejections if wire_rejections is not None else {}
+        self.capacity_groups = self.settings.capacity // self.settings.group_size
+        self.bytes_in = self.bytes_out = 0
+        self.staleness_sum = self.staleness_count = self.staleness_max = 0  # of served samples
+        self._handlers = {
+            LeaseRequest: self._lease_request, RolloutGroup: self._group, Heartbeat: self._heartbeat,
+            LeaseReturn: self._lease_return, BatchRequest: self._batch_request,
+            VersionReport: self._version_report, StatsRequest: self._stats,
+        }  # fmt: skip
+
+    def handle(self, message: Any, reply_to: Any, sender: str, now: float) -> list[Reply]:
+        """The replies to send now (to this request and to held ones it made answerable); may raise
+        RequestRejected. A held BatchRequest gets no reply now (it is answered by a later call or `tick`)."""
+        handler = self._handlers.get(type(message))
+        if handler is None:
+            name = getattr(type(message), "WIRE_NAME", type(message).__name__)
+            raise RequestRejected("unexpected_message", f"the buffer does not take '{name}' messages")
+        return handler(message, reply_to, sender, now)
+
+    # ------------------------------------------------------------------------------------------ generators
+    def _lease_request(self, request: LeaseRequest, reply_to: Any, sender: str, now: float) -> list[Reply]:
+        self._check(lease_request_problem(request, self.state.newest_version))
+        dispenser = self.state.dispenser
+        dispenser.seen(request.generator_id, now)
+        if dispenser.finished:
+            return [(reply_to, LeaseRefused("exhausted", 0, RETRY_EXHAUSTED_S))]
+        admission = admit(request.max_prompts, request.policy_version, self.state.learner_version,
+                          self.settings.max_staleness, self.settings.groups_per_step, self._admitted())  # fmt: skip
+        if admission.refusal:
+            retry = RETRY_STALE_S if admission.refusal == "stale" else RETRY_FULL_S
+            return [(reply_to, LeaseRefused(admission.refusal, admission.min_version, retry))]
+        lease = self.state.grant(request.generator_id, request.policy_version, admission.granted, now)
+        if lease is None:  # every epoch is issued, but outstanding prompts may still come back for re-issue
+            return [(reply_to, LeaseRefused("full", admission.min_version, RETRY_FULL_S))]
+        return [(reply_to, LeaseGrant(lease.lease_id, lease.deadline, dispenser.items(lease)))]
+
+    def _admitted(self) -> int:
+        """Groups that will still be trained: trained + buffered + prompts outstanding in leases."""
+        return self.state.ledger.counts["trained_groups"] + len(self.state.replay) + self.state.dispenser.outstanding
+
+    def _group(self, group: RolloutGroup, reply_to: Any, sender: str, now: float) -> list[Reply]:
+        """Checks in order: the lease (unknown, foreign, wrong prompt or epoch: rejected), the prompt (already
+        came back: duplicate), the content (size, versions: rejected, and its prompt is re-issued)."""
+        dispenser = self.state.dispenser
+        problem = dispenser.check(group.lease_id, group.prompt_id, group.generator_id, group.epoch)
+        if problem is None:
+            dispenser.seen(group.generator_id, now)
+            key = (group.epoch, group.prompt_id)
+            if key not in dispenser.live:
+                self.state.ledger.event("duplicates")
+                return [(reply_to, GroupAck(group.lease_id, group.prompt_id, "duplicate"))]
+            problem = group_problem(group, self.settings.group_size, self.state.newest_version)
+            if problem is not None and dispenser.live[key] == group.lease_id:
+                self.state.requeue(group.lease_id, [group.prompt_id], now)  # let another try come
+        if problem is not None:
+            return [(reply_to, self._reject_group(group, *problem, sender))]
+        self.state.accept(group, now)
+        self.bytes_in += group_nbytes(group)
+        return [(reply_to, GroupAck(group.lease_id, group.prompt_id, "accepted")), *self._serve_held(now)]
+
+    def _reject_group(self, group: RolloutGroup, kind: str, reason: str, sender: str) -> GroupAck:
+        self.state.ledger.flow("arrived", group.size)
+        self.state.ledger.flow("rejected", group.size)
+        self.state.ledger.event(f"rejected_{kind}")
+        log.warning("rejected group (lease %d, prompt %d) from %s: %s", group.lease_id, group.prompt_id, sender, reason)
+        return GroupAck(group.lease_id, group.prompt_id, "rejected", reason)
+
+    def _heartbeat(self, heartbeat: Heartbeat, reply_to: Any, sender: str, now: float) -> list[Reply]:
+        self._check(heartbeat_problem(heartbeat, self.state.newest_version))
+        self.state.dispenser.seen(heartbeat.generator_id, now)
+        return [(reply_to, Ok(self.state.learner_version))]
+
+    def _lease_return(self, returned: LeaseReturn, reply_to: Any, sender: str, now: float) -> list[Reply]:
+        lease = self.state.dispenser.leases.get(returned.lease_id)
+        self._check(lease_return_problem(
+            returned, None if lease is None else lease.generator_id, set() if lease is None else set(lease.prompts)
+        ))  # fmt: skip
+        self.state.dispenser.seen(returned.generator_id, now)
+        back = [pid for pid in returned.prompt_ids if pid in lease.pending]
+        if back:
+            self.state.requeue(returned.lease_id, back, now)
+            log.info("generator %d returned %d prompts of lease %d", returned.generator_id, len(back), lease.lease_id)
+        return [(reply_to, Ok(self.state.learner_version))]
+
+    # ------------------------------------------------------------------------------------------ learners
+    def _batch_request(self, request: BatchRequest, reply_to: Any, sender: str, now: float) -> list[Reply]:
+        self._check(batch_request_problem(request, self.capacity_groups, self.state.learner_version,
+                                          self.settings.sync_every))  # fmt: skip
+        conflict = self.state.book.conflict(request)
+        if conflict:
+            raise RequestRejected("batch_mismatch", conflict)
+        batch = self._serve(request)
+        if batch is not None:  # other ranks may be waiting for the batch this request just drew
+            return [(reply_to, batch), *self._serve_held(now)]
+        if request.timeout_s == 0:
+            return [(reply_to, BatchNotReady(request.step, len(self.state.replay)))]
+        self.state.book.hold(reply_to, request, now + request.timeout_s)
+        return []
+
+    def _serve(self, request: BatchRequest) -> Batch | None:
+        """This rank's share of the batch of `request.step`, drawing the batch first if nobody has yet."""
+        batch = self.state.book.find(request.step)
+        if batch is None:
+            batch = self._draw(request.step, request.world_size, request.num_groups)
+            if batch is None:
+                return None
+        groups, staleness = batch.share(request.rank)
+        if request.rank not in batch.delivered:
+            self.state.deliver(request.step, request.rank)
+            self.bytes_out += sum(group_nbytes(g) for g in groups)
+            for lag in staleness:
+                self.staleness_sum += int(lag.sum())
+                self.staleness_count += lag.size
+                self.staleness_max = max(self.staleness_max, int(lag.max()))
+        return Batch(request.step, request.rank, groups, staleness, self.state.ledger.counts["dropped_stale"])
+
+    def _draw(self, step: int, world_size: int, num_groups: int) -> DrawnBatch | None:
+        dropped = self.state.drop_stale(step)
+        if dropped:
+            log.warning("step %d: dropped %d samples older than %d versions (total %d)", step, dropped,
+                        self.settings.max_staleness, self.state.ledger.counts["dropped_stale"])  # fmt: skip
+        return self.state.draw(step, world_size, num_groups)
+
+    def _serve_held(self, now: float) -> list[Reply]:
+        """Serve the held requests that can be served now (lowest step first); the others stay held."""
+        if not self.state.book.held:
+            return []
+        replies = []
+        for held in self.state.book.release_all():
+            batch = self._serve(held.request)
+            if batch is None:
+                self.state.book.hold(held.reply_to, held.request, held.deadline)
+            else:
+                replies.append((held.reply_to, batch))
+        return replies
+
+    def _version_report(self, report: VersionReport, reply_to: Any, sender: str, now: float) -> list[Reply]:
+        self._check(version_report_problem(report))
+        if report.step < self.state.learner_version:
+            log.warning("learner reported step %d < %d: resumed from an older checkpoint?", report.step,
+                        self.state.learner_version)  # fmt: skip
+        self.state.report_version(report.step, report.policy_version)
+        return [(reply_to, Ok(self.state.learner_version))]
+
+    def _stats(self, request: StatsRequest, reply_to: Any, sender: str, now: float) -> list[Reply]:
+        return [(reply_to, BufferStats(self.counters(), self.state.learner_version))]
+
+    # ------------------------------------------------------------------------------------------ housekeeping
+    def tick(self, now: float) -> list[Reply]:
+        """Expire overdue leases (re-issuing their prompts), answer timed-out batch requests, compact the journal."""
+        dispenser = self.state.dispenser
+        due = dispenser.due(now)
+        if due:
+            dead = set(dispenser.dead_generators(now))
+            for lease_id in due:
+                lease = dispenser.leases[lease_id]
+                why = f"generator {lease.generator_id} silent" if lease.generator_id in dead else "deadline passed"
+                log.warning("lease %d expired (%s): re-issuing %d prompts", lease_id, why, len(lease.pending))
+            self.state.ledger.event("generators_lost", len(dead & {dispenser.leases[i].generator_id for i in due}))
+            self.state.expire(due, now)
+        dispenser.forget(now)
+        replies = [
+            (held.reply_to, BatchNotReady(held.request.step, len(self.state.replay)))
+            for held in self.state.book.timed_out(now)
+        ]
+        journal = self.state.journal
+        if journal is not None and journal.needs_compaction:
+            self.state.compact(now)
+        return replies
+
+    def counters(self) -> dict[str, int]:
+        """The ledger (samples and groups), event counts, and rejections by kind (wire-level and semantic)."""
+        state = self.state
+        counts = state.ledger.snapshot(state.replay.samples, len(state.replay), state.dispenser.outstanding)
+        for kind, count in self.wire_rejections.items():
+            counts[f"rejected_{kind}"] = counts.get(f"rejected_{kind}", 0) + int(count)
+        return counts
+
+    def metrics(self) -> dict[str, float]:
+        """`buffer/…` values for the metrics sink (counters, sizes, staleness of served samples, bytes)."""
+        values: dict[str, float] = {f"buffer/{key}": value for key, value in self.counters().items()}
+        values["buffer/learner_version"] = self.state.learner_version
+        leases = self.state.dispenser.leases.values()
+        values["buffer/leases_active"] = sum(1 for lease in leases if lease.state == "active")
+        values["buffer/epoch"] = self.state.dispenser.epoch
+        values["buffer/bytes_in"], values["buffer/bytes_out"] = self.bytes_in, self.bytes_out
+        if self.staleness_count:
+            values["buffer/staleness_mean"] = self.staleness_sum / self.staleness_count
+            values["buffer/staleness_max"] = self.staleness_max
+        return values
+
+    @staticmethod
+    def _check(problem: tuple[str, str] | None) -> None:
+        if problem is not None:
+            raise RequestRejected(*problem)

@@ -1,0 +1,115 @@
+"""`tandem buffer CONFIG`: the buffer service, one process with one request socket.
+
+    tandem buffer examples/demo.toml --buffer.port 5555
+    python -m launch.cli buffer run.toml --buffer.persist true      # resume from <run_dir>/buffer/journal.bin
+
+It owns the dataset cursor, the prompt leases and the replay buffer (see `buffers.core` for the answer to each
+message, `buffers.staleness` for the staleness bound). The loop: poll one request (at most POLL_MS), answer it,
+and between requests do the housekeeping (expire leases, time out held batch requests, compact the journal)
+and write `buffer/…` metrics to `<run_dir>/buffer.jsonl` every METRICS_EVERY_S. SIGTERM or SIGINT ends the
+loop after the current request; the journal, metrics and log are flushed and closed. Imports no torch:
+prompts travel as chats, generators render them.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from buffers.core import BufferCore, RequestRejected
+from buffers.journal import Journal
+from buffers.state import BufferSettings, BufferState
+from common.config import EnvConfig, TandemConfig
+from common.logs import setup_logging
+from common.metrics import MetricsSink
+from common.sockets import Server, SocketSecurity
+
+POLL_MS = 20
+HOUSEKEEPING_EVERY_S = 0.1
+METRICS_EVERY_S = 2.0
+
+
+def load_prompt_records(env: EnvConfig, seed: int) -> list[Any]:
+    """The dataset as PromptRecords (prompt_id, messages, metadata), from `env.kind`."""
+    from common import tasks
+
+    if env.kind == "arithmetic":
+        return tasks.arithmetic_prompts(env.num_prompts, seed=seed, difficulty=env.difficulty)
+    return tasks.load_prompts(env.source)
+
+
+def journal_path(run_dir: Path) -> Path:
+    return Path(run_dir) / "buffer" / "journal.bin"
+
+
+def run(config: TandemConfig) -> int:
+    """Serve until SIGTERM/SIGINT; returns 0. Raises on a port in use or an unreadable dataset/journal."""
+    run_dir = config.run.run_dir
+    log = setup_logging("buffer", 0, run_dir)
+    stop = _stop_on_signals()
+    prompts = load_prompt_records(config.env, config.run.seed)
+    journal = Journal(journal_path(run_dir)) if config.buffer.persist else None
+    state = BufferState(BufferSettings.from_config(config), prompts, journal)
+    restored = state.restore(time.time())
+    if restored:
+        log.info("resumed from %s: %d events, %d groups buffered, epoch %d, learner step %d", journal.path, restored,
+                 len(state.replay), state.dispenser.epoch, state.learner_version)  # fmt: skip
+    server = Server(config.buffer.host, config.buffer.port, SocketSecurity.from_run(config.run), name="buffer")
+    core = BufferCore(state, wire_rejections=server.rejected)
+    sink = MetricsSink(run_dir, "buffer")
+    log.info("buffer on %s:%d: %d prompts, capacity %d samples, η = %d, B = %d", config.buffer.host,
+             config.buffer.port, len(prompts), config.buffer.capacity, config.algo.max_staleness,
+             config.learner.groups_per_step)  # fmt: skip
+    next_housekeeping = next_metrics = time.monotonic()
+    try:
+        while not stop:
+            request = server.poll(timeout_ms=POLL_MS)
+            if request is not None:
+                _answer(server, core, request)
+            if time.monotonic() >= next_housekeeping:
+                for reply_to, message in core.tick(time.time()):
+                    server.reply(reply_to, message)
+                next_housekeeping = time.monotonic() + HOUSEKEEPING_EVERY_S
+            if time.monotonic() >= next_metrics:
+                sink.log(state.learner_version, core.metrics())
+                state.save_counters()
+                next_metrics = time.monotonic() + METRICS_EVERY_S
+    finally:
+        sink.log(state.learner_version, core.metrics())
+        state.save_counters()
+        sink.close()
+        server.close()
+        if journal is not None:
+            journal.close()
+        log.info("buffer stopped (%s): %s", stop[0] if stop else "error", _summary(core.counters()))
+    return 0
+
+
+def _answer(server: Server, core: BufferCore, request: Any) -> None:
+    """Answer one request; a refused one gets an ErrorReply and is counted under its kind (the buffer stays up)."""
+    try:
+        replies = core.handle(request.message, request, request.sender, time.time())
+    except RequestRejected as refusal:
+        server.reject(request, refusal.reason, refusal.kind)
+        return
+    for reply_to, message in replies:
+        server.reply(reply_to, message)
+
+
+def _stop_on_signals() -> list[str]:
+    """A list that becomes non-empty (the signal's name) on SIGTERM or SIGINT."""
+    stop: list[str] = []
+
+    def request_stop(signum: int, _: Any) -> None:
+        stop.append(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    return stop
+
+
+def _summary(counters: dict[str, int]) -> str:
+    keys = ("arrived", "trained", "dropped_stale", "evicted", "rejected", "buffered", "duplicates", "leases_issued")
+    return ", ".join(f"{key} {counters.get(key, 0)}" for key in keys)

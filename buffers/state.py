@@ -1,0 +1,250 @@
+"""The buffer's state, changed only through events: `commit` writes an event to the journal, then applies it.
+
+    state = BufferState(settings, prompts, journal)     # journal=None: in memory only
+    state.restore(now)                                   # replay the journal (no-op without one)
+    lease = state.grant(generator_id, policy_version, count, now)
+    seq = state.accept(group, now)                       # may also evict the oldest groups
+    batch = state.draw(step, world_size, num_groups)     # None until enough fresh groups are buffered
+
+Live operations and journal replay go through the same `_apply_*` methods, so a restarted buffer holds
+exactly what the killed one had committed: its groups, their use counts, the leases, the cursor, the
+drawn-but-undelivered batches and the ledger. Decisions (which groups to evict, drop or draw; which prompts
+to lease; which leases expire) are made once, live, and recorded; replay applies the recorded outcome.
+Counters that are not flows of groups (duplicates, rejections) are restored from the last `counters` event
+(written every few seconds), so after a crash they may lag by those seconds; the ledger identity still holds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from buffers.accounting import Ledger
+from buffers.batches import BatchBook, DrawnBatch
+from buffers.journal import Journal
+from buffers.leases import Lease, PromptDispenser, PromptRecordLike
+from buffers.replay import ReplayBuffer
+from common.config import TandemConfig
+from common.types import RolloutGroup
+from common.wire import decode, encode
+
+log = logging.getLogger("tandem.buffer")
+
+
+@dataclass(frozen=True)
+class BufferSettings:
+    """What the buffer reads from the run config (its own section plus the few shared numbers it needs)."""
+
+    capacity: int
+    max_reuse: int
+    sampling: str
+    lease_timeout_s: float
+    heartbeat_timeout_s: float
+    epochs: int
+    group_size: int  # algo.group_size: samples per group
+    max_staleness: int  # algo.max_staleness: η
+    groups_per_step: int  # learner.groups_per_step: B
+    sync_every: int  # learner.sync_every: how far the learner's reports may lag its weights
+    seed: int
+
+    @classmethod
+    def from_config(cls, config: TandemConfig) -> BufferSettings:
+        b = config.buffer
+        return cls(b.capacity, b.max_reuse, b.sampling, b.lease_timeout_s, b.heartbeat_timeout_s, b.epochs,
+                   config.algo.group_size, config.algo.max_staleness, config.learner.groups_per_step,
+                   config.learner.sync_every, config.run.seed)  # fmt: skip
+
+
+class BufferState:
+    """Dispenser + replay buffer + batch book + ledger + the learner's version, changed only by events."""
+
+    def __init__(self, settings: BufferSettings, prompts: Sequence[PromptRecordLike], journal: Journal | None) -> None:
+        self.settings = settings
+        self.journal = journal
+        self.dispenser = PromptDispenser(
+            prompts, settings.seed, settings.epochs, settings.lease_timeout_s, settings.heartbeat_timeout_s
+        )
+        self.replay = ReplayBuffer(settings.capacity, settings.max_reuse, settings.sampling, settings.seed)
+        self.book = BatchBook()
+        self.ledger = Ledger()
+        self.learner_version = 0  # V: the learner's step from its last VersionReport
+        self.policy_version = 0  # the newest weights version it reported publishing
+        self.next_seq = 1  # arrival number of the next accepted group
+        self._held: dict[int, RolloutGroup] = {}  # during restore: groups only a pending draw still holds
+        self._saved_counts: dict[str, int] = {}
+        self._appliers = {
+            "grant": self._apply_grant, "group": self._apply_group, "evict": self._apply_evict,
+            "drop": self._apply_drop, "draw": self._apply_draw, "deliver": self._apply_deliver,
+            "expire": self._apply_expire, "requeue": self._apply_requeue, "version": self._apply_version,
+            "counters": self._apply_counters, "leases": self._apply_leases, "pending_draw": self._apply_pending_draw,
+        }  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------ events
+    def commit(self, kind: str, meta: dict[str, Any], group: RolloutGroup | None = None) -> Any:
+        """Journal the event (when persistent), then apply it; returns what the applier returns."""
+        if self.journal is not None:
+            self.journal.append(kind, meta, encode(group) if group is not None else ())
+        return self._appliers[kind](meta, group)
+
+    def restore(self, now: float) -> int:
+        """Replay the journal (if any) into this fresh state; returns the number of events applied."""
+        if self.journal is None:
+            return 0
+        records = self.journal.replay()
+        for record in records:
+            if record.kind not in self._appliers:
+                raise ValueError(f"{self.journal.path}: unknown record kind {record.kind!r} (written by a newer "
+                                 "version?): run that version, or start a new run.name")  # fmt: skip
+            group = None
+            if record.kind == "group":
+                group, _ = decode(record.frames)
+            self._appliers[record.kind](record.meta, group)
+        self._held.clear()
+        self.dispenser.refresh_generators(now)
+        return len(records)
+
+    # ------------------------------------------------------------------------------------------ live operations
+    @property
+    def newest_version(self) -> int:
+        """The newest policy_version any generator may hold: reports lag publishing by < sync_every steps."""
+        return self.learner_version + self.settings.sync_every
+
+    def grant(self, generator_id: int, policy_version: int, count: int, now: float) -> Lease | None:
+        grant = self.dispenser.take(generator_id, policy_version, count, now)
+        return None if grant is None else self.commit("grant", grant)
+
+    def accept(self, group: RolloutGroup, now: float) -> tuple[int, int]:
+        """Store an accepted group (already checked); returns (its seq, samples evicted to make room)."""
+        seq = self.next_seq
+        self.commit("group", {"seq": seq, "lease_id": group.lease_id, "prompt_id": group.prompt_id, "t": now}, group)
+        victims = self.replay.over_capacity()
+        evicted = sum(self.replay.entries[s].samples for s in victims)
+        if victims:
+            self.commit("evict", {"seqs": victims})
+        return seq, evicted
+
+    def drop_stale(self, step: int) -> int:
+        """Drop every buffered group with a sample too stale for `step`; returns the samples dropped."""
+        stale = self.replay.too_stale(step, self.settings.max_staleness)
+        if not stale:
+            return 0
+        return self.commit("drop", {"step": step, "seqs": stale})
+
+    def draw(self, step: int, world_size: int, num_groups: int) -> DrawnBatch | None:
+        """Draw the global batch of `step` once (call `drop_stale(step)` first), or None if too few groups."""
+        seqs = self.replay.choose(num_groups)
+        if seqs is None:
+            return None
+        return self.commit("draw", {"step": step, "world_size": world_size, "seqs": seqs})
+
+    def deliver(self, step: int, rank: int) -> None:
+        self.commit("deliver", {"step": step, "rank": rank})
+
+    def expire(self, lease_ids: list[int], now: float) -> None:
+        self.commit("expire", {"lease_ids": lease_ids, "t": now})
+
+    def requeue(self, lease_id: int, prompt_ids: list[int], now: float) -> None:
+        self.commit("requeue", {"lease_id": lease_id, "prompt_ids": prompt_ids, "t": now})
+
+    def report_version(self, step: int, policy_version: int) -> None:
+        self.commit("version", {"step": step, "policy_version": policy_version})
+
+    def save_counters(self) -> None:
+        """Record the ledger if it changed (so counters that are not group flows survive a restart)."""
+        counts = dict(self.ledger.counts)
+        if self.journal is not None and counts != self._saved_counts:
+            self.commit("counters", {"counts": counts, "next_seq": self.next_seq})
+            self._saved_counts = counts
+
+    def compact(self, now: float) -> None:
+        """Rewrite the journal as the live state only (see `live_records`)."""
+        if self.journal is not None:
+            self.journal.rewrite(self.live_records(now))
+
+    def live_records(self, now: float) -> Iterator[tuple[str, dict[str, Any], list]]:
+        """The events that rebuild the current state from nothing: version, leases, the groups still buffered
+        or held by a drawn batch (undelivered, or the last completed one, kept for a retry), those batches,
+        and the ledger last (it overwrites every counter)."""
+        yield "version", {"step": self.learner_version, "policy_version": self.policy_version}, []
+        yield "leases", {"snapshot": self.dispenser.snapshot(), "t": now}, []
+        batches = [*self.book.drawn.values(), *([self.book.completed] if self.book.completed else [])]
+        written: set[int] = set()
+        for batch in batches:
+            for seq, group in zip(batch.seqs, batch.groups):
+                if seq not in self.replay and seq not in written:
+                    written.add(seq)
+                    yield "group", {"seq": seq, "complete": False, "held": True}, encode(group)
+        for entry in self.replay.entries.values():
+            yield "group", {"seq": entry.seq, "complete": False, "uses": entry.uses}, encode(entry.group)
+        for batch in batches:
+            yield "pending_draw", {"step": batch.step, "world_size": batch.world_size, "seqs": batch.seqs,
+                                   "delivered": sorted(batch.delivered)}, []  # fmt: skip
+        yield "counters", {"counts": dict(self.ledger.counts), "next_seq": self.next_seq}, []
+
+    # ------------------------------------------------------------------------------------------ appliers
+    def _apply_grant(self, meta: dict[str, Any], _: Any) -> Lease:
+        self.ledger.event("leases_issued")
+        return self.dispenser.open(meta)
+
+    def _apply_group(self, meta: dict[str, Any], group: RolloutGroup) -> None:
+        seq = meta["seq"]
+        self.next_seq = max(self.next_seq, seq + 1)
+        if meta.get("held"):
+            self._held[seq] = group
+            return
+        self.replay.add(seq, group, meta.get("uses", 0))
+        if meta.get("complete", True):
+            self.dispenser.complete(meta["lease_id"], meta["prompt_id"], meta["t"])
+            self.ledger.flow("arrived", group.size)
+
+    def _apply_evict(self, meta: dict[str, Any], _: Any) -> int:
+        removed = self.replay.remove(meta["seqs"])
+        samples = sum(entry.samples for entry in removed)
+        self.ledger.flow("evicted", samples, len(removed))
+        return samples
+
+    def _apply_drop(self, meta: dict[str, Any], _: Any) -> int:
+        removed = self.replay.remove(meta["seqs"])
+        samples = sum(entry.samples for entry in removed)
+        self.ledger.flow("dropped_stale", samples, len(removed))
+        return samples
+
+    def _apply_draw(self, meta: dict[str, Any], _: Any) -> DrawnBatch:
+        served, retired = self.replay.use(meta["seqs"])
+        self.ledger.flow("served", sum(e.samples for e in served), len(served))
+        self.ledger.flow("trained", sum(e.samples for e in retired), len(retired))
+        batch = DrawnBatch.split(meta["step"], meta["world_size"], meta["seqs"], [e.group for e in served])
+        self.book.add(batch)
+        return batch
+
+    def _apply_deliver(self, meta: dict[str, Any], _: Any) -> None:
+        self.book.deliver(meta["step"], meta["rank"])
+
+    def _apply_expire(self, meta: dict[str, Any], _: Any) -> None:
+        requeued = self.dispenser.expire(meta["lease_ids"], meta["t"])
+        self.ledger.event("leases_expired", len(meta["lease_ids"]))
+        self.ledger.event("prompts_reissued", requeued)
+
+    def _apply_requeue(self, meta: dict[str, Any], _: Any) -> None:
+        self.ledger.event("prompts_reissued", self.dispenser.requeue(meta["lease_id"], meta["prompt_ids"], meta["t"]))
+
+    def _apply_version(self, meta: dict[str, Any], _: Any) -> None:
+        self.learner_version, self.policy_version = meta["step"], meta["policy_version"]
+
+    def _apply_counters(self, meta: dict[str, Any], _: Any) -> None:
+        self.ledger.replace(meta["counts"])
+        self.next_seq = max(self.next_seq, meta["next_seq"])
+
+    def _apply_leases(self, meta: dict[str, Any], _: Any) -> None:
+        self.dispenser.restore(meta["snapshot"], meta["t"])
+
+    def _apply_pending_draw(self, meta: dict[str, Any], _: Any) -> None:
+        groups = [self.replay.entries[s].group if s in self.replay else self._held[s] for s in meta["seqs"]]
+        batch = DrawnBatch.split(meta["step"], meta["world_size"], meta["seqs"], groups)
+        batch.delivered.update(meta["delivered"])
+        if len(batch.delivered) == batch.world_size:
+            self.book.completed = batch
+        else:
+            self.book.add(batch)
