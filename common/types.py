@@ -291,75 +291,125 @@ class WeightsNotNewer:
 
 
 # ---------------------------------------------------------------------------------------------------- decoding
-def _check(value: Any, annotation: Any, path: str, meta: dict | None = None) -> Any:
-    """Return `value` as `annotation` (strictly: no silent coercion except int -> float), or raise ContractError."""
-    if meta and "dtype" in meta:
-        if not isinstance(value, np.ndarray):
-            raise ContractError(f"{path}: expected an array, got {type(value).__name__}")
-        if value.dtype != meta["dtype"] or value.ndim != meta["ndim"]:
-            raise ContractError(
-                f"{path}: expected {meta['dtype']} with {meta['ndim']} dims, got {value.dtype} {value.shape}"
-            )
-        return value
+Checker = typing.Callable[[Any, str], Any]
+_CHECKERS: dict[Any, Checker] = {}
+_SCALARS = (int, float, str, bool, type(None))
+
+
+def _checker(annotation: Any, meta: tuple = ()) -> Checker:
+    """A function (value, path) -> value that enforces `annotation` strictly (no coercion but int -> float).
+
+    Built once per field type and cached: decoding a message costs one call per field, not per list item.
+    """
+    key = (annotation, meta)
+    if key not in _CHECKERS:
+        _CHECKERS[key] = _build_checker(annotation, dict(meta))
+    return _CHECKERS[key]
+
+
+def _fail(path: str, expected: str, value: Any) -> typing.NoReturn:
+    raise ContractError(f"{path}: expected {expected}, got {type(value).__name__}")
+
+
+def _build_checker(annotation: Any, meta: dict) -> Checker:
+    if "dtype" in meta:
+        dtype, ndim = meta["dtype"], meta["ndim"]
+
+        def check_array(value: Any, path: str) -> Any:
+            if not isinstance(value, np.ndarray):
+                _fail(path, "an array", value)
+            if value.dtype != dtype or value.ndim != ndim:
+                raise ContractError(f"{path}: expected {dtype} with {ndim} dims, got {value.dtype} {value.shape}")
+            return value
+
+        return check_array
     origin = typing.get_origin(annotation)
     if annotation is Any:
-        return value
+        return lambda value, path: value
     if annotation is np.ndarray:
-        if not isinstance(value, np.ndarray):
-            raise ContractError(f"{path}: expected an array, got {type(value).__name__}")
-        return value
+        return lambda value, path: value if isinstance(value, np.ndarray) else _fail(path, "an array", value)
     if annotation is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ContractError(f"{path}: expected a number, got {type(value).__name__}")
-        return float(value)
+
+        def check_float(value: Any, path: str) -> float:
+            if type(value) not in (int, float):
+                _fail(path, "a number", value)
+            return float(value)
+
+        return check_float
     if annotation in (int, str, bool):
-        if not isinstance(value, annotation) or (annotation is int and isinstance(value, bool)):
-            raise ContractError(f"{path}: expected {annotation.__name__}, got {type(value).__name__}")
-        return value
+        return lambda value, path: value if type(value) is annotation else _fail(path, annotation.__name__, value)
     if origin is list:
-        if not isinstance(value, list):
-            raise ContractError(f"{path}: expected a list, got {type(value).__name__}")
-        (item,) = typing.get_args(annotation)
-        return [_check(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+        (item_type,) = typing.get_args(annotation)
+        if item_type in (int, str, bool):  # fast path: one pass, no call per item
+            return lambda value, path: (
+                value
+                if type(value) is list and all(type(v) is item_type for v in value)
+                else _fail(path, f"a list of {item_type.__name__}", value)
+            )
+        item = _checker(item_type)
+        return lambda value, path: (
+            [item(v, f"{path}[{i}]") for i, v in enumerate(value)] if type(value) is list else _fail(path, "a list", value)
+        )
     if origin is dict:
-        if not isinstance(value, dict):
-            raise ContractError(f"{path}: expected a map, got {type(value).__name__}")
-        key_t, value_t = typing.get_args(annotation)
-        return {_check(k, key_t, f"{path}.<key>"): _check(v, value_t, f"{path}.{k}") for k, v in value.items()}
+        key_type, value_type = typing.get_args(annotation)
+        check_key, check_value = _checker(key_type), _checker(value_type)
+        return lambda value, path: (
+            {check_key(k, f"{path}.<key>"): check_value(v, f"{path}.{k}") for k, v in value.items()}
+            if type(value) is dict
+            else _fail(path, "a map", value)
+        )
     if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(annotation):
-            if option is type(None) and value is None:
+        options = [_checker(option) for option in typing.get_args(annotation) if option is not type(None)]
+        nullable = type(None) in typing.get_args(annotation)
+
+        def check_union(value: Any, path: str) -> Any:
+            if value is None and nullable:
                 return None
-            try:
-                return _check(value, option, path)
-            except ContractError:
-                continue
-        raise ContractError(f"{path}: {type(value).__name__} is none of {annotation}")
+            for option in options:
+                try:
+                    return option(value, path)
+                except ContractError:
+                    continue
+            raise ContractError(f"{path}: {type(value).__name__} is none of {annotation}")
+
+        return check_union
     if dataclasses.is_dataclass(annotation):
-        return from_fields(annotation, value, path)
-    raise ContractError(f"{path}: unsupported field type {annotation}")
+        return lambda value, path: from_fields(annotation, value, path)
+    raise TypeError(f"unsupported field type {annotation}")
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
+_FIELDS: dict[type, list[tuple[str, bool, Checker]]] = {}
+
+
+def _field_checkers(cls: type) -> list[tuple[str, bool, Checker]]:
+    if cls not in _FIELDS:
+        hints = typing.get_type_hints(cls)
+        _FIELDS[cls] = [
+            (
+                f.name,
+                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+                _checker(hints[f.name], tuple(sorted(f.metadata.items()))),
+            )
+            for f in dataclasses.fields(cls)
+        ]
+    return _FIELDS[cls]
 
 
 def from_fields(cls: type, fields: Any, path: str = "") -> Any:
     """Build a message of type `cls` from a decoded map, checking every field, then `validate()` if defined."""
     path = path or cls.WIRE_NAME
-    if not isinstance(fields, dict):
-        raise ContractError(f"{path}: expected a map of fields, got {type(fields).__name__}")
-    hints = _HINTS.get(cls) or _HINTS.setdefault(cls, typing.get_type_hints(cls))
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(fields) - set(known)
-    if unknown:
+    if type(fields) is not dict:
+        _fail(path, "a map of fields", fields)
+    checkers = _field_checkers(cls)
+    if len(fields) > len(checkers) or not fields.keys() <= {name for name, _, _ in checkers}:
+        unknown = set(fields) - {name for name, _, _ in checkers}
         raise ContractError(f"{path}: unknown fields {sorted(map(str, unknown))}")
     values = {}
-    for name, spec in known.items():
-        if name not in fields:
-            if spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
-                raise ContractError(f"{path}.{name}: missing")
-            continue
-        values[name] = _check(fields[name], hints[name], f"{path}.{name}", dict(spec.metadata))
+    for name, required, check in checkers:
+        if name in fields:
+            values[name] = check(fields[name], f"{path}.{name}")
+        elif required:
+            raise ContractError(f"{path}.{name}: missing")
     obj = cls(**values)
     if hasattr(obj, "validate"):
         obj.validate()
@@ -368,18 +418,16 @@ def from_fields(cls: type, fields: Any, path: str = "") -> Any:
 
 def to_fields(obj: Any) -> dict[str, Any]:
     """The fields of a message as a map (nested messages become maps; arrays stay arrays)."""
-    out = {}
-    for spec in dataclasses.fields(obj):
-        out[spec.name] = _plain(getattr(obj, spec.name))
-    return out
+    return {spec.name: _plain(getattr(obj, spec.name)) for spec in dataclasses.fields(obj)}
 
 
 def _plain(value: Any) -> Any:
+    if isinstance(value, _SCALARS) or isinstance(value, np.ndarray):
+        return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return to_fields(value)
     if isinstance(value, list):
-        return [_plain(v) for v in value]
+        return value if all(isinstance(v, _SCALARS) for v in value) else [_plain(v) for v in value]
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return value
-

@@ -13,6 +13,7 @@ Decoded arrays are read-only views of the received frames: copy before writing t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,10 +25,10 @@ from common.types import MESSAGE_TYPES, PROTOCOL_VERSION, ContractError, from_fi
 ARRAY_EXT = 1
 DEFAULT_MAX_BYTES = 1 << 30
 # Little-endian (or byte-order-free) numeric dtypes only: no object arrays, no structured dtypes.
-ALLOWED_DTYPES = frozenset(
-    np.dtype(name).str for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+ALLOWED_DTYPES = {
+    np.dtype(name).str: np.dtype(name) for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
                                     "uint64", "float16", "float32", "float64")
-)
+}
 
 
 class WireError(ValueError):
@@ -55,27 +56,21 @@ def encode(message: Any, payload: Sequence[memoryview | bytes] = ()) -> list[mem
             if obj.dtype.str not in ALLOWED_DTYPES:
                 raise TypeError(f"dtype {obj.dtype} cannot travel on the wire")
             arrays.append(memoryview(np.ascontiguousarray(obj)).cast("B"))
-            header = msgpack.packb([len(arrays), obj.dtype.str, list(obj.shape)])
-            return msgpack.ExtType(ARRAY_EXT, header)
+            return msgpack.ExtType(ARRAY_EXT, msgpack.packb([len(arrays), obj.dtype.str, list(obj.shape)]))
         raise TypeError(f"cannot encode {type(obj).__name__}")
 
-    fields = to_fields(message)
-    header = msgpack.packb(
-        {"p": PROTOCOL_VERSION, "t": name, "a": _count_arrays(fields), "f": fields},
-        default=pack_array,
-        use_bin_type=True,
-    )
+    # One pass: the map's entries are packed in order, so "a" (the array count) can follow "f".
+    packer = msgpack.Packer(default=pack_array, use_bin_type=True)
+    header = b"".join(
+        [
+            packer.pack_map_header(4),
+            packer.pack("p"), packer.pack(PROTOCOL_VERSION),
+            packer.pack("t"), packer.pack(name),
+            packer.pack("f"), packer.pack(to_fields(message)),
+            packer.pack("a"), packer.pack(len(arrays)),
+        ]
+    )  # fmt: skip
     return [header, *arrays, *payload]
-
-
-def _count_arrays(value: Any) -> int:
-    if isinstance(value, np.ndarray):
-        return 1
-    if isinstance(value, dict):
-        return sum(_count_arrays(v) for v in value.values())
-    if isinstance(value, list):
-        return sum(_count_arrays(v) for v in value)
-    return 0
 
 
 def _frame_bytes(frame: Any) -> memoryview:
@@ -94,12 +89,13 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[A
         raise WireError(f"message of {total} bytes exceeds the limit of {max_bytes}", "oversized")
     head = views[0]
     limit = min(head.nbytes, 1 << 24)
+    highest_frame = [0]  # the highest frame index an array descriptor referred to
     try:
         header = msgpack.unpackb(
             head,
             raw=False,
             strict_map_key=True,
-            ext_hook=lambda code, data: _ArrayRef.parse(code, data),
+            ext_hook=lambda code, data: _array_from_frame(code, data, views, highest_frame),
             max_str_len=limit,
             max_bin_len=limit,
             max_array_len=limit,
@@ -110,7 +106,7 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[A
         raise
     except Exception as error:  # msgpack raises many types for garbage; all mean the same here
         raise WireError(f"header is not valid msgpack: {type(error).__name__}: {error}", "garbage") from None
-    if not isinstance(header, dict) or set(header) != {"p", "t", "a", "f"}:
+    if type(header) is not dict or header.keys() != {"p", "t", "a", "f"}:
         raise WireError("header must be a map with exactly the keys p, t, a, f", "garbage")
     if header["p"] != PROTOCOL_VERSION:
         raise WireError(f"protocol version {header['p']!r} != {PROTOCOL_VERSION} (upgrade the older peer)", "wrong_version")
@@ -118,54 +114,39 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[A
     if cls is None:
         raise WireError(f"unknown message type {header['t']!r}", "unknown_type")
     num_arrays = header["a"]
-    if not isinstance(num_arrays, int) or not 0 <= num_arrays <= len(views) - 1:
+    if type(num_arrays) is not int or not 0 <= num_arrays <= len(views) - 1:
         raise WireError(f"array frame count {num_arrays!r} does not fit {len(views) - 1} frames", "bad_frames")
+    if highest_frame[0] > num_arrays:
+        raise WireError(f"an array refers to a frame beyond the {num_arrays} array frames", "bad_frames")
     try:
-        fields = _resolve_arrays(header["f"], views, num_arrays)
-        message = from_fields(cls, fields)
-    except WireError:
-        raise
+        message = from_fields(cls, header["f"])
     except ContractError as error:
         raise WireError(str(error), "invalid_fields") from None
     return message, views[1 + num_arrays :]
 
 
-class _ArrayRef:
-    """An array placeholder found in the header, resolved against the frames after parsing."""
+def _array_from_frame(code: int, data: bytes, views: list[memoryview], highest_frame: list[int]) -> np.ndarray:
+    """Msgpack ext hook: an array descriptor [frame index, dtype, shape] -> a read-only view of that frame."""
+    if code != ARRAY_EXT:
+        raise WireError(f"unknown msgpack extension type {code}", "garbage")
+    try:
+        index, dtype, shape = msgpack.unpackb(data, raw=False, max_array_len=64)
+    except Exception:
+        raise WireError("malformed array descriptor", "garbage") from None
+    if type(index) is not int or not 1 <= index < len(views):
+        raise WireError(f"array descriptor refers to frame {index!r} of {len(views)}", "bad_frames")
+    if type(dtype) is not str or dtype not in ALLOWED_DTYPES:
+        raise WireError(f"array descriptor with bad dtype {dtype!r}", "garbage")
+    if type(shape) is not list or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape):
+        raise WireError(f"array descriptor with bad shape {shape!r}", "garbage")
+    dtype = ALLOWED_DTYPES[dtype]
+    frame = views[index]
+    expected = math.prod(shape) * dtype.itemsize
+    if frame.nbytes != expected:
+        raise WireError(f"array frame {index} holds {frame.nbytes} bytes, shape needs {expected}", "bad_frames")
+    array = np.frombuffer(frame, dtype=dtype).reshape(shape)
+    array.flags.writeable = False
+    highest_frame[0] = max(highest_frame[0], index)
+    return array
 
-    __slots__ = ("index", "dtype", "shape")
 
-    def __init__(self, index: int, dtype: np.dtype, shape: tuple[int, ...]) -> None:
-        self.index, self.dtype, self.shape = index, dtype, shape
-
-    @classmethod
-    def parse(cls, code: int, data: bytes) -> _ArrayRef:
-        if code != ARRAY_EXT:
-            raise WireError(f"unknown msgpack extension type {code}", "garbage")
-        try:
-            index, dtype, shape = msgpack.unpackb(data, raw=False, max_array_len=64)
-        except Exception:
-            raise WireError("malformed array descriptor", "garbage") from None
-        if not isinstance(index, int) or not isinstance(dtype, str) or dtype not in ALLOWED_DTYPES:
-            raise WireError(f"array descriptor with bad index or dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and 0 <= d < 1 << 40 for d in shape):
-            raise WireError(f"array descriptor with bad shape {shape!r}")
-        return cls(index, np.dtype(dtype), tuple(shape))
-
-
-def _resolve_arrays(value: Any, views: list[memoryview], num_arrays: int) -> Any:
-    if isinstance(value, _ArrayRef):
-        if not 1 <= value.index <= num_arrays:
-            raise WireError(f"array refers to frame {value.index}, but only {num_arrays} array frames came", "bad_frames")
-        frame = views[value.index]
-        expected = int(np.prod(value.shape, dtype=np.int64)) * value.dtype.itemsize
-        if frame.nbytes != expected:
-            raise WireError(f"array frame {value.index} holds {frame.nbytes} bytes, shape needs {expected}", "bad_frames")
-        array = np.frombuffer(frame, dtype=value.dtype).reshape(value.shape)
-        array.flags.writeable = False
-        return array
-    if isinstance(value, dict):
-        return {k: _resolve_arrays(v, views, num_arrays) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_resolve_arrays(v, views, num_arrays) for v in value]
-    return value

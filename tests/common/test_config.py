@@ -97,3 +97,9 @@ def test_config_module_imports_no_engine() -> None:
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_resolved_json_loads_with_overrides(tmp_path: Path) -> None:
+    path = write_resolved(load_config(None, ["--run.name", "j"]), tmp_path)
+    config = load_config(path, ["--generator.index", "3"])
+    assert config.run.name == "j" and config.generator.index == 3

@@ -1,0 +1,59 @@
+"""Shared by the benchmark scripts: timing, the machine's description, and writing JSON + a PNG plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    return {
+        "cpu_count": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+    }
+
+
+def best_seconds(fn: Callable[[], Any], repeat: int = 20, warmup: int = 3) -> float:
+    """Median wall time of `fn` over `repeat` runs after `warmup` runs (seconds)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def save(name: str, result: dict[str, Any], plot: Callable[[Any], None] | None = None) -> Path:
+    """Write `results/<name>.json` (with the machine) and, if given, `results/<name>.png` drawn by `plot(axes)`."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    result = {"benchmark": name, "machine": machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), **result}
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(result, indent=2))
+    if plot is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(figsize=(7, 4))
+        plot(axes)
+        fig.tight_layout()
+        fig.savefig(RESULTS / f"{name}.png", dpi=120)
+        plt.close(fig)
+    print(f"wrote {path}")
+    return path

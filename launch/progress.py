@@ -1,0 +1,95 @@
+"""The console of `tandem run`: a live progress bar fed by `metrics.jsonl`, and the end-of-run summary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from common.metrics import read_metrics
+
+
+class RunProgress:
+    """Follows the learner's metrics file and shows step, reward, staleness and tokens/s."""
+
+    def __init__(self, metrics_path: Path, total_steps: int) -> None:
+        self.metrics_path = metrics_path
+        self.offset = 0
+        self.progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=False,
+        )
+        self.task = self.progress.add_task("train", total=total_steps, status="waiting for the first step")
+
+    def __enter__(self) -> RunProgress:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.refresh()
+        self.progress.stop()
+
+    def refresh(self) -> None:
+        latest = None
+        if self.metrics_path.exists():
+            with self.metrics_path.open() as handle:
+                handle.seek(self.offset)
+                for line in handle:
+                    if not line.endswith("\n"):
+                        break  # a line being written: read it next time
+                    self.offset += len(line.encode())
+                    try:
+                        latest = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+        if latest is not None:
+            self.progress.update(self.task, completed=latest["step"], status=_status(latest))
+
+
+def _fmt(record: dict[str, Any], key: str, spec: str) -> str:
+    value = record.get(key)
+    return format(value, spec) if isinstance(value, (int, float)) else "-"
+
+
+def _status(record: dict[str, Any]) -> str:
+    return (
+        f"reward {_fmt(record, 'reward/mean', '.3f')}  staleness {_fmt(record, 'staleness/mean', '.2f')}"
+        f" (max {_fmt(record, 'staleness/max', '.0f')})  {_fmt(record, 'perf/tokens_per_s', '.0f')} tok/s"
+    )
+
+
+def reward_rise(records: list[dict[str, Any]], fraction: float = 0.2) -> tuple[float, float]:
+    """(mean reward/mean over the first `fraction` of steps, same over the last `fraction`)."""
+    rewards = [r["reward/mean"] for r in records if isinstance(r.get("reward/mean"), (int, float))]
+    if not rewards:
+        return float("nan"), float("nan")
+    k = max(1, int(len(rewards) * fraction))
+    return sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+
+
+def summarize(run_dir: Path, wall_s: float) -> str:
+    """The end-of-run summary: reward first vs last steps, samples trained and dropped, wall time, where TB is."""
+    metrics_path = run_dir / "metrics.jsonl"
+    records = read_metrics(metrics_path) if metrics_path.exists() else []
+    first, last = reward_rise(records)
+    last_record = records[-1] if records else {}
+    trained = sum(int(r.get("perf/samples", 0) or 0) for r in records)
+    lines = [
+        "",
+        f"run finished: {len(records)} learner steps in {wall_s / 60:.1f} min",
+        f"  reward/mean  first 20% of steps {first:.3f}  ->  last 20% {last:.3f}  (change {last - first:+.3f})",
+        f"  samples trained {trained}   dropped as stale {last_record.get('buffer/dropped_stale', 0)}",
+        f"  final policy_version {last_record.get('policy_version', '-')}",
+        f"  metrics   {metrics_path}",
+        f"  logs      {run_dir / 'logs'}",
+        f"  tensorboard --logdir {run_dir / 'tb'}",
+    ]
+    return "\n".join(lines)
