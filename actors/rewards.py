@@ -1,0 +1,80 @@
+"""Scoring completions: the configured reward function, or an HTTP endpoint when `env.reward_url` is set.
+
+    scorer = RewardScorer(config.env)
+    score = scorer.score(completion_text, prompt.metadata)   # never raises for a faulty reward
+    score.reward, score.components, score.error
+
+HTTP protocol: POST `{"completion": str, "metadata": {...}}` as JSON to `reward_url`; the answer is
+`{"reward": float, "components": {name: float}}` (components optional), within `reward_timeout_s`.
+
+Failure mode (deliberately survived): a reward function that raises, an endpoint that fails, times out or answers
+garbage, or a non-finite reward gives the sample `env.fallback_reward` and no components; `score.error` says what
+happened, `errors` counts it, and it is logged. The generator stays up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.config import EnvConfig
+
+log = logging.getLogger("tandem.actors.rewards")
+
+
+@dataclass(frozen=True)
+class Score:
+    reward: float
+    components: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # "ValueError: ..." when the reward fell back to `env.fallback_reward`
+
+
+class RewardScorer:
+    """Scores one completion at a time with the configured function or endpoint (see the module docstring)."""
+
+    def __init__(self, env: EnvConfig) -> None:
+        from common.tasks import resolve_reward_fn, total_reward
+
+        self.env = env
+        self.errors = 0
+        self._total_reward = total_reward
+        self._function: Callable[[str, dict[str, Any]], Any] | None = None
+        if not env.reward_url:
+            self._function = resolve_reward_fn(env.reward_fn)
+
+    def score(self, completion: str, metadata: dict[str, Any]) -> Score:
+        try:
+            if self._function is not None:
+                reward, components = self._total_reward(self._function(completion, metadata))
+            else:
+                reward, components = self._post(completion, metadata)
+            reward = float(reward)
+            components = {str(name): float(value) for name, value in components.items()}
+            if not math.isfinite(reward) or not all(math.isfinite(v) for v in components.values()):
+                raise ValueError(f"reward {reward} or components {components} are not finite")
+        except Exception as error:  # a user reward function may raise anything: fall back, count, log
+            self.errors += 1
+            message = f"{type(error).__name__}: {error}"[:300]
+            fallback = self.env.fallback_reward
+            log.warning("reward failed (%d so far), using fallback %.3f: %s", self.errors, fallback, message)
+            return Score(fallback, {}, message)
+        return Score(reward, components)
+
+    def _post(self, completion: str, metadata: dict[str, Any]) -> tuple[float, dict[str, float]]:
+        body = json.dumps({"completion": completion, "metadata": metadata}).encode()
+        request = urllib.request.Request(
+            self.env.reward_url, data=body, headers={"Content-Type": "application/json"}, method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=self.env.reward_timeout_s) as response:
+            answer = json.loads(response.read())
+        if not isinstance(answer, dict) or "reward" not in answer:
+            raise ValueError(f"reward endpoint answered {str(answer)[:100]!r}, expected {{'reward': float, ...}}")
+        components = answer.get("components") or {}
+        if not isinstance(components, dict):
+            raise ValueError(f"reward endpoint 'components' must be a map, got {type(components).__name__}")
+        return answer["reward"], components

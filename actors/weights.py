@@ -1,0 +1,245 @@
+"""New weights for a generator: where they come from (`WeightsSource`), when to ask (`WeightsPoller`), and how they
+are handed to vLLM's worker processes (`SharedMemoryStaging`).
+
+    poller = WeightsPoller(ZmqWeightsSource(address, security, generator_id), poll_s=1.0, backoff_max_s=10.0)
+    update = poller.poll(time.monotonic(), engine.policy_version)   # never blocks; None: nothing (yet)
+    if update is not None:
+        engine.load_weights(update, inflight=False)
+
+Transports. `WeightsSource.fetch` is the seam: the CPU path (`ZmqWeightsSource`) pulls the learner's publisher
+(`WeightsRequest` -> `WeightsHeader` + bucket frames laid out by `common.weights`, or `WeightsNotNewer`).
+A GPU NCCL broadcast would be another `WeightsSource` whose `fetch` reads the header over ZeroMQ (transport
+"nccl") and receives the buckets by broadcast into device memory; it is not part of this build, and a header
+announcing transport "nccl" is refused with `WeightsTransportError` rather than misread.
+
+Failure modes: an unreachable publisher is not an error for the generator (it keeps sampling with the weights it
+has and asks again after a back-off); a malformed reply raises `WeightsTransportError`, which the poller counts,
+logs and retries like an unreachable publisher.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from common.sockets import Client, PeerUnavailable, SocketSecurity, backoff_delays
+from common.types import ErrorReply, WeightsHeader, WeightsNotNewer, WeightsRequest
+from common.weights import ALIGN, WeightsLayoutError, check_frames, total_bytes
+from common.wire import WireError
+
+log = logging.getLogger("tandem.actors.weights")
+
+
+class WeightsTransportError(RuntimeError):
+    """The publisher's reply cannot be used (refused request, malformed frames, unsupported transport)."""
+
+
+@dataclass
+class WeightsUpdate:
+    """A received weights update: header + bucket frames (layout: `common.weights`). `received_at` is the
+    monotonic time the reply arrived (the start of the weight-sync latency the generator controls)."""
+
+    header: WeightsHeader
+    buckets: list[memoryview]
+    received_at: float
+
+    @property
+    def policy_version(self) -> int:
+        return self.header.policy_version
+
+    @property
+    def nbytes(self) -> int:
+        return total_bytes(self.header)
+
+
+class WeightsSource(Protocol):
+    """Where weights come from. `fetch` returns an update newer than `have_version`, or the latest version the
+    source knows when nothing is newer. Raises `PeerUnavailable` (source unreachable) or
+    `WeightsTransportError` (unusable reply)."""
+
+    def fetch(self, have_version: int) -> WeightsUpdate | int: ...
+
+    def close(self) -> None: ...
+
+
+class ZmqWeightsSource:
+    """Pulls weights from the learner's publisher over a ZeroMQ request (the CPU transport)."""
+
+    def __init__(self, address: str, security: SocketSecurity, generator_id: int, timeout_s: float = 120.0) -> None:
+        self.client = Client(address, security, identity=f"generator-{generator_id}-weights")
+        self.generator_id = generator_id
+        self.timeout_s = timeout_s
+
+    def fetch(self, have_version: int) -> WeightsUpdate | int:
+        request = WeightsRequest(generator_id=self.generator_id, have_version=have_version)
+        try:
+            reply, payload = self.client.request(request, timeout_s=self.timeout_s)
+        except WireError as error:
+            self.client.reset()
+            raise WeightsTransportError(f"malformed reply from the weight publisher: {error.reason}") from None
+        if isinstance(reply, WeightsNotNewer):
+            return reply.latest_version
+        if isinstance(reply, ErrorReply):
+            raise WeightsTransportError(f"the weight publisher refused the request: {reply.reason}")
+        if not isinstance(reply, WeightsHeader):
+            raise WeightsTransportError(f"the weight publisher answered {type(reply).__name__}, not weights")
+        if reply.transport != "zmq":
+            raise WeightsTransportError(
+                f"the publisher announced transport '{reply.transport}'; this generator receives only 'zmq' "
+                "(NCCL broadcast is not part of this build)"
+            )
+        try:
+            buckets = check_frames(reply, payload)
+        except WeightsLayoutError as error:
+            raise WeightsTransportError(str(error)) from None
+        return WeightsUpdate(reply, buckets, received_at=time.monotonic())
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class WeightsPoller:
+    """Decides when to ask the source for weights, and asks in a background thread, so that a slow transfer or an
+    unreachable publisher never stalls the generator's loop (one fetch at a time).
+
+    Ordering: a fetch starts every `poll_s`; `want(v)` (the buffer refused a lease as stale, or admission is full)
+    makes the next fetch start at once and keeps fetching every `WAITING_POLL_S` until a version >= v arrives.
+    An unreachable source or an unusable reply is counted in `failures` (by kind), logged, and retried after
+    `backoff_delays(backoff_max_s)`.
+    """
+
+    WAITING_POLL_S = 0.2
+
+    def __init__(self, source: WeightsSource, poll_s: float, backoff_max_s: float) -> None:
+        self.source = source
+        self.poll_s = poll_s
+        self.backoff_max_s = backoff_max_s
+        self.next_poll = 0.0
+        self.min_version = -1  # a version the buffer requires (-1 = none)
+        self.latest_seen = -1  # the newest version the source reported
+        self.failures: Counter[str] = Counter()
+        self._delays = backoff_delays(backoff_max_s)
+        self._fetch: _Fetch | None = None
+
+    def want(self, min_version: int) -> None:
+        """Fetch until the generator has `min_version`; the next fetch starts at once."""
+        self.min_version = max(self.min_version, min_version)
+        self.next_poll = 0.0
+
+    def poll(self, now: float, have_version: int) -> WeightsUpdate | None:
+        """Non-blocking: starts a fetch when one is due; returns the update of a finished fetch when it is newer
+        than `have_version`, else None."""
+        if self._fetch is None:
+            if now >= self.next_poll:
+                self._fetch = _Fetch(self.source, have_version)
+            return None
+        if not self._fetch.finished.is_set():
+            return None
+        fetch, self._fetch = self._fetch, None
+        return self._settle(fetch, have_version)
+
+    def wait(self, have_version: int, timeout_s: float) -> WeightsUpdate | None:
+        """Blocking: fetch now and wait up to `timeout_s` (a fetch still running is collected by a later `poll`)."""
+        if self._fetch is None:
+            self._fetch = _Fetch(self.source, have_version)
+        if not self._fetch.finished.wait(timeout_s):
+            return None
+        fetch, self._fetch = self._fetch, None
+        return self._settle(fetch, have_version)
+
+    def _settle(self, fetch: _Fetch, have_version: int) -> WeightsUpdate | None:
+        if fetch.error is not None:
+            if not isinstance(fetch.error, (PeerUnavailable, WeightsTransportError)):
+                raise fetch.error
+            kind = "unreachable" if isinstance(fetch.error, PeerUnavailable) else "bad_reply"
+            self.failures[kind] += 1
+            delay = next(self._delays)
+            log.warning("weights: %s (%s); asking again in %.1fs", fetch.error, kind, delay)
+            self.next_poll = time.monotonic() + delay
+            return None
+        self._delays = backoff_delays(self.backoff_max_s)
+        result = fetch.result
+        latest = result.policy_version if isinstance(result, WeightsUpdate) else int(result)
+        self.latest_seen = max(self.latest_seen, latest)
+        waiting = self.min_version > max(have_version, latest)  # the learner has not published it yet
+        self.next_poll = time.monotonic() + (self.WAITING_POLL_S if waiting else self.poll_s)
+        if isinstance(result, WeightsUpdate) and result.policy_version > have_version:
+            return result
+        return None
+
+    def close(self) -> None:
+        """Close the source unless a fetch still uses it (its daemon thread ends with the process)."""
+        if self._fetch is None or self._fetch.finished.is_set():
+            self.source.close()
+
+
+class _Fetch:
+    """One `source.fetch` running in a daemon thread; `finished` is set when `result` or `error` is there."""
+
+    def __init__(self, source: WeightsSource, have_version: int) -> None:
+        self.result: WeightsUpdate | int | None = None
+        self.error: Exception | None = None
+        self.finished = threading.Event()
+        threading.Thread(target=self._run, args=(source, have_version), name="weights-fetch", daemon=True).start()
+
+    def _run(self, source: WeightsSource, have_version: int) -> None:
+        try:
+            self.result = source.fetch(have_version)
+        except Exception as error:  # handed to the loop's thread: survived if a transport fault, else re-raised
+            self.error = error
+        finally:
+            self.finished.set()
+
+
+def shared_memory_dir() -> Path:
+    """/dev/shm where it exists (memory-backed), else the temporary directory."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+class SharedMemoryStaging:
+    """One file in shared memory that carries every weights update to vLLM's worker processes.
+
+    `write(update)` lays the buckets out in the file, each at an `ALIGN`-aligned offset so every tensor keeps its
+    alignment, and returns where each tensor lies: (name, dtype name, shape, byte offset, nbytes), in the
+    publisher's order. The file is reused, so after the first update its pages exist and a write is one plain copy.
+    Ordering: the next `write` may start only after the workers finished reading the previous one (the engine
+    loads synchronously). `close()` deletes the file.
+    """
+
+    def __init__(self, directory: Path | None = None) -> None:
+        fd, name = tempfile.mkstemp(prefix=f"tandem-weights-{os.getpid()}-", dir=directory or shared_memory_dir())
+        self.fd = fd
+        self.path = Path(name)
+        self.size = 0
+
+    def write(self, update: WeightsUpdate) -> list[tuple[str, str, list[int], int, int]]:
+        starts, position = [], 0
+        for bucket in update.buckets:
+            position += (-position) % ALIGN
+            starts.append(position)
+            position += bucket.nbytes
+        if position != self.size:
+            os.ftruncate(self.fd, position)
+            self.size = position
+        for start, bucket in zip(starts, update.buckets):
+            written = 0
+            while written < bucket.nbytes:  # pwrite may write less than asked
+                written += os.pwrite(self.fd, bucket[written:], start + written)
+        return [
+            (spec.name, spec.dtype, list(spec.shape), starts[spec.bucket] + spec.offset, spec.nbytes)
+            for spec in update.header.tensors
+        ]
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.path.unlink(missing_ok=True)

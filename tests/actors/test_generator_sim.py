@@ -1,0 +1,149 @@
+"""The generator process end to end with the SIMULATION engine (no vLLM): leases, weights, faults, shutdown.
+
+Each test starts `tandem generator` as a real subprocess against a fake buffer and a fake weight publisher on
+loopback ports; the engine is the simulation stand-in, everything else is the production code path.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.metrics import read_metrics
+from common.types import LeaseRefused
+from tests.actors.fakes import REPO, FakeBuffer, FakePublisher, arithmetic_items, generator_command, write_config
+
+GROUP_SIZE = 3
+
+
+def _config(tmp_path: Path, ports: tuple[int, int], **generator: object) -> Path:
+    return write_config(
+        tmp_path / "gen.toml", tmp_path / "runs", *ports,
+        run={"simulate": True},
+        algo={"group_size": GROUP_SIZE},
+        env={"reward_fn": "tests.actors.reward_fns:explode_or_length", "fallback_reward": -1.0},
+        generator={"sim_tokens": 6, "sim_token_s": 0.002, "prompts_in_flight": 4, **generator},
+    )
+
+
+def _start(config: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(generator_command(config), cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(process: subprocess.Popen, timeout_s: float) -> tuple[int, str]:
+    try:
+        _, err = process.communicate(timeout=timeout_s)
+        return process.returncode, err
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+@pytest.fixture
+def peers(ports):
+    buffer_port, weights_port = ports
+    buffer = FakeBuffer(buffer_port, arithmetic_items(10, explode_every=4), lease_size=2)
+    publisher = FakePublisher(weights_port)
+    buffer.start()
+    publisher.start()
+    try:
+        yield buffer, publisher
+    finally:
+        buffer.stop()
+        publisher.stop()
+
+
+def _check_group(group, generator_id: int = 0) -> None:
+    group.validate()
+    assert group.size == GROUP_SIZE and group.generator_id == generator_id
+    assert np.all(np.diff(group.offsets) == 6)  # sim_tokens per sample
+    for i in range(group.size):
+        versions = group.token_versions[group.offsets[i] : group.offsets[i + 1]]
+        assert versions.min() == group.versions[i]  # a sample's version is the oldest of its tokens
+
+
+def test_serves_all_prompts_survives_a_raising_reward_and_exits_when_exhausted(tmp_path, ports, peers):
+    buffer, publisher = peers
+    process = _start(_config(tmp_path, ports))
+    code, err = _finish(process, timeout_s=60)
+    assert code == 0, err[-3000:]
+    assert "SIMULATION" in err
+    groups = buffer.wait_for_groups(10, timeout_s=1)
+    for group in groups:
+        _check_group(group)
+        exploded = group.prompt_id % 4 == 0
+        assert (group.rewards == -1.0).all() == exploded
+        assert all(r.startswith("error: reward: RuntimeError") for r in group.finish_reasons) == exploded
+    assert buffer.heartbeats and publisher.requests[0].have_version == 0  # weights asked for before the first lease
+    records = read_metrics(tmp_path / "runs" / "gen" / "generator-0.jsonl")
+    assert records[-1]["actor/reward_errors"] == 3 * GROUP_SIZE  # prompts 0, 4, 8 raise
+    assert records[-1]["actor/groups_delivered"] == 10 and records[-1]["actor/unsent_groups"] == 0
+    assert records[-1]["actor/tokens_per_s"] > 0 and 0 <= records[-1]["actor/engine_idle_frac"] <= 1
+
+
+def test_stale_refusal_loads_newer_weights_and_later_samples_carry_the_version(tmp_path, ports, peers):
+    buffer, publisher = peers
+    buffer.refusal = lambda request: None if request.policy_version >= 1 else LeaseRefused("stale", 1, 0.1)
+    process = _start(_config(tmp_path, ports))
+    try:
+        time.sleep(1.5)
+        assert not buffer.groups and process.poll() is None  # waits for v1, does not lease or spin
+        publisher.publish(1, {"w": np.ones(8, np.float32)})
+        code, err = _finish(process, timeout_s=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert code == 0, err[-3000:]
+    groups = buffer.wait_for_groups(10, timeout_s=1)
+    assert all((g.token_versions == 1).all() and (g.versions == 1).all() for g in groups)
+    assert "weights v0 -> v1" in err
+    assert len(publisher.requests) < 100  # polled with pauses, not a busy loop
+
+
+def test_buffer_restart_loses_no_group(tmp_path, ports, peers):
+    buffer, _ = peers
+    process = _start(_config(tmp_path, ports, max_unsent_groups=4, sim_token_s=0.05))  # ~0.3 s a sample
+    try:
+        buffer.wait_for_groups(2, timeout_s=30)
+        buffer.stop()
+        time.sleep(5.0)  # > the link's 3 s request timeout: the generator sees the buffer gone, fills its outbox
+        buffer.start()
+        code, err = _finish(process, timeout_s=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert code == 0, err[-3000:]
+    assert sorted(buffer.groups) == sorted((lease, p.prompt_id) for lease, ps in buffer.leases.items() for p in ps)
+    assert len(buffer.groups) == 10 and buffer.arrivals.index(max(buffer.groups)) > 2
+    assert "does not answer" in err and "is back" in err
+
+
+def test_sigterm_finishes_or_returns_every_leased_prompt(tmp_path, ports, peers):
+    buffer, _ = peers
+    buffer.when_empty = "full"
+    # 400 tokens at 10 ms: a sample needs 4 s, the drain allows 1 s: leased prompts must come back.
+    config = _config(tmp_path, ports, sim_tokens=400, sim_token_s=0.01, drain_timeout_s=1.0)
+    process = _start(config)
+    try:
+        deadline = time.monotonic() + 30
+        while len(buffer.leases) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+        code, err = _finish(process, timeout_s=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert code == 0, err[-3000:]
+    leased = {(lease, p.prompt_id) for lease, prompts in buffer.leases.items() for p in prompts}
+    returned = {(r.lease_id, pid) for r in buffer.returns for pid in r.prompt_ids}
+    assert returned and returned | set(buffer.groups) == leased
+    assert "SIGTERM" in err
