@@ -93,6 +93,35 @@ class EnvConfig(_Section):
     )
     reward_timeout_s: float = Field(10.0, description="Timeout of one reward call.", gt=0)
     fallback_reward: float = Field(0.0, description="Reward given to a sample whose reward call raised.")
+    environment: str = Field(
+        "",
+        description="Multi-turn environment: `module:factory`, called with `environment_args` once per episode, "
+        "returning an object with `reset(task)` and `step(text)` (see common.envs). Empty = single-turn: "
+        "each completion is scored by reward_fn (or reward_url).",
+        pattern=r"^$|^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$",
+    )
+    environment_args: dict[str, str | int | float | bool] = Field(
+        {}, description="Keyword arguments of the environment factory (a TOML table)."
+    )
+    max_turns: int = Field(8, description="Model turns of one episode, at most (ends it: `max_turns`).", ge=1)
+    max_total_tokens: int = Field(
+        1024,
+        description="Completion tokens of one episode (model and environment tokens after the prompt), at most "
+        "(ends it: `max_total_tokens`); model.max_model_len bounds prompt + completion as well.",
+        ge=1,
+    )
+    step_timeout_s: float = Field(
+        30.0, description="Longest `reset` or `step` call of an environment (ends the episode: `env_timeout`).", gt=0
+    )
+    episode_timeout_s: float = Field(
+        600.0, description="Longest episode, generation and environment together (ends it: `episode_timeout`).", gt=0
+    )
+    failure_reward: float = Field(
+        0.0, description="Reward of an episode ended by an environment error or timeout (replaces its rewards)."
+    )
+    env_workers: int = Field(
+        32, description="Threads that run plain-function (non-async) environment calls concurrently.", ge=1
+    )
 
     @model_validator(mode="after")
     def _file_needs_source(self) -> EnvConfig:
@@ -154,9 +183,27 @@ class GeneratorConfig(_Section):
         "false = in-flight samples finish under the old version first.",
     )
     kv_cache_gib: float = Field(1.0, description="vLLM CPU KV-cache size (VLLM_CPU_KVCACHE_SPACE).", gt=0)
+    enforce_eager: bool = Field(
+        True,
+        description="Run vLLM's model eagerly. false = torch.compile it: on 2 CPU cores SmolLM2 samples ~20% "
+        "faster but the engine starts ~100 s slower.",
+    )
     max_unsent_groups: int = Field(256, description="Groups kept while the buffer is unreachable.", ge=1)
     reconnect_max_s: float = Field(10.0, description="Longest back-off between reconnect attempts.", gt=0)
+    drain_timeout_s: float = Field(
+        30.0,
+        description="On SIGTERM: longest wait for in-flight samples to finish and be pushed; what is left then "
+        "is returned to the buffer (LeaseReturn).",
+        gt=0,
+    )
     cpu_cores: str = Field("", description="Cores this generator is pinned to, e.g. `0` or `0-3` (empty = all).")
+    tensor_parallel_size: int = Field(
+        1,
+        description="GPUs one generator's vLLM engine spans (tensor parallelism; GPU clusters only, the CPU "
+        "build runs 1). `tandem ray` reserves this many GPUs per generator when `ray.generator_gpus` > 0.",
+        ge=1,
+        le=64,
+    )
     sim_token_s: float = Field(0.002, description="SIMULATION: seconds per generated token.", ge=0)
     sim_tokens: int = Field(64, description="SIMULATION: tokens per completion.", ge=1)
 
@@ -202,6 +249,45 @@ class LearnerConfig(_Section):
     sim_weights_mb: float = Field(256.0, description="SIMULATION: size of the published weights in MiB.", ge=0)
 
 
+class RayConfig(_Section):
+    """`tandem ray`: where the fleets run on a Ray cluster and what each role instance reserves there."""
+
+    address: str = Field(
+        "",
+        description="Ray cluster to join (`auto`, `ray://host:10001`, `host:6379`); empty = `RAY_ADDRESS`, else "
+        "start a local Ray on this machine (its roles then bind loopback; on a joined cluster they bind their "
+        "node's IP, which needs run.curve_keys_dir or run.insecure).",
+    )
+    buffer_cpus: float = Field(1.0, description="CPUs reserved for the buffer.", ge=0)
+    generator_cpus: float = Field(1.0, description="CPUs reserved per generator (fractions allowed).", ge=0)
+    generator_gpus: float = Field(
+        0.0, description="GPUs reserved per generator: 0 on CPU clusters, else generator.tensor_parallel_size.", ge=0
+    )
+    learner_cpus: float = Field(1.0, description="CPUs reserved per learner rank.", ge=0)
+    learner_gpus: float = Field(0.0, description="GPUs reserved per learner rank (0 or 1 on GPU clusters).", ge=0)
+    max_generator_restarts: int = Field(
+        16,
+        description="Generators that died (process or actor) and were replaced, at most, over the run; one more "
+        "death fails the run.",
+        ge=0,
+    )
+    max_learner_restarts: int = Field(
+        0,
+        description="0: a learner rank that dies stops the run (the latest complete checkpoint stays resumable). "
+        "N: restart the run in place from that checkpoint up to N times (ranks resumed, buffer and generators "
+        "started afresh).",
+        ge=0,
+    )
+    placement_timeout_s: float = Field(
+        120.0, description="Longest wait for the cluster to place a role's placement group.", gt=0
+    )
+    dashboard: bool = Field(True, description="Start the Ray dashboard with a local Ray (started by `tandem ray`).")
+    object_store_mb: int = Field(
+        0, description="Object store of a local Ray, in MiB (0 = Ray's default); Tandem moves no data through it.",
+        ge=0,
+    )
+
+
 class TandemConfig(_Section):
     """The whole run: every role's section. Cross-role rules are checked here."""
 
@@ -212,6 +298,7 @@ class TandemConfig(_Section):
     generator: GeneratorConfig = GeneratorConfig()
     buffer: BufferConfig = BufferConfig()
     learner: LearnerConfig = LearnerConfig()
+    ray: RayConfig = RayConfig()
 
     @model_validator(mode="after")
     def _cross_role_rules(self) -> TandemConfig:
@@ -247,6 +334,14 @@ class TandemConfig(_Section):
                 f"buffer.capacity: must hold one batch = {self.learner.groups_per_step * self.algo.group_size} "
                 f"samples (got {self.buffer.capacity})"
             )
+        if 0 < self.ray.generator_gpus < self.generator.tensor_parallel_size:
+            problems.append(
+                f"ray.generator_gpus: must be 0 (CPU) or >= generator.tensor_parallel_size = "
+                f"{self.generator.tensor_parallel_size} (got {self.ray.generator_gpus})"
+            )
+        if self.ray.max_learner_restarts and not self.learner.save_every:
+            problems.append("ray.max_learner_restarts: needs learner.save_every > 0 (a restarted learner resumes "
+                            "from the latest complete checkpoint)")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -331,16 +426,17 @@ def build_config(data: dict[str, Any]) -> TandemConfig:
 
 
 def load_config(path: str | Path | None, overrides: list[str] | dict[str, Any] | None = None) -> TandemConfig:
-    """Read a TOML file (None = all defaults), apply dotted overrides, validate everything."""
+    """Read a TOML file (or the resolved `config.json` of a run; None = all defaults), apply dotted overrides,
+    validate everything."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"{path}: no such config file")
         try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as error:
-            raise ConfigError(f"{path}: not valid TOML: {error}") from None
+            data = json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
+            raise ConfigError(f"{path}: not valid {path.suffix.lstrip('.').upper() or 'TOML'}: {error}") from None
     if overrides:
         parsed = parse_overrides(overrides) if isinstance(overrides, list) else overrides
         data = apply_overrides(data, parsed)

@@ -1,0 +1,222 @@
+"""Every DeepSpeed call of the learner lives here: process group, engines, backward/step, checkpoints, ZeRO-3 gathers.
+
+    dist = init_distributed()                                    # rank, world_size (gloo on CPU, nccl on GPU)
+    policy = TrainEngine(module, EngineSettings(lr=1e-6, zero_stage=1, bf16=True, micro_steps=4, ...))
+    for micro_batch in micro_batches:                            # exactly `micro_steps` of them per update
+        loss = ...policy(input_ids=..., attention_mask=...)...
+        policy.backward(loss)                                    # accumulates; the loss is NOT rescaled here
+        policy.step()                                            # the optimizer steps on the last micro-batch only
+    for name, tensor in policy.full_weights():                   # collective under ZeRO-3: every rank iterates
+        ...
+
+Gradient convention: `backward(loss)` passes the loss through unscaled (`scale_wrt_gas=False`) and DeepSpeed
+averages gradients over the data-parallel ranks. A caller that wants the gradient of one loss over the global
+batch therefore passes, per micro-batch, `loss_share * world_size` where the shares sum to that loss over all
+ranks and micro-batches (see `learners.trainer`).
+
+ZeRO stages on CPU (DeepSpeed 0.19, gloo): 0, 1, 2 and 3 all train, in float32 and bfloat16
+(tests/learners/test_trainer.py: stages 1-3 give stage 0's update, every stage trains in bf16), and ZeRO-1 and
+ZeRO-3 with 2 ranks give the update of one rank (tests/learners/test_data_parallel.py). The optimizer is torch's AdamW handed to DeepSpeed as a client optimizer:
+DeepSpeed's own FusedAdam/CPUAdam compile a C++ extension on first use (~80 s here), torch's needs nothing.
+
+Failure modes: every call here is collective under data parallelism (forward/backward/step of ZeRO-3,
+`full_weights`, `save`, `load`, `all_reduce`, `barrier`): a rank that skips one hangs the others.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GATHER_CHUNK_BYTES = 256 << 20  # ZeRO-3: parameters gathered together at most (bounds the transient memory)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed() -> DistInfo:
+    """Join (or, alone, create) the process group. Idempotent.
+
+    Without RANK in the environment this process is a single rank: RANK=0, WORLD_SIZE=1 and a free loopback
+    MASTER_PORT are set first. The backend is nccl with CUDA, gloo otherwise (the only one that works on CPU).
+    """
+    import deepspeed
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    return DistInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def world_size() -> int:
+    import deepspeed.comm as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Sum (op="sum") or maximum (op="max") of `tensor` over all ranks, in place; returns it. No-op alone."""
+    import deepspeed.comm as dist
+
+    if world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return tensor
+
+
+def barrier() -> None:
+    """Wait until every rank gets here (no-op alone)."""
+    import deepspeed.comm as dist
+
+    if world_size() > 1:
+        dist.barrier()
+
+
+def device() -> torch.device:
+    """The device this rank's engines run on (the accelerator DeepSpeed picked)."""
+    from deepspeed.accelerator import get_accelerator
+
+    name = get_accelerator().device_name()
+    return torch.device(name if name == "cpu" else f"{name}:{get_accelerator().current_device()}")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What one engine needs: optimizer, precision, ZeRO stage and the micro-steps of one update."""
+
+    lr: float
+    zero_stage: int
+    bf16: bool
+    micro_batch_size: int
+    micro_steps: int  # gradient-accumulation steps: micro-batches per optimizer step on this rank
+    weight_decay: float = 0.0
+    grad_clip: float = 0.0  # 0 = no clipping
+    warmup_steps: int = 0  # linear warm-up from lr / warmup_steps to lr
+
+    def deepspeed_config(self, world_size: int) -> dict[str, Any]:
+        return {
+            "train_micro_batch_size_per_gpu": self.micro_batch_size,
+            "gradient_accumulation_steps": self.micro_steps,
+            "train_batch_size": self.micro_batch_size * self.micro_steps * world_size,
+            "zero_optimization": {"stage": self.zero_stage},
+            "bf16": {"enabled": self.bf16},
+            "gradient_clipping": self.grad_clip,
+            "zero_allow_untested_optimizer": True,  # torch AdamW (see the module docstring)
+            "steps_per_print": 1 << 30,
+            "wall_clock_breakdown": False,
+        }
+
+
+class TrainEngine:
+    """A module trained by one DeepSpeed engine (policy or critic). Calls are collective across ranks."""
+
+    def __init__(self, module: torch.nn.Module, settings: EngineSettings) -> None:
+        import deepspeed
+
+        self.settings = settings
+        warmup = max(1, settings.warmup_steps)
+        trainable = [p for p in module.parameters() if p.requires_grad]
+
+        def make_optimizer(params: Any) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+
+        def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+
+        self.engine, *_ = deepspeed.initialize(
+            model=module,
+            model_parameters=trainable,
+            optimizer=make_optimizer,
+            lr_scheduler=make_scheduler,
+            config=settings.deepspeed_config(world_size()),
+        )
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The wrapped module (its parameters are partitioned, i.e. empty, under ZeRO-3 outside a gather)."""
+        return self.engine.module
+
+    @property
+    def zero3(self) -> bool:
+        return self.settings.zero_stage == 3
+
+    def __call__(self, **inputs: Any) -> Any:
+        return self.engine(**inputs)
+
+    def train(self, mode: bool = True) -> None:
+        self.engine.train(mode)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate d loss; the loss is not divided by the micro-steps (see the module docstring)."""
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> None:
+        """Call after every backward; the optimizer (and lr scheduler) steps on the last micro-step only."""
+        self.engine.step()
+
+    @property
+    def optimizer_steps(self) -> int:
+        return int(self.engine.global_steps)
+
+    def learning_rate(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) for every parameter in `named_parameters` order (tied weights once).
+
+        Collective under ZeRO-3: every rank must exhaust the iterator. A yielded tensor is valid only until the
+        next one is requested (its gather is released): copy it, do not keep it.
+        """
+        import deepspeed
+
+        named = list(self.module.named_parameters())
+        if not self.zero3:
+            yield from ((name, param.detach()) for name, param in named)
+            return
+        for chunk in _chunks_by_bytes(named, GATHER_CHUNK_BYTES):
+            with deepspeed.zero.GatheredParameters([param for _, param in chunk], modifier_rank=None):
+                yield from ((name, param.detach()) for name, param in chunk)
+
+    def save(self, directory: Path, tag: str) -> None:
+        """DeepSpeed checkpoint (module, optimizer, scheduler; each rank its shard). Collective."""
+        self.engine.save_checkpoint(str(directory), tag=tag, save_latest=False)
+
+    def load(self, directory: Path, tag: str) -> None:
+        """Restore what `save` wrote; raises FileNotFoundError when `directory/tag` is missing. Collective."""
+        if not (directory / tag).is_dir():
+            raise FileNotFoundError(f"{directory / tag}: no DeepSpeed checkpoint (was it saved with tag '{tag}'?)")
+        path, _ = self.engine.load_checkpoint(str(directory), tag=tag)
+        if path is None:
+            raise RuntimeError(f"{directory / tag}: DeepSpeed could not load this checkpoint (see its log above)")
+
+
+def _chunks_by_bytes(named: list[tuple[str, torch.Tensor]], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    chunk: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, param in named:
+        numel = getattr(param, "ds_numel", param.numel())
+        chunk.append((name, param))
+        size += numel * param.element_size()
+        if size >= limit:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk

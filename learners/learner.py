@@ -1,0 +1,192 @@
+"""The learner role: DeepSpeed data-parallel ranks that pull batches, train, publish weights and checkpoint.
+
+    tandem learner CONFIG                                  # world_size ranks (re-launched under torchrun if > 1)
+    tandem learner CONFIG --learner.zero_stage 3 --learner.world_size 2
+    tandem learner CONFIG --learner.resume true            # continue from the newest complete checkpoint
+    tandem learner CONFIG --run.simulate true              # SIMULATION: no model, real sockets and versions
+
+The loop, per step s (s = optimizer steps taken so far = the policy_version the step trains at):
+    batch      <- buffer: this rank's share of the batch for step s (BatchNotReady: ask again; buffer down: back off)
+    train_step -> one optimizer step on the global batch (learners.trainer), s <- s + 1
+    publish    every sync_every steps (and at the last): weights of version s, then rank 0 sends VersionReport(s, s)
+    metrics    rank 0: one record per step (metrics.jsonl, TensorBoard), progress bar, a log line
+    checkpoint every save_every steps and at the end (learners.checkpoint)
+
+Versions: the weights at start (step 0, or the step a resume continues from) are published first with version
+= that step, so a generator that (re)starts always finds weights; a resume keeps the numbering.
+Failure modes: a dead buffer is waited for (backoff, logged); a malformed batch, a protocol error or an engine
+error ends the learner with the error (a later `--learner.resume true` continues from the last checkpoint).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from common.config import TandemConfig, write_resolved
+from common.logs import setup_logging
+from common.sockets import SocketSecurity
+from common.types import RolloutGroup
+from learners.buffer_link import BufferLink
+from learners.checkpoint import CheckpointManager, LearnerState
+from learners.publisher import WeightsPublisher, open_weights_publisher
+from learners.ranks import launch_ranks, pin_cores
+
+KEEP_CHECKPOINTS = 2
+
+
+class StepTrainer(Protocol):
+    """What the loop needs from a trainer: `learners.trainer.Trainer` (DeepSpeed) or the simulation
+    (`learners.sim_trainer.SimulatedTrainer`). Every call is collective across data-parallel ranks."""
+
+    def train_step(self, groups: Sequence[RolloutGroup], staleness: Sequence[np.ndarray]) -> dict[str, float]: ...
+
+    def weight_layout(self) -> list[tuple[str, str, list[int]]]: ...
+
+    def full_weights(self) -> Iterator[tuple[str, Any]]: ...
+
+    def save_state(self, directory: Path) -> None: ...
+
+    def load_state(self, directory: Path) -> None: ...
+
+
+def run(config: TandemConfig) -> int:
+    """Train `learner.total_steps` steps (see the module docstring); returns the process exit code."""
+    learner = config.learner
+    if learner.world_size > 1 and "RANK" not in os.environ and not config.run.simulate:
+        return launch_ranks(config)
+    run_dir = config.run.run_dir
+    log = setup_logging("learner", int(os.environ.get("RANK", "0")), run_dir)
+    trainer, dist = _start_trainer(config)
+    if dist.rank == 0:
+        write_resolved(config, run_dir)
+    checkpoints = CheckpointManager(run_dir / "checkpoints", dist.rank, KEEP_CHECKPOINTS, _barrier(config))
+    state = _resume(checkpoints, trainer, learner.resume, log)
+    security = SocketSecurity.from_run(config.run)
+    publisher = None
+    if dist.rank == 0:
+        publisher = open_weights_publisher("zmq", learner.weights_host, learner.weights_port, security)
+    buffer = BufferLink(learner.buffer_address, security, dist.rank, dist.world_size,
+                        learner.groups_per_step)
+    reporter = None
+    try:
+        _publish(trainer, publisher, state.step)
+        if dist.rank == 0:
+            buffer.report_version(state.policy_version, state.step)
+            reporter = _reporter(config, state, log)
+        saved_step = state.step if learner.resume else -1
+        while state.step < learner.total_steps:
+            step_start = time.perf_counter()
+            batch, wait_s = buffer.fetch_batch(state.step)
+            train_start = time.perf_counter()
+            stats = trainer.train_step(batch.groups, batch.staleness)
+            train_s = time.perf_counter() - train_start
+            _count_consumed(state, stats)
+            publish_s = 0.0
+            if state.step % learner.sync_every == 0 or state.step == learner.total_steps:
+                publish_s = _publish(trainer, publisher, state.step)
+                state.policy_version = state.step
+                if dist.rank == 0:
+                    buffer.report_version(state.policy_version, state.step)
+            timings = {"perf/wait_s": wait_s, "perf/train_s": train_s, "perf/publish_s": publish_s,
+                       "perf/step_s": time.perf_counter() - step_start}
+            if reporter is not None:
+                reporter.report(state.step, _record(stats, timings, state, batch.dropped_stale))
+            if learner.save_every and state.step % learner.save_every == 0:
+                checkpoints.save(trainer, state)
+                saved_step = state.step
+        if saved_step != state.step:
+            checkpoints.save(trainer, state)
+        log.info("done: %d steps, policy_version %d, %d samples trained", state.step, state.policy_version,
+                 state.samples_trained)
+    finally:
+        buffer.close()
+        if publisher is not None:
+            publisher.close()
+        if reporter is not None:
+            reporter.close()
+    return 0
+
+
+def _start_trainer(config: TandemConfig) -> tuple[StepTrainer, Any]:
+    """(trainer, DistInfo): the simulated trainer as one process, or a DeepSpeed rank in the process group."""
+    from learners.engine import DistInfo
+
+    if config.run.simulate:
+        from learners.sim_trainer import SimulatedTrainer
+
+        return SimulatedTrainer(config.learner, config.algo), DistInfo(rank=0, world_size=1, local_rank=0)
+    from learners.engine import init_distributed
+    from learners.trainer import Trainer
+
+    dist = init_distributed()
+    if dist.world_size != config.learner.world_size:
+        raise ValueError(f"learner.world_size = {config.learner.world_size}, but this process group has "
+                         f"{dist.world_size} ranks (WORLD_SIZE); launch with `tandem learner` and no RANK set, "
+                         "or make them agree")
+    pin_cores(config.learner.cpu_cores, dist.local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size)))
+    return Trainer.from_config(config, dist), dist
+
+
+def _barrier(config: TandemConfig) -> Callable[[], None]:
+    if config.run.simulate:
+        return lambda: None
+    from learners.engine import barrier
+
+    return barrier
+
+
+def _resume(checkpoints: CheckpointManager, trainer: StepTrainer, resume: bool,
+            log: logging.Logger) -> LearnerState:
+    if not resume:
+        return LearnerState()
+    latest = checkpoints.latest()
+    if latest is None:
+        log.warning("learner.resume = true but %s holds no complete checkpoint: starting at step 0", checkpoints.root)
+        return LearnerState()
+    state = checkpoints.load(latest, trainer)
+    state.policy_version = state.step  # the restored weights are published as this step's version
+    return state
+
+
+def _publish(trainer: StepTrainer, publisher: WeightsPublisher | None, version: int) -> float:
+    """Publish the trainer's weights as `version` (rank 0); other ranks take part in the ZeRO-3 gathers."""
+    start = time.perf_counter()
+    if publisher is not None:
+        publisher.publish(version, trainer.weight_layout(), trainer.full_weights())
+    else:
+        for _ in trainer.full_weights():
+            pass
+    return time.perf_counter() - start
+
+
+def _reporter(config: TandemConfig, state: LearnerState, log: logging.Logger) -> Any:
+    from learners.reporting import StepReporter
+
+    return StepReporter(config.run.run_dir, config.learner.total_steps, state.step, log)
+
+
+def _count_consumed(state: LearnerState, stats: dict[str, float]) -> None:
+    state.step += 1
+    state.samples_trained += int(stats["perf/samples"])
+    state.tokens_trained += int(stats["perf/tokens"])
+    state.groups_trained += int(stats["perf/groups"])
+
+
+def _record(stats: dict[str, float], timings: dict[str, float], state: LearnerState,
+            dropped_stale: int) -> dict[str, Any]:
+    return {
+        "policy_version": state.policy_version,
+        **stats,
+        **timings,
+        "perf/tokens_per_s": stats["perf/tokens"] / max(timings["perf/train_s"], 1e-9),
+        "buffer/dropped_stale": dropped_stale,
+        "learner/samples_trained": state.samples_trained,
+        "learner/tokens_trained": state.tokens_trained,
+    }

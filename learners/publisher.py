@@ -1,0 +1,257 @@
+"""Weight publishing: rank 0 copies the full weights into a host snapshot; a background thread serves it.
+
+    publisher = ZmqWeightsPublisher(host, port, security)              # binds now; serves from a thread
+    seconds = publisher.publish(version, trainer.weight_layout(), trainer.full_weights())
+    ...                                                                 # generators: WeightsRequest(have_version)
+    publisher.close()
+
+Protocol (layout in `common.weights`): a `WeightsRequest(have_version)` is answered with the latest snapshot,
+`WeightsHeader` + bucket frames as payload, when its version is newer than `have_version`, else with
+`WeightsNotNewer(latest_version)` (-1 before the first publish). Any other message is rejected (counted).
+
+Invariants:
+  * A snapshot is never written while it can be read: `publish` copies (the gather + one copy per tensor,
+    straight into its slot) into buckets no reply can reach, then swaps the latest-snapshot reference under
+    a lock. Buckets are double-buffered: those of the previous snapshot are reused once it is retired, no
+    serving thread holds it (`readers`) and no reply is in flight (a zero-copy frame holds a reference to
+    its buffer until ZeroMQ has sent it: CPython's reference count says when); otherwise fresh memory is
+    allocated. Warm buffers matter: a copy into fresh pages costs several times a copy into reused ones
+    (page faults; benchmarks/learner_throughput.py measures both).
+  * The training loop is blocked for the gather + copy only; serving runs on the publisher's thread.
+  * Tensor names are the Hugging Face state-dict names, dtypes the training dtype (bfloat16 travels as
+    raw 2-byte words): what vLLM's `load_weights` expects.
+
+Transports: `zmq` (this module's publisher; CPU and any machine) and `nccl` (GPU broadcast through vLLM's
+stateless process group, not implemented: `NcclWeightsBroadcaster` says so). `open_weights_publisher` picks one.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from common.sockets import Server, SocketSecurity
+from common.types import WeightsHeader, WeightsNotNewer, WeightsRequest
+from common.weights import DEFAULT_BUCKET_MB, plan_buckets, storage_dtype
+
+log = logging.getLogger("tandem.learner.publisher")
+
+Layout = Sequence[tuple[str, str, Sequence[int]]]  # (HF name, dtype name, shape) per tensor, in publish order
+
+
+class WeightsPublisher(Protocol):
+    """What the learner's loop needs from a weight transport."""
+
+    def publish(self, version: int, layout: Layout, weights: Iterable[tuple[str, Any]]) -> float:
+        """Make `weights` (consumed in `layout` order) the latest version; returns the seconds it blocked."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class Snapshot:
+    """One version: its header and bucket buffers (written only while no reply can reach them)."""
+
+    header: WeightsHeader
+    buckets: list[np.ndarray]  # uint8 [bucket_sizes[i]]
+    readers: int = 0  # serving threads about to send it (guarded by the publisher's lock)
+
+    @property
+    def version(self) -> int:
+        return self.header.policy_version
+
+
+def _bucket_refcounts(buckets: list[np.ndarray]) -> list[int]:
+    return [sys.getrefcount(bucket) for bucket in buckets]
+
+
+# References an idle bucket has when counted by `_bucket_refcounts` (its list slot, the loop, the call).
+_IDLE_REFCOUNT = _bucket_refcounts([np.empty(1, dtype=np.uint8)])[0]
+
+
+def buckets_reusable(snapshot: Snapshot) -> bool:
+    """True when nothing can read `snapshot`'s buckets: no serving thread is about to send it and no object
+    but the snapshot references them (a zero-copy frame in flight holds a reference until ZeroMQ sent it)."""
+    return snapshot.readers == 0 and all(c <= _IDLE_REFCOUNT for c in _bucket_refcounts(snapshot.buckets))
+
+
+def copy_into_snapshot(version: int, layout: Layout, weights: Iterable[tuple[str, Any]], bucket_bytes: int,
+                       buckets: list[np.ndarray] | None = None) -> Snapshot:
+    """Copy every tensor into buckets laid out by `common.weights.plan_buckets`: `buckets` when given (their
+    sizes must match the plan; nothing else may read them meanwhile), else freshly allocated ones.
+
+    `weights` yields (name, torch tensor or numpy array) in `layout` order with the layout's dtypes and shapes;
+    raises ValueError on any mismatch (a different model than the layout describes).
+    """
+    specs, sizes = plan_buckets(list(layout), bucket_bytes)
+    if buckets is None or [b.nbytes for b in buckets] != sizes:
+        buckets = [np.empty(size, dtype=np.uint8) for size in sizes]
+    written = [0] * len(sizes)
+    count = 0
+    for spec, (name, tensor) in zip(specs, weights, strict=True):
+        if name != spec.name:
+            raise ValueError(f"weights arrive out of layout order: got '{name}', expected '{spec.name}'")
+        target = buckets[spec.bucket][spec.offset : spec.offset + spec.nbytes]
+        buckets[spec.bucket][written[spec.bucket] : spec.offset] = 0  # alignment gap: zero bytes
+        _copy_bytes(tensor, target, spec.dtype, spec.shape, name)
+        written[spec.bucket] = spec.offset + spec.nbytes
+        count += 1
+    if count != len(specs):
+        raise ValueError(f"{count} tensors arrived, the layout has {len(specs)}")
+    header = WeightsHeader(policy_version=version, tensors=specs, bucket_sizes=sizes)
+    return Snapshot(header, buckets)
+
+
+def _copy_bytes(tensor: Any, target: np.ndarray, dtype_name: str, shape: Sequence[int], name: str) -> None:
+    if list(tensor.shape) != list(shape):
+        raise ValueError(f"weights '{name}': shape {list(tensor.shape)} != layout {list(shape)}")
+    if isinstance(tensor, np.ndarray):
+        if storage_dtype(dtype_name) != tensor.dtype and not (dtype_name == "bfloat16" and tensor.dtype == np.uint16):
+            raise ValueError(f"weights '{name}': dtype {tensor.dtype} != layout {dtype_name}")
+        np.copyto(target.view(tensor.dtype).reshape(tensor.shape), tensor)
+        return
+    import torch
+
+    if str(tensor.dtype).removeprefix("torch.") != dtype_name:
+        raise ValueError(f"weights '{name}': dtype {tensor.dtype} != layout {dtype_name}")
+    destination = torch.from_numpy(target).view(tensor.dtype).view(tensor.shape)
+    destination.copy_(tensor.detach())
+
+
+class ZmqWeightsPublisher:
+    """Serves the latest `Snapshot` over a `Server` (ROUTER) socket from a daemon thread (see module docstring).
+
+    Raises OSError from the constructor when the port cannot be bound.
+    """
+
+    def __init__(self, host: str, port: int, security: SocketSecurity,
+                 bucket_bytes: int = int(DEFAULT_BUCKET_MB * (1 << 20)), poll_ms: int = 100) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.counters: Counter[str] = Counter()
+        self._latest: Snapshot | None = None
+        self._retired: deque[Snapshot] = deque(maxlen=1)  # the previous snapshot: its buckets are reused
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._bind_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, args=(host, port, security, poll_ms),
+                                        name="weights-publisher", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._bind_error is not None:
+            raise self._bind_error
+
+    @property
+    def latest_version(self) -> int:
+        with self._lock:
+            return -1 if self._latest is None else self._latest.version
+
+    def publish(self, version: int, layout: Layout, weights: Iterable[tuple[str, Any]]) -> float:
+        """Copy `weights` into a new snapshot and make it the one served; returns the seconds it took."""
+        start = time.perf_counter()
+        with self._lock:
+            if self._latest is not None and version < self._latest.version:
+                raise ValueError(f"policy_version {version} is older than the published {self._latest.version}")
+        snapshot = copy_into_snapshot(version, layout, weights, self.bucket_bytes, self._reusable_buckets())
+        with self._lock:
+            if self._latest is not None:
+                self._retired.append(self._latest)
+            self._latest = snapshot
+        self.counters["published"] += 1
+        seconds = time.perf_counter() - start
+        log.debug("published v%d: %.1f MiB in %d buckets, %.3fs", version,
+                  sum(snapshot.header.bucket_sizes) / 2**20, len(snapshot.buckets), seconds)
+        return seconds
+
+    def _reusable_buckets(self) -> list[np.ndarray] | None:
+        """The retired snapshot's buckets if nothing can read them any more (see the module docstring)."""
+        with self._lock:
+            if not self._retired:
+                return None
+            retired = self._retired[0]
+            if not buckets_reusable(retired):
+                self.counters["fresh_buffers"] += 1
+                return None
+            self._retired.clear()
+        self.counters["reused_buffers"] += 1
+        return retired.buckets
+
+    def _serve(self, host: str, port: int, security: SocketSecurity, poll_ms: int) -> None:
+        try:
+            server = Server(host, port, security, name="weights-publisher")
+        except BaseException as error:  # reported to the constructor, which raises it
+            self._bind_error = error
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                request = server.poll(timeout_ms=poll_ms)
+                if request is not None:
+                    self._answer(server, request)
+        finally:
+            self.counters.update({f"rejected/{k}": v for k, v in server.rejected.items()})
+            server.close()
+
+    def _answer(self, server: Server, request: Any) -> None:
+        message = request.message
+        if not isinstance(message, WeightsRequest):
+            server.reject(request, f"the weights publisher answers weights_request only, not "
+                                   f"{type(message).WIRE_NAME}", "unexpected_type")
+            return
+        with self._lock:
+            snapshot = self._latest
+            newer = snapshot is not None and snapshot.version > message.have_version
+            if newer:
+                snapshot.readers += 1
+        if not newer:
+            server.reply(request, WeightsNotNewer(latest_version=-1 if snapshot is None else snapshot.version))
+            self.counters["not_newer"] += 1
+            return
+        try:
+            server.reply(request, snapshot.header, payload=snapshot.buckets)  # frames now hold references
+        finally:
+            with self._lock:
+                snapshot.readers -= 1
+        self.counters["served"] += 1
+        self.counters["served_bytes"] += sum(b.nbytes for b in snapshot.buckets)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class NcclWeightsBroadcaster:
+    """GPU transport: broadcast the gathered weights from rank 0 to every generator over NCCL (vLLM's
+    stateless process group), with `WeightsHeader(transport="nccl")` announcing each version. The slot for it:
+    the same `publish(version, layout, weights)` contract as `ZmqWeightsPublisher`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            "NCCL weight broadcast is not implemented yet: it needs CUDA GPUs on both sides and vLLM's "
+            "StatelessProcessGroup; use the 'zmq' transport (works on CPU and GPU machines)"
+        )
+
+    def publish(self, version: int, layout: Layout, weights: Iterable[tuple[str, Any]]) -> float:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+def open_weights_publisher(transport: str, host: str, port: int, security: SocketSecurity) -> WeightsPublisher:
+    """The publisher for `transport` ('zmq' or 'nccl'); raises ValueError for anything else."""
+    if transport == "zmq":
+        return ZmqWeightsPublisher(host, port, security)
+    if transport == "nccl":
+        return NcclWeightsBroadcaster(host, port, security)
+    raise ValueError(f"weights transport must be 'zmq' or 'nccl' (got {transport!r})")

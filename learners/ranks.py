@@ -1,0 +1,94 @@
+"""Process placement of the learner: one command starts every data-parallel rank, and ranks pin their cores.
+
+    if config.learner.world_size > 1 and "RANK" not in os.environ:
+        return launch_ranks(config)        # torchrun --nproc_per_node N -m launch.cli learner <resolved config>
+    pin_cores(config.learner.cpu_cores, rank, world_size)
+
+`launch_ranks` writes the resolved config into the run directory (`config.json`, so the ranks read exactly the
+config this process validated, however it was built: file, overrides or code) and runs torchrun on it,
+returning its exit code. torchrun gives each rank RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT and stops
+the other ranks when one fails. Each rank gets OMP_NUM_THREADS = usable cores / ranks (unless already set;
+torchrun's own default is 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from common.config import TandemConfig, write_resolved
+
+log = logging.getLogger("tandem.learner.ranks")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_command(config_path: Path, world_size: int, master_port: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(world_size),
+            "--master_addr", "127.0.0.1", "--master_port", str(master_port),
+            "-m", "launch.cli", "learner", str(config_path)]
+
+
+def launch_ranks(config: TandemConfig) -> int:
+    """Run `learner.world_size` ranks of this learner under torchrun and wait; returns torchrun's exit code.
+
+    Interrupting this process (Ctrl-C, SIGTERM from a launcher) terminates torchrun, which stops the ranks.
+    """
+    path = write_resolved(config, config.run.run_dir)
+    command = torchrun_command(path, config.learner.world_size, _free_port())
+    log.info("starting %d learner ranks: %s", config.learner.world_size, " ".join(command))
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // config.learner.world_size)))
+    process = subprocess.Popen(command, env=env)
+    try:
+        return process.wait()
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def parse_cores(spec: str) -> list[int]:
+    """`"0-3,6"` -> [0, 1, 2, 3, 6]; raises ValueError naming `learner.cpu_cores` on anything else."""
+    cores: set[int] = set()
+    try:
+        for part in spec.split(","):
+            low, _, high = part.strip().partition("-")
+            cores.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise ValueError(f"learner.cpu_cores: '{spec}' must look like '0', '0-3' or '0-3,6'") from None
+    return sorted(cores)
+
+
+def pin_cores(spec: str, local_rank: int, local_world: int) -> list[int] | None:
+    """Pin this rank to its share of `spec`'s cores (an equal, contiguous slice per local rank) and size torch's
+    thread pool to it. Empty spec: nothing changes (returns None). Raises ValueError for unavailable cores or
+    fewer cores than ranks."""
+    if not spec:
+        return None
+    import torch
+
+    cores = parse_cores(spec)
+    available = os.sched_getaffinity(0)
+    if not set(cores) <= available:
+        raise ValueError(f"learner.cpu_cores: cores {sorted(set(cores) - available)} are not available "
+                         f"(this process may use {sorted(available)})")
+    if len(cores) < local_world:
+        raise ValueError(f"learner.cpu_cores: {len(cores)} cores for {local_world} ranks; give each rank >= 1")
+    share = len(cores) // local_world
+    mine = cores[local_rank * share : (local_rank + 1) * share]
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
+    return mine

@@ -1,0 +1,304 @@
+"""One RL update on one batch: `Trainer.train_step(groups, staleness) -> metrics`, usable without any socket.
+
+    trainer = Trainer.from_config(config, init_distributed())
+    stats = trainer.train_step(batch.groups, batch.staleness)     # one optimizer step on the global batch
+    for name, tensor in trainer.full_weights(): ...               # HF names; collective under ZeRO-3
+
+The update, in order (B samples on this rank, T completion columns, V vocabulary):
+  1. pad the groups into [B, T] tensors (`learners.batching`); split the rows into exactly `micro_steps`
+     micro-batches (DeepSpeed's gradient-accumulation count);
+  2. no-grad pass, only when needed: reference log-probs (algo.kl_coef > 0), critic values (estimator gae),
+     current log-probs (KL in the reward);
+  3. advantages for the estimator (`learners.estimators`); batch-level normalisations (reinforce_pp, gae)
+     use the statistics of the GLOBAL batch (summed over ranks), so every rank count gives the same update;
+  4. per micro-batch: forward with grad -> log-probs (logits / sampling temperature) -> policy_loss with the
+     configured correction against `behaviour_logprobs` (+ KL term, - entropy bonus) -> backward -> step.
+     With one optimizer step per batch the proximal policy is the current one before the update, so
+     proximal_logprobs = logprobs.detach(): the PPO ratio is 1 and the importance weight
+     pi_prox / pi_behaviour carries the whole off-policy correction (decoupled PPO / TIS).
+  5. the critic (gae) trains on the same micro-batches with the clipped value loss and its own learning rate.
+
+Equivalence invariant: every micro-batch's loss is scaled by its share of the global batch's loss units
+(action tokens for token_mean, non-empty rows for seq_mean) times the world size, because DeepSpeed averages
+gradients over ranks and does not rescale by the micro-steps (see `learners.engine`). The update therefore
+equals one step on the whole global batch, whatever `micro_batch_size` and `world_size` are.
+
+Metrics: `policy/kl` is the mean k3 estimate of KL(pi_theta || pi_ref) when a reference is loaded, else of
+KL(pi_behaviour || pi_theta) on the sampled tokens (how far the trained weights are from the ones that sampled:
+the proximal policy IS the current one here, so an approx-KL against it would always be 0);
+`policy/kl_behaviour` is the latter, always.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common.config import AlgoConfig, LearnerConfig, ModelConfig, TandemConfig
+from common.types import RolloutGroup
+from learners import engine as eng
+from learners.batching import ModelInputs, PaddedBatch, pad_groups, split_rows
+from learners.checkpoint import export_hf_model
+from learners.estimators import batch_advantages, check_kl_in_reward
+from learners.losses import entropy_from_logits, kl_estimate, logprobs_from_logits, policy_loss, value_loss
+from learners.models import ValueModel, load_policy, load_reference, torch_dtype
+from learners.rollout_stats import Reduce, rollout_summary
+
+def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """Like `losses.policy_loss`'s aggregation: token_mean over action tokens, or seq_mean over non-empty rows."""
+    per_token = torch.where(mask, per_token, 0)
+    if aggregation == "token_mean":
+        return per_token.sum() / mask.sum().clamp(min=1)
+    counts = mask.sum(dim=1)
+    return (per_token.sum(dim=1) / counts.clamp(min=1)).sum() / (counts > 0).sum().clamp(min=1)
+
+
+def _loss_units(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """What the aggregation divides by: action tokens (token_mean) or rows with >= 1 action token (seq_mean)."""
+    return (mask.sum() if aggregation == "token_mean" else mask.any(dim=1).sum()).double()
+
+
+class _GlobalAverages:
+    """Statistics of the global batch from per-micro-batch values: weighted sums (a micro-batch's weight is its
+    share of the global loss units or action tokens, so the weights of all ranks add up to 1) and maxima."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.peaks: dict[str, float] = {}
+
+    def add(self, name: str, value: torch.Tensor, weight: float) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + float(value.detach()) * weight
+
+    def peak(self, name: str, value: torch.Tensor) -> None:
+        self.peaks[name] = max(self.peaks.get(name, -math.inf), float(value))
+
+    def across_ranks(self, sum_ranks: Reduce, max_ranks: Reduce) -> dict[str, float]:
+        """The global values (a collective: every rank must call it with the same names)."""
+        sums, peaks = sorted(self.sums), sorted(self.peaks)
+        totals = sum_ranks(np.array([self.sums[k] for k in sums], dtype=np.float64))
+        maxima = max_ranks(np.array([self.peaks[k] for k in peaks], dtype=np.float64))
+        return {**dict(zip(sums, totals.tolist())), **dict(zip(peaks, maxima.tolist()))}
+
+
+@dataclass
+class _PreUpdate:
+    """No-grad quantities for the batch, [B, T] each (None when the configuration does not need them)."""
+
+    ref_logprobs: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+
+
+class Trainer:
+    """The policy (a DeepSpeed engine), the optional frozen reference and the optional critic; one update per
+    `train_step`. Every method is collective across data-parallel ranks: call them on every rank, in order."""
+
+    def __init__(self, model_dir: Path, model: ModelConfig, algo: AlgoConfig, learner: LearnerConfig,
+                 temperature: float, dist: eng.DistInfo) -> None:
+        if algo.kl_in_reward and algo.kl_coef > 0:
+            check_kl_in_reward(algo)
+        if learner.groups_per_step % dist.world_size:
+            raise ValueError(f"learner.groups_per_step ({learner.groups_per_step}) must be a multiple of the "
+                             f"world size ({dist.world_size})")
+        self.model_dir, self.algo, self.dist, self.temperature = Path(model_dir), algo, dist, temperature
+        dtype = torch_dtype(model.dtype)
+        rank_samples = learner.groups_per_step // dist.world_size * algo.group_size
+        self.micro_steps = math.ceil(rank_samples / learner.micro_batch_size)
+        settings = eng.EngineSettings(
+            lr=learner.lr, zero_stage=learner.zero_stage, bf16=model.dtype == "bfloat16",
+            micro_batch_size=learner.micro_batch_size, micro_steps=self.micro_steps,
+            weight_decay=learner.weight_decay, grad_clip=learner.grad_clip, warmup_steps=learner.warmup_steps)
+        self.device = eng.device()
+        self.policy = eng.TrainEngine(load_policy(self.model_dir, dtype, learner.gradient_checkpointing), settings)
+        self.pad_id = int(self.policy.module.config.pad_token_id or 0)
+        self.reference = load_reference(self.model_dir, dtype).to(self.device) if algo.kl_coef > 0 else None
+        self.critic = None
+        if algo.estimator == "gae":
+            critic_settings = replace(settings, lr=learner.critic_lr)
+            critic = ValueModel.from_pretrained(self.model_dir, dtype, learner.gradient_checkpointing)
+            self.critic = eng.TrainEngine(critic, critic_settings)
+
+    @classmethod
+    def from_config(cls, config: TandemConfig, dist: eng.DistInfo) -> Trainer:
+        """The model dir comes from `resolve_model_path(model.path)`; logits are divided by the generator's
+        sampling temperature, so that log-probs match the behaviour log-probs the generator recorded."""
+        from common.model_prep import resolve_model_path
+
+        return cls(resolve_model_path(config.model.path), config.model, config.algo, config.learner,
+                   config.generator.temperature, dist)
+
+    # ------------------------------------------------------------------------------------------------ the step
+    def train_step(self, groups: Sequence[RolloutGroup], staleness: Sequence[np.ndarray]) -> dict[str, float]:
+        """One optimizer step on the global batch whose share on this rank is `groups` (whole groups).
+
+        Returns the metrics of the global batch (identical on every rank): reward/staleness statistics,
+        losses, policy diagnostics and timings. Raises ValueError for an empty or malformed share.
+        """
+        batch = pad_groups(groups, staleness, self.pad_id, first_group_id=self.dist.rank * len(groups))
+        rows = split_rows(batch.size, self.micro_steps)
+        summary = rollout_summary(groups, staleness, self.algo.max_staleness, self._sum_ranks, self._max_ranks)
+        start = time.perf_counter()
+        with torch.no_grad():
+            pre = self._pre_update(batch, rows)
+            advantages, returns = self._advantages(batch, pre)
+        pre_s = time.perf_counter() - start
+        stats, forward_s, backward_s = self._update(batch, rows, pre, advantages, returns)
+        stats["perf/forward_s"] = pre_s + forward_s
+        stats["perf/backward_s"] = backward_s
+        stats["policy/lr"] = self.policy.learning_rate()
+        return {**summary, **stats}
+
+    def _model_logprobs(self, model: object, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs [b, T'], logits [b, T', V] already divided by the temperature) of the completion tokens."""
+        out = model(**inputs.forward_kwargs(), logits_to_keep=inputs.num_predicted, use_cache=False)
+        logits = out.logits[:, :-1] / self.temperature                                 # [b, T', V]
+        return logprobs_from_logits(logits, inputs.completion_tokens), logits
+
+    def _critic_values(self, inputs: ModelInputs) -> torch.Tensor:
+        """V(s_t) [b, T'] for each completion token t, read at the position that predicts t."""
+        return self.critic(**inputs.forward_kwargs(), values_to_keep=inputs.num_predicted)[:, :-1]
+
+    def _pre_update(self, batch: PaddedBatch, rows: list[slice]) -> _PreUpdate:
+        need_ref = self.reference is not None
+        need_logprobs = need_ref and self.algo.kl_in_reward
+        pre = _PreUpdate()
+        shape = (batch.size, batch.width)
+        if need_ref:
+            pre.ref_logprobs = torch.zeros(shape)
+        if need_logprobs:
+            pre.logprobs = torch.zeros(shape)
+        if self.critic is not None:
+            pre.old_values = torch.zeros(shape)
+            self.critic.train(False)
+        for part in rows:
+            inputs = batch.model_inputs(part, self.device)
+            width = inputs.width
+            if need_ref:
+                pre.ref_logprobs[part, :width] = self._model_logprobs(self.reference, inputs)[0].float().cpu()
+            if need_logprobs:
+                pre.logprobs[part, :width] = self._model_logprobs(self.policy, inputs)[0].float().cpu()
+            if self.critic is not None:
+                pre.old_values[part, :width] = self._critic_values(inputs).float().cpu()
+        if self.critic is not None:
+            self.critic.train(True)
+        return pre
+
+    def _advantages(self, batch: PaddedBatch, pre: _PreUpdate) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(advantages [B, T], returns [B, T] for the critic or None), zero off the action tokens."""
+        kl = None
+        if pre.logprobs is not None and pre.ref_logprobs is not None:
+            kl = kl_estimate(pre.logprobs, pre.ref_logprobs, self.algo.kl_estimator, batch.loss_mask)  # [B, T]
+        return batch_advantages(self.algo, batch.rewards, batch.group_ids, batch.loss_mask,
+                                old_values=pre.old_values, kl=kl, sum_ranks=eng.all_reduce)
+
+    # ------------------------------------------------------------------------------------------------ update
+    def _update(self, batch: PaddedBatch, rows: list[slice], pre: _PreUpdate, advantages: torch.Tensor,
+                returns: torch.Tensor | None) -> tuple[dict[str, float], float, float]:
+        """Forward/backward every micro-batch and step; returns (global stats, forward s, backward s)."""
+        algo = self.algo
+        units = self._sum_ranks_tensor(_loss_units(batch.loss_mask, algo.aggregation)).clamp(min=1)
+        tokens = self._sum_ranks_tensor(batch.loss_mask.sum().double()).clamp(min=1)
+        stats = _GlobalAverages()
+        forward_s = backward_s = 0.0
+        for part in rows:
+            start = time.perf_counter()
+            inputs = batch.model_inputs(part, self.device)
+            mask, width = inputs.loss_mask, inputs.width
+            loss_share = float(_loss_units(mask, algo.aggregation) / units)   # this micro-batch's part of the loss
+            token_share = float(mask.sum() / tokens)                           # ... of the action tokens
+            loss = self._policy_objective(inputs, pre, advantages[part, :width].to(self.device), part, stats,
+                                          loss_share, token_share)
+            critic_loss = None
+            if self.critic is not None:
+                critic_loss, value_stats = value_loss(
+                    self._critic_values(inputs), pre.old_values[part, :width].to(self.device),
+                    returns[part, :width].to(self.device), mask, clip=algo.value_clip or None,
+                    aggregation=algo.aggregation)
+                stats.add("loss/value", critic_loss, loss_share)
+                stats.add("critic/clip_frac", value_stats["clip_frac"], token_share)
+            forward_s += time.perf_counter() - start
+            start = time.perf_counter()
+            self.policy.backward(loss * loss_share * self.dist.world_size)
+            self.policy.step()
+            if critic_loss is not None:
+                self.critic.backward(critic_loss * loss_share * self.dist.world_size)
+                self.critic.step()
+            backward_s += time.perf_counter() - start
+        return stats.across_ranks(self._sum_ranks, self._max_ranks), forward_s, backward_s
+
+    def _policy_objective(self, inputs: ModelInputs, pre: _PreUpdate, advantages: torch.Tensor, part: slice,
+                          stats: _GlobalAverages, loss_share: float, token_share: float) -> torch.Tensor:
+        """The micro-batch's loss, aggregated over its own units: policy loss + KL term - entropy bonus.
+        Records its terms (weighted by `loss_share`) and token statistics (by `token_share`) in `stats`."""
+        algo, mask = self.algo, inputs.loss_mask
+        logprobs, logits = self._model_logprobs(self.policy, inputs)                        # [b, T'], [b, T', V]
+        loss, parts = policy_loss(
+            logprobs, logprobs.detach(), inputs.behaviour_logprobs, advantages, mask,
+            clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip, correction=algo.correction,
+            tis_level=algo.tis_level, tis_cap=algo.tis_cap, aggregation=algo.aggregation)
+        stats.add("loss/policy", loss, loss_share)
+        kl_loss = torch.zeros(())
+        kl_behaviour = kl_estimate(inputs.behaviour_logprobs, logprobs.detach(), "k3", mask)   # KL(pi_b || pi)
+        kl_metric = kl_behaviour
+        if pre.ref_logprobs is not None:
+            ref = pre.ref_logprobs[part, : inputs.width].to(self.device)
+            kl_metric = kl_estimate(logprobs.detach(), ref, "k3", mask)                        # KL(pi || pi_ref)
+            if not algo.kl_in_reward:
+                kl_loss = _aggregate(kl_estimate(logprobs, ref, algo.kl_estimator, mask), mask, algo.aggregation)
+                loss = loss + algo.kl_coef * kl_loss
+        with torch.set_grad_enabled(algo.entropy_coef > 0 and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits)                                            # [b, T']
+        if algo.entropy_coef > 0:
+            loss = loss - algo.entropy_coef * _aggregate(entropy, mask, algo.aggregation)
+        stats.add("loss/kl", kl_loss, loss_share)
+        stats.add("loss/total", loss, loss_share)
+        for name, per_token in (("policy/kl", kl_metric), ("policy/kl_behaviour", kl_behaviour),
+                                ("policy/entropy", entropy)):
+            stats.add(name, _aggregate(per_token.detach(), mask, "token_mean"), token_share)
+        stats.add("policy/clip_frac", parts["clip_frac"], token_share)
+        stats.add("policy/iw_mean", parts["is_weight_mean"], token_share)
+        stats.add("policy/iw_truncated_frac", parts["is_truncated_frac"], token_share)
+        stats.peak("policy/iw_max", parts["is_weight_max"])
+        return loss
+
+    # ------------------------------------------------------------------------------------------------ helpers
+    def _sum_ranks(self, values: np.ndarray) -> np.ndarray:
+        return eng.all_reduce(torch.from_numpy(np.asarray(values, dtype=np.float64).copy()), "sum").numpy()
+
+    def _max_ranks(self, values: np.ndarray) -> np.ndarray:
+        return eng.all_reduce(torch.from_numpy(np.asarray(values, dtype=np.float64).copy()), "max").numpy()
+
+    def _sum_ranks_tensor(self, value: torch.Tensor) -> torch.Tensor:
+        return eng.all_reduce(value.double().reshape(1).clone(), "sum")[0]
+
+    # ------------------------------------------------------------------------------------------------ weights
+    def weight_layout(self) -> list[tuple[str, str, list[int]]]:
+        """(HF name, dtype name, full shape) of every published tensor, in `full_weights` order (no gather)."""
+        return [(name, str(p.dtype).removeprefix("torch."), list(getattr(p, "ds_shape", p.shape)))
+                for name, p in self.policy.module.named_parameters()]
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's full weights by HF name (see `TrainEngine.full_weights`; collective under ZeRO-3)."""
+        return self.policy.full_weights()
+
+    # ------------------------------------------------------------------------------------------------ state
+    def save_state(self, directory: Path) -> None:
+        """DeepSpeed state of every engine into `directory/deepspeed`, and (rank 0) the HF export into
+        `directory/hf`. Collective."""
+        self.policy.save(directory / "deepspeed", tag="policy")
+        if self.critic is not None:
+            self.critic.save(directory / "deepspeed", tag="critic")
+        export_hf_model(directory / "hf", self.policy.module.config, self.model_dir, self.full_weights(),
+                        write=self.dist.rank == 0)
+
+    def load_state(self, directory: Path) -> None:
+        """Restore what `save_state` wrote (same world size and ZeRO stage). Collective."""
+        self.policy.load(directory / "deepspeed", tag="policy")
+        if self.critic is not None:
+            self.critic.load(directory / "deepspeed", tag="critic")

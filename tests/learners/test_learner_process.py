@@ -1,0 +1,125 @@
+"""`tandem learner` as a real process over real loopback sockets, fed by a fake buffer, watched by a fake
+generator: it trains, publishes weights byte-equal to its own HF export, checkpoints, is SIGKILLed, resumes
+from the last complete checkpoint and continues at the next version. Plus the simulation stand-in."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.metrics import read_metrics
+from common.sockets import Client, SocketSecurity
+from common.types import WeightsNotNewer
+from learners.sim_trainer import SimulatedTrainer
+from tests.conftest import free_port
+from tests.learners.learner_fakes import (
+    FakeBuffer,
+    LearnerProcess,
+    fetch_weights,
+    learner_config,
+    process_config,
+    safetensors_bytes,
+    synthetic_batch,
+)
+
+REQUIRED_METRICS = [
+    "step", "policy_version", "time", "reward/mean", "reward/std", "staleness/mean", "staleness/max",
+    "staleness/frac_0", "staleness/frac_1", "buffer/dropped_stale", "perf/tokens_per_s", "perf/step_s",
+    "perf/wait_s", "perf/forward_s", "perf/backward_s", "perf/publish_s", "loss/policy", "loss/kl", "policy/kl",
+    "policy/entropy", "policy/clip_frac", "policy/iw_mean", "policy/iw_max",
+]
+
+
+def received_bytes(received: dict[str, np.ndarray]) -> dict[str, bytes]:
+    return {name: array.tobytes() for name, array in received.items()}
+
+
+@pytest.mark.deepspeed
+def test_learner_trains_publishes_checkpoints_survives_sigkill_and_resumes(tiny_model_dir, tmp_path: Path) -> None:
+    buffer_port, weights_port = free_port(), free_port()
+    config = process_config(tiny_model_dir, tmp_path, buffer_port, weights_port, model__dtype="bfloat16",
+                            learner__lr=1e-2, learner__total_steps=5, learner__save_every=2)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    buffer = FakeBuffer(buffer_port, groups_per_step=2, group_size=4, gate=0)
+    generator = Client(f"127.0.0.1:{weights_port}", SocketSecurity(), identity="fake-generator")
+    try:
+        with LearnerProcess(config, tmp_path / "first.log") as learner:
+            learner.wait_until(lambda: any(r.step == 0 for r in buffer.requests), 120, "the first batch request")
+            header, initial = fetch_weights(generator, -1)  # version 0 = the initial weights, served at once
+            assert header.policy_version == 0
+            assert received_bytes(initial) == safetensors_bytes(tiny_model_dir / "model.safetensors")
+            buffer.set_gate(2)
+            learner.wait_until(lambda: (checkpoints / "step-000002").is_dir()
+                               and any(r.step == 2 for r in buffer.requests), 120, "checkpoint 2")
+            header, v2 = fetch_weights(generator, 0)
+            assert header.policy_version == 2
+            assert received_bytes(v2) == safetensors_bytes(checkpoints / "step-000002" / "hf" / "model.safetensors")
+            assert sum(v2[n].tobytes() != initial[n].tobytes() for n in v2) == len(v2)  # every tensor trained
+            learner.kill()
+            assert learner.process.returncode == -9
+        assert [(r.policy_version, r.step) for r in buffer.reports] == [(0, 0), (1, 1), (2, 2)]
+        before = len(buffer.requests), len(buffer.reports)
+        buffer.set_gate(4)
+        with LearnerProcess(config, tmp_path / "resumed.log", ["--learner.resume", "true"]) as learner:
+            learner.wait_until(lambda: (checkpoints / "step-000004").is_dir()
+                               and any(r.step == 4 for r in buffer.requests), 120, "checkpoint 4")
+            assert buffer.requests[before[0]].step == 2  # continues where the checkpoint left off
+            header, v4 = fetch_weights(generator, 2)
+            assert header.policy_version == 4
+            assert received_bytes(v4) == safetensors_bytes(checkpoints / "step-000004" / "hf" / "model.safetensors")
+            assert fetch_weights(generator, 4)[0] == WeightsNotNewer(latest_version=4)
+            buffer.set_gate(None)
+            assert learner.wait_exit(120) == 0, learner.log_tail()
+        assert [(r.policy_version, r.step) for r in buffer.reports[before[1]:]] == [(2, 2), (3, 3), (4, 4), (5, 5)]
+        assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000004", "step-000005"]  # keep 2
+        records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+        assert [r["step"] for r in records][-3:] == [3, 4, 5]
+        for key in REQUIRED_METRICS:
+            assert all(r.get(key) is not None for r in records), key
+        assert records[-1]["buffer/dropped_stale"] == 3 and records[-1]["policy_version"] == 5
+    finally:
+        generator.close()
+        buffer.close()
+
+
+def test_simulated_learner_serves_real_bytes_and_real_versions(tmp_path: Path) -> None:
+    buffer_port, weights_port = free_port(), free_port()
+    config = process_config("tiny", tmp_path, buffer_port, weights_port, run__simulate=True,
+                            learner__sim_weights_mb=3.0, learner__sim_sample_s=0.05, learner__total_steps=3)
+    buffer = FakeBuffer(buffer_port, groups_per_step=2, group_size=4, gate=2)
+    generator = Client(f"127.0.0.1:{weights_port}", SocketSecurity(), identity="fake-generator")
+    try:
+        with LearnerProcess(config, tmp_path / "sim.log") as learner:
+            learner.wait_until(lambda: any(r.step == 2 for r in buffer.requests), 60, "step 2's batch request")
+            header, weights = fetch_weights(generator, -1)
+            assert header.policy_version == 2
+            assert sum(a.nbytes for a in weights.values()) == 3 << 20
+            assert all(a[0] == 2.0 for a in weights.values())
+            buffer.set_gate(None)
+            assert learner.wait_exit(60) == 0, learner.log_tail()
+        assert [r.policy_version for r in buffer.reports] == [0, 1, 2, 3]
+        records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+        assert [r["step"] for r in records] == [1, 2, 3]
+        assert records[0]["reward/mean"] > 0 and records[0]["perf/samples"] == 8
+        assert not any(key.startswith("loss/") for key in records[0])  # nothing pretends to be a loss
+        assert "deepspeed" not in learner.log_tail(100_000).lower()  # the simulation never starts DeepSpeed
+    finally:
+        generator.close()
+        buffer.close()
+
+
+def test_simulated_trainer_costs_sim_sample_s_per_sample_over_the_ranks() -> None:
+    config = learner_config("tiny", run__simulate=True, learner__sim_sample_s=0.02, learner__sim_weights_mb=1.0,
+                            learner__world_size=2)
+    trainer = SimulatedTrainer(config.learner, config.algo)
+    groups = synthetic_batch(0, 4, 4)
+    start = time.perf_counter()
+    stats = trainer.train_step(groups, [np.ones(4, dtype=np.int32)] * 4)
+    elapsed = time.perf_counter() - start
+    assert 0.16 <= elapsed < 0.5  # 16 samples x 0.02 s / 2 ranks
+    assert stats["staleness/frac_1"] == 1.0 and stats["perf/samples"] == 16
+    assert sum(np.prod(shape) * 4 for _, _, shape in trainer.weight_layout()) == 1 << 20
+    assert all(array[0] == 1.0 for _, array in trainer.full_weights())
