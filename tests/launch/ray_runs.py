@@ -1,0 +1,101 @@
+"""Drive `tandem ray` from tests: the launcher as a real subprocess, the run directory's metrics and counters."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from common.metrics import read_metrics
+
+HERE = Path(__file__).resolve().parent
+SIM_CONFIG = HERE / "ray_sim.toml"
+
+
+class RayLaunch:
+    """`python -m launch.cli ray CONFIG ...` in its own session; `close()` stops it (and its fleet) for sure."""
+
+    def __init__(self, root: Path, name: str, address: str, keys: Path | None, config: Path, *overrides: str) -> None:
+        self.run_dir = root / name
+        self.name = name
+        self.address = address
+        self.output = root / f"{name}.launcher.out"
+        security = ["--run.curve_keys_dir", json.dumps(str(keys))] if keys else []
+        argv = [sys.executable, "-m", "launch.cli", "ray", str(config), "--run.root", json.dumps(str(root)),
+                "--run.name", name, "--ray.address", json.dumps(address), *security, *overrides]  # fmt: skip
+        with self.output.open("wb") as out:
+            self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def records(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "metrics.jsonl"
+        return read_metrics(path) if path.exists() else []
+
+    def wait_steps(self, steps: int, timeout_s: float) -> list[dict[str, Any]]:
+        """The learner's records once it has logged `steps` steps; fails with the launcher's output if not."""
+        wait_for(lambda: len(self.records()) >= steps or self.process.poll() is not None, timeout_s,
+                 lambda: f"{steps} learner steps", self)  # fmt: skip
+        assert self.process.poll() is None or len(self.records()) >= steps, self.tail()
+        return self.records()
+
+    def wait_exit(self, timeout_s: float) -> int:
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"tandem ray did not end within {timeout_s:.0f}s:\n{self.tail()}") from None
+
+    def tail(self, lines: int = 60) -> str:
+        text = self.output.read_text(errors="replace") if self.output.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def close(self) -> None:
+        """SIGTERM the launcher (it stops the fleet in order), SIGKILL it after a grace period."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, launch: RayLaunch | None = None) -> Any:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}\n{launch.tail() if launch else ''}")
+
+
+def samples_per_s(records: list[dict[str, Any]], first_step: int, last_step: int) -> float:
+    """Trained samples per second of wall time between the end of `first_step` and the end of `last_step`."""
+    by_step = {r["step"]: r for r in records}
+    start, end = by_step[first_step], by_step[last_step]
+    samples = end["learner/samples_trained"] - start["learner/samples_trained"]
+    return samples / (end["time"] - start["time"])
+
+
+def buffer_counters(run_dir: Path) -> dict[str, Any]:
+    """The buffer's last record (written as it stops), without the `buffer/` prefix."""
+    final = read_metrics(run_dir / "buffer.jsonl")[-1]
+    return {key.removeprefix("buffer/"): value for key, value in final.items()}
+
+
+def processes_of(run_dir: Path) -> list[str]:
+    """Processes whose command line names this run's directory (its roles), other than this one."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(run_dir) in cmdline and int(pid) != os.getpid():
+            found.append(f"{pid}: {cmdline[:160]}")
+    return found

@@ -1,0 +1,139 @@
+"""`tandem ray` on a 3-node Ray cluster (one machine), SIMULATION mode: real processes, sockets, leases, buffer.
+
+- scaling 1 -> 3 generators mid-run raises the learner's trained samples/s; the new ones spread over nodes;
+- a generator whose process is SIGKILLed, and one whose Ray actor is killed, are replaced (new indices) and the
+  run still trains on every prompt of its single epoch: none was lost (the dead one's leases were re-issued);
+- a learner that dies stops the whole run cleanly (exit 1, no process left), its checkpoint resumable;
+  with `ray.max_learner_restarts` it is restarted from that checkpoint instead and the run finishes;
+- a fleet the cluster cannot hold, or that would bind a node address without keys, is refused (exit 2).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.launch.ray_runs import SIM_CONFIG, RayLaunch, buffer_counters, processes_of, samples_per_s, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = 400  # one epoch (buffer.epochs = 1): the run ends when every prompt has come back
+GROUPS_PER_STEP = 4  # ray_sim.toml
+
+
+def scale_with_cli(name: str, address: str, generators: int) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "launch.cli", "ray", "scale", name, "--generators", str(generators),
+            "--address", address]  # fmt: skip
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
+def test_scale_up_and_replace_dead_generators(tmp_path: Path, ray_cluster: str, curve_keys: Path) -> None:
+    import ray
+
+    from launch.ray_control import controller, fleet_status, stop_fleet
+    from launch.ray_plan import NAMESPACE, actor_name
+
+    launch = RayLaunch(tmp_path, "scale", ray_cluster, curve_keys, SIM_CONFIG, "--learner.total_steps", "100000",
+                       "--env.num_prompts", str(PROMPTS), "--buffer.epochs", "1")  # fmt: skip
+    try:
+        records = launch.wait_steps(14, timeout_s=120)
+        before = samples_per_s(records, 4, len(records))
+
+        result = scale_with_cli("scale", ray_cluster, 3)
+        assert result.returncode == 0, result.stderr
+        status = fleet_status("scale")
+        assert [g["name"] for g in status["generators"]] == ["generator-0", "generator-1", "generator-2"]
+        assert len({g["node_id"] for g in status["generators"]}) >= 2, "generators were not spread over nodes"
+        scaled_at = len(launch.records())
+        records = launch.wait_steps(scaled_at + 30, timeout_s=90)
+        after = samples_per_s(records, scaled_at + 8, len(records))
+        print(f"trained samples/s: 1 generator {before:.1f}, 3 generators {after:.1f}")
+        assert after > 1.5 * before, f"samples/s with 1 generator {before:.1f}, with 3 {after:.1f}"
+
+        handle = controller("scale")
+        os.kill(ray.get(handle.member_pid.remote("generator-1")), signal.SIGKILL)  # a crash: its leases stay out
+        ray.kill(ray.get_actor(actor_name("scale", "generator-2"), namespace=NAMESPACE))  # its actor dies
+        status = wait_for(lambda: (s := fleet_status("scale"))["restarts"]["generator"] == 2 and s, 60,
+                          "both dead generators to be replaced", launch)  # fmt: skip
+        assert [g["name"] for g in status["generators"]][1:] == ["generator-3", "generator-4"]
+
+        # Generators exit once the buffer has nothing left to lease and every leased prompt came back.
+        wait_for(lambda: not fleet_status("scale")["generators"], 120, "the epoch's prompts to run out", launch)
+        assert stop_fleet("scale")["code"] == 130
+        assert launch.wait_exit(timeout_s=60) == 130, launch.tail()
+    finally:
+        launch.close()
+
+    counters = buffer_counters(launch.run_dir)  # written by the buffer as it stopped
+    assert counters["arrived_groups"] == PROMPTS and counters["duplicates"] == 0, counters  # each prompt once
+    assert counters["prompts_reissued"] >= 1 and counters["generators_lost"] >= 1, counters
+    for unit in ("", "_groups"):
+        assert counters[f"arrived{unit}"] == sum(counters[f"{key}{unit}"] for key in
+                                                 ("trained", "dropped_stale", "evicted", "rejected", "buffered"))
+    records = launch.records()
+    gaps = [b["time"] - a["time"] for a, b in zip(records, records[1:])]
+    assert max(gaps) < 20, f"the learner stalled {max(gaps):.1f}s (lease timeout 20s)"
+    # The learner trained everything the buffer served, and what is left is less than one batch.
+    assert records[-1]["learner/samples_trained"] == counters["trained"], (records[-1], counters)
+    assert counters["buffered_groups"] < GROUPS_PER_STEP, counters
+    assert not processes_of(launch.run_dir), processes_of(launch.run_dir)
+    assert all((launch.run_dir / "logs" / f"generator-{i}.log").is_file() for i in range(5))
+
+
+def test_dead_learner_stops_the_run_cleanly(tmp_path: Path, ray_cluster: str, curve_keys: Path) -> None:
+    import ray
+
+    from learners.checkpoint import CheckpointManager
+    from launch.ray_control import controller
+
+    launch = RayLaunch(tmp_path, "learner-dies", ray_cluster, curve_keys, SIM_CONFIG,
+                       "--learner.total_steps", "100000", "--learner.save_every", "5")  # fmt: skip
+    try:
+        launch.wait_steps(12, timeout_s=120)
+        pid = ray.get(controller("learner-dies").member_pid.remote("learner-0"))
+        os.kill(pid, signal.SIGKILL)
+        assert launch.wait_exit(timeout_s=90) == 1
+    finally:
+        launch.close()
+    assert "learner-0 ended (exit code -9)" in launch.tail(), launch.tail()
+    assert not processes_of(launch.run_dir), processes_of(launch.run_dir)
+    latest = CheckpointManager(launch.run_dir / "checkpoints", rank=0).latest()
+    assert latest is not None and latest.name >= "step-000010", latest
+
+
+def test_dead_learner_resumes_when_configured(tmp_path: Path, ray_cluster: str, curve_keys: Path) -> None:
+    import ray
+
+    from common.metrics import read_metrics
+    from launch.ray_control import controller
+
+    launch = RayLaunch(tmp_path, "learner-resumes", ray_cluster, curve_keys, SIM_CONFIG, "--learner.total_steps", "30",
+                       "--learner.save_every", "5", "--ray.max_learner_restarts", "1")  # fmt: skip
+    try:
+        launch.wait_steps(12, timeout_s=120)
+        os.kill(ray.get(controller("learner-resumes").member_pid.remote("learner-0")), signal.SIGKILL)
+        assert launch.wait_exit(timeout_s=120) == 0, launch.tail()
+    finally:
+        launch.close()
+    steps = [r["step"] for r in launch.records()]
+    resumed_at = next(i for i, (a, b) in enumerate(zip(steps, steps[1:])) if b <= a) + 1
+    assert steps[resumed_at] in (6, 11, 16) and steps[-1] == 30, steps  # continued after checkpoint 5, 10 or 15
+    assert steps[resumed_at:] == list(range(steps[resumed_at], 31)), steps
+    assert read_metrics(launch.run_dir / "ray.jsonl")[-1]["ray/learner_restarts"] == 1
+    assert not processes_of(launch.run_dir), processes_of(launch.run_dir)
+
+
+def test_launch_refuses_what_the_cluster_cannot_hold(tmp_path: Path, ray_cluster: str, curve_keys: Path) -> None:
+    too_big = RayLaunch(tmp_path, "too-big", ray_cluster, curve_keys, SIM_CONFIG, "--ray.generator_cpus", "64")
+    assert too_big.wait_exit(timeout_s=60) == 2
+    assert "reserves 65 for the buffer, the learner and 1 generator(s): lower ray.buffer_cpus" in too_big.tail()
+    # A joined cluster: the services bind their node's IP, which needs CurveZMQ keys (or run.insecure).
+    no_keys = RayLaunch(tmp_path, "no-keys", ray_cluster, None, SIM_CONFIG)
+    assert no_keys.wait_exit(timeout_s=90) == 2
+    assert "set run.curve_keys_dir" in no_keys.tail(), no_keys.tail()
+    assert not processes_of(no_keys.run_dir)

@@ -1,0 +1,109 @@
+"""`tandem ray`'s decisions without a cluster: names, resources, endpoints, rank environments, the [ray] config,
+the example GPU cluster config, and the `tandem ray scale|status|stop` command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from common.config import ConfigError, load_config
+from launch.ray_plan import (
+    Endpoints,
+    actor_name,
+    bind_problem,
+    capacity_problem,
+    fleet_config,
+    learner_env,
+    learner_processes,
+    resource_demand,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+TANDEM = [sys.executable, "-m", "launch.cli"]
+
+
+def test_actor_names_show_run_role_and_index() -> None:
+    assert actor_name("exp1", "generator-3") == "tandem:exp1:generator-3"
+
+
+def test_demand_counts_buffer_learner_processes_and_generators() -> None:
+    config = load_config(None, {"generator.count": 4, "learner.world_size": 2, "learner.groups_per_step": 4,
+                                "ray.generator_cpus": 0.5, "ray.learner_gpus": 1, "ray.generator_gpus": 2,
+                                "generator.tensor_parallel_size": 2})  # fmt: skip
+    assert resource_demand(config) == {"CPU": 1 + 2 * 1 + 4 * 0.5, "GPU": 2 * 1 + 4 * 2}
+    assert resource_demand(config, generators=1)["GPU"] == 2 + 2
+    simulated = load_config(None, {"learner.world_size": 2, "learner.groups_per_step": 4, "run.simulate": True})
+    assert learner_processes(simulated) == 1  # one process stands for every rank in simulation
+
+
+def test_capacity_problem_names_the_knobs_to_change() -> None:
+    assert capacity_problem({"CPU": 3.0, "GPU": 0.0}, {"CPU": 4.0}, generators=1) is None
+    message = capacity_problem({"CPU": 3.0, "GPU": 2.0}, {"CPU": 8.0, "GPU": 1.0}, generators=1)
+    assert message is not None and "has 1 GPU" in message and "reserves 2" in message
+    assert "ray.generator_gpus" in message
+
+
+def test_fleet_config_fills_both_ends_of_every_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = load_config(None, {"run.root": "runs", "run.insecure": True, "learner.cpu_cores": "1",
+                                "generator.cpu_cores": "0"})  # fmt: skip
+    fleet = fleet_config(config, Endpoints("10.0.0.5", 41234, "10.0.0.7", 41801))
+    assert fleet.run.root == tmp_path / "runs"  # absolute: roles run in other directories
+    assert (fleet.buffer.host, fleet.buffer.port) == ("10.0.0.5", 41234)
+    assert fleet.generator.buffer_address == fleet.learner.buffer_address == "10.0.0.5:41234"
+    assert (fleet.learner.weights_host, fleet.learner.weights_port) == ("10.0.0.7", 41801)
+    assert fleet.generator.weights_address == "10.0.0.7:41801"
+    assert fleet.learner.cpu_cores == fleet.generator.cpu_cores == ""  # Ray places; no pinning
+    ipv6 = fleet_config(config, Endpoints("fd00::5", 1, "fd00::7", 2))
+    assert ipv6.generator.buffer_address == "fd00::5:1"  # host = everything before the last ':' 
+
+
+def test_learner_env_counts_local_ranks_per_node() -> None:
+    nodes = ["a", "a", "b", "a"]
+    envs = [learner_env(rank, nodes, "10.0.0.7", 29500) for rank in range(4)]
+    assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"] and {e["WORLD_SIZE"] for e in envs} == {"4"}
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "0", "2"]
+    assert [e["LOCAL_WORLD_SIZE"] for e in envs] == ["3", "3", "1", "3"]
+    assert envs[2]["MASTER_ADDR"] == "10.0.0.7" and envs[2]["MASTER_PORT"] == "29500"
+    gpu = learner_env(3, nodes, "10.0.0.7", 29500, own_device=True)  # Ray shows each rank only its GPU
+    assert (gpu["LOCAL_RANK"], gpu["LOCAL_WORLD_SIZE"]) == ("0", "1")
+
+
+def test_binding_a_node_address_needs_keys_or_insecure(tmp_path: Path) -> None:
+    plain = load_config(None)
+    assert bind_problem("127.0.0.1", plain) is None
+    problem = bind_problem("10.0.0.5", plain)
+    assert problem is not None and "run.curve_keys_dir" in problem and "run.insecure" in problem
+    assert bind_problem("10.0.0.5", load_config(None, {"run.curve_keys_dir": str(tmp_path)})) is None
+    assert bind_problem("10.0.0.5", load_config(None, {"run.insecure": True})) is None
+
+
+def test_ray_section_rules() -> None:
+    with pytest.raises(ConfigError, match="ray.generator_gpus: must be 0"):
+        load_config(None, {"generator.tensor_parallel_size": 2, "ray.generator_gpus": 1})
+    with pytest.raises(ConfigError, match="ray.max_learner_restarts: needs learner.save_every"):
+        load_config(None, {"ray.max_learner_restarts": 1})
+    with pytest.raises(ConfigError, match="ray.generator_cpus"):
+        load_config(None, {"ray.generator_cpus": -1})
+
+
+def test_example_gpu_cluster_config_validates() -> None:
+    result = subprocess.run([*TANDEM, "config", str(REPO / "examples" / "gpu_cluster.toml")], capture_output=True,
+                            text=True, cwd=REPO)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    config = load_config(REPO / "examples" / "gpu_cluster.toml")
+    assert (config.generator.count, config.generator.tensor_parallel_size, config.ray.generator_gpus) == (8, 2, 2)
+    assert (config.learner.world_size, config.learner.zero_stage, config.ray.learner_gpus) == (4, 3, 1)
+
+
+def test_ray_control_commands_answer_help_at_once() -> None:
+    start = time.perf_counter()
+    result = subprocess.run([*TANDEM, "ray", "scale", "--help"], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0 and "--generators" in result.stdout
+    assert time.perf_counter() - start < 5  # no Ray import for --help
+    missing = subprocess.run([*TANDEM, "ray", "scale", "some-run"], capture_output=True, text=True, cwd=REPO)
+    assert missing.returncode == 2 and "--generators" in missing.stderr
