@@ -112,8 +112,16 @@ class BufferCore:
         return [(reply_to, LeaseGrant(lease.lease_id, lease.deadline, dispenser.items(lease)))]
 
     def _admitted(self) -> int:
-        """Groups that will still be trained: trained + buffered + prompts outstanding in leases."""
-        return self.state.ledger.counts["trained_groups"] + len(self.state.replay) + self.state.dispenser.outstanding
+        """Groups in the learner's timeline: trained (since a rewind: re-based to V·B) + buffered + outstanding.
+
+        The admission argument numbers groups from the learner's step 0 (group m is trained at step ⌊m/B⌋). A learner
+        that resumes from an older checkpoint reports a lower step V; the groups trained after that checkpoint are
+        then no longer part of its timeline, and counting them would refuse every lease forever ("full") while the
+        learner waits for a batch.
+        """
+        state = self.state
+        trained = state.ledger.counts["trained_groups"] - state.trained_offset
+        return trained + len(state.replay) + state.dispenser.outstanding
 
     def _group(self, group: RolloutGroup, reply_to: Any, sender: str, now: float) -> list[Reply]:
         """Checks in order: the lease (unknown, foreign, wrong prompt or epoch: rejected), the prompt (already

@@ -71,6 +71,9 @@ class BufferState:
         self.ledger = Ledger()
         self.learner_version = 0  # V: the learner's step from its last VersionReport
         self.policy_version = 0  # the newest weights version it reported publishing
+        # Trained groups that the learner's current timeline does not know: set when a learner reports an older step
+        # than before (it resumed from an older checkpoint), so that admission counts V·B trained groups again.
+        self.trained_offset = 0
         self.next_seq = 1  # arrival number of the next accepted group
         self._held: dict[int, RolloutGroup] = {}  # during restore: groups only a pending draw still holds
         self._saved_counts: dict[str, int] = {}
@@ -167,7 +170,8 @@ class BufferState:
         """The events that rebuild the current state from nothing: version, leases, the groups still buffered
         or held by a drawn batch (undelivered, or the last completed one, kept for a retry), those batches,
         and the ledger last (it overwrites every counter)."""
-        yield "version", {"step": self.learner_version, "policy_version": self.policy_version}, []
+        yield "version", {"step": self.learner_version, "policy_version": self.policy_version,
+                          "trained_offset": self.trained_offset}, []  # fmt: skip
         yield "leases", {"snapshot": self.dispenser.snapshot(), "t": now}, []
         batches = [*self.book.drawn.values(), *([self.book.completed] if self.book.completed else [])]
         written: set[int] = set()
@@ -231,7 +235,12 @@ class BufferState:
         self.ledger.event("prompts_reissued", self.dispenser.requeue(meta["lease_id"], meta["prompt_ids"], meta["t"]))
 
     def _apply_version(self, meta: dict[str, Any], _: Any) -> None:
-        self.learner_version, self.policy_version = meta["step"], meta["policy_version"]
+        step = meta["step"]
+        if "trained_offset" in meta:  # a compacted journal's snapshot
+            self.trained_offset = meta["trained_offset"]
+        elif step < self.learner_version:  # the learner resumed from an older checkpoint: re-base admission
+            self.trained_offset = self.ledger.counts["trained_groups"] - step * self.settings.groups_per_step
+        self.learner_version, self.policy_version = step, meta["policy_version"]
 
     def _apply_counters(self, meta: dict[str, Any], _: Any) -> None:
         self.ledger.replace(meta["counts"])

@@ -257,3 +257,22 @@ def test_fifo_in_order_admission_never_needs_the_filter(ops, eta) -> None:
         run.play(op, 0 if op == "push" else pick)  # push the oldest unsent group: admission order
     assert core.counters()["dropped_stale"] == 0
     event(f"served >= {min(core.counters()['served_groups'], 6)}")
+
+
+def test_learner_resumed_from_an_older_checkpoint_is_not_starved() -> None:
+    """A learner trains steps 0..2, dies, resumes from its step-1 checkpoint: admission must open again
+    (the groups trained after that checkpoint are not in its timeline any more), not refuse 'full' forever."""
+    core = make_core()  # B = 2, η = 1
+    for step in range(3):
+        grant = lease(core, 2, version=step)
+        push_all(core, grant, version=step)
+        batch = ask(core, BatchRequest(step, 0, 1, 2, 0.0))
+        assert isinstance(batch, Batch) and len(batch.groups) == 2
+        ask(core, VersionReport(step + 1, step + 1))
+    ask(core, VersionReport(1, 1))  # resumed at step 1 with the step-1 weights
+    grant = lease(core, 4, version=1)
+    assert len(grant.prompts) == 4  # (1 + 1 + 1) * 2 - 1 * 2 trained in the new timeline
+    push_all(core, grant, version=1)
+    assert isinstance(ask(core, BatchRequest(1, 0, 1, 2, 0.0)), Batch)
+    c = core.counters()
+    assert c["arrived"] == c["trained"] + c["dropped_stale"] + c["evicted"] + c["rejected"] + c["buffered"]
