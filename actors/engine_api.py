@@ -1,6 +1,7 @@
 """The interface a generator drives: a continuously batching sampling engine (vLLM, or the simulation stand-in).
 
     engine.add(request_id, prompt_tokens)           # any time: joins the running batch at the next step
+    engine.add(request_id, prompt_tokens, max_tokens=16)    # a turn of a multi-turn episode: its own budget
     while engine.num_unfinished():
         for sample in engine.step():                # one engine step; the samples that finished in it
             ...                                     # sample.token_versions says which weights made each token
@@ -61,8 +62,14 @@ class Engine(Protocol):
         """Text of completion tokens (special tokens skipped), for the reward function."""
         ...
 
-    def add(self, request_id: str, prompt_tokens: list[int]) -> None:
-        """Queue one sample; it joins the running batch at the next step."""
+    def render_turn(self, model_tokens: np.ndarray, messages: list[dict[str, str]]) -> list[int]:
+        """Environment tokens that follow a model turn in a multi-turn episode: the end of the model's turn that it
+        did not sample itself, then `messages`, then the generation prompt (see `actors.chat_turns`)."""
+        ...
+
+    def add(self, request_id: str, prompt_tokens: list[int], max_tokens: int | None = None) -> None:
+        """Queue one sample of at most `max_tokens` tokens (None = the engine's configured `max_tokens`); it joins
+        the running batch at the next step."""
         ...
 
     def num_unfinished(self) -> int:

@@ -13,8 +13,11 @@ One loop, one thread, each pass in this order (`run` below):
   5. lease prompts whenever fewer than `prompts_in_flight` are held (ahead of need), unless the outbox is full.
      Refusals: "stale" -> fetch weights >= min_version first; "full" -> wait `retry_after_s`, poll weights;
      "exhausted" -> finish in-flight work and exit 0.
-  6. add leased prompts to the engine (n requests each, stamped with the current policy version).
-  7. one engine step; finished groups are scored and built into `RolloutGroup`s for the outbox.
+  6. add leased prompts to the engine (n requests each, stamped with the current policy version); with a multi-turn
+     environment (`env.environment`), open n episodes each instead (`actors.episodes`): their environment calls
+     run off this loop, and this phase also takes in finished calls and adds the episodes' next turns.
+  7. one engine step; finished groups are scored and built into `RolloutGroup`s for the outbox (multi-turn: each
+     finished turn goes to its episode, and a group is built once its n episodes have ended).
   8. metrics (`actor/...`) every `REPORT_S`.
 A generator that starts (or restarts) asks the publisher for the newest weights before its first lease.
 On exit it returns the prompts it did not finish (`LeaseReturn`) so the buffer re-issues them at once.
@@ -28,11 +31,15 @@ import time
 from typing import Any
 
 from actors.engine_api import Engine, SamplingSettings
+from actors.env_runner import EnvRunner
+from actors.episodes import EpisodeDriver, EpisodeLimits
 from actors.groups import LeaseBook, PendingGroup, build_group, sample_request_id
 from actors.outbox import BufferLink, Outbox
 from actors.rewards import RewardScorer
+from actors.trajectory import build_episode_group
 from actors.weights import WeightsPoller, WeightsUpdate, ZmqWeightsSource
 from common.config import TandemConfig
+from common.envs import EnvironmentFactory, environment_factory
 from common.logs import setup_logging
 from common.metrics import MetricsSink
 from common.sockets import SocketSecurity
@@ -54,8 +61,9 @@ def run(config: TandemConfig) -> int:
     setup_logging("generator", index, config.run.run_dir)
     stop = _StopSignal()  # before the engine's slow start: a SIGTERM then still exits cleanly
     scorer = RewardScorer(config.env)  # a misnamed reward function fails now, not after the engine started
+    environments = environment_factory(config.env) if config.env.environment else None  # ... and environment
     engine = open_engine(config)
-    actor = Generator(config, engine, scorer)
+    actor = Generator(config, engine, scorer, environments)
     try:
         actor.sync_weights_at_start()
         while not actor.done():
@@ -115,7 +123,8 @@ class _StopSignal:
 class Generator:
     """The state of one generator and one method per phase of `run`'s loop. One thread."""
 
-    def __init__(self, config: TandemConfig, engine: Engine, scorer: RewardScorer) -> None:
+    def __init__(self, config: TandemConfig, engine: Engine, scorer: RewardScorer,
+                 environments: EnvironmentFactory | None = None) -> None:
         gen = config.generator
         self.config = config
         self.index = gen.index
@@ -128,6 +137,11 @@ class Generator:
         )
         self.scorer = scorer
         self.book = LeaseBook(config.algo.group_size)
+        self.episodes: EpisodeDriver | None = None  # multi-turn mode when an environment is configured
+        if environments is not None:
+            runner = EnvRunner(config.env.env_workers)
+            limits = EpisodeLimits.from_config(config)
+            self.episodes = EpisodeDriver(engine, environments, limits, runner, config.algo.group_size)
         self.metrics = MetricsSink(config.run.run_dir, f"generator-{gen.index}")
         self.pending_update: WeightsUpdate | None = None
         self.draining = False
@@ -156,13 +170,22 @@ class Generator:
     def done(self) -> bool:
         """Exhausted or draining, with nothing left to generate or push; or the drain deadline has passed."""
         if self.draining:  # queued prompts will not run: they are returned
-            return time.monotonic() >= self.drain_deadline or (not self.book.running and len(self.outbox) == 0)
+            running = bool(self.book.running) or (self.episodes is not None and self.episodes.active())
+            return time.monotonic() >= self.drain_deadline or (not running and len(self.outbox) == 0)
         return self.exhausted and self.book.in_flight() == 0 and len(self.outbox) == 0
 
     def return_unfinished_leases(self) -> None:
-        """Give back what was not finished, so the buffer re-issues it now rather than at the lease timeout."""
+        """Give back what was not delivered, so the buffer re-issues it now rather than at the lease timeout:
+        prompts still generating, and groups built but never acknowledged (the drain deadline can pass while the
+        outbox still holds some). A group that reaches the buffer after all is de-duplicated there."""
         self.engine.abort(self.book.running_request_ids())
-        for lease_id, prompt_ids in self.book.unfinished().items():
+        if self.episodes is not None:
+            self.engine.abort(self.episodes.request_ids())
+        self.outbox.flush(self.link)  # a last attempt for what is already built
+        unfinished = self.book.unfinished()
+        for group in self.outbox.groups:
+            unfinished.setdefault(group.lease_id, []).append(group.prompt_id)
+        for lease_id, prompt_ids in unfinished.items():
             if not self.link.ready(time.monotonic()):
                 log.warning("buffer away: lease %d (%d prompts) is re-issued at its timeout", lease_id, len(prompt_ids))
                 continue
@@ -175,6 +198,8 @@ class Generator:
     def close(self) -> None:
         self.report(time.monotonic(), force=True)
         self.engine.shutdown()
+        if self.episodes is not None:
+            self.episodes.close()
         self.link.close()
         self.weights.close()
         self.metrics.close()
@@ -248,6 +273,9 @@ class Generator:
         max_len = self.config.model.max_model_len
         while (item := self.book.take_queued()) is not None:
             lease_id, prompt = item
+            if self.episodes is not None:  # the episodes render their own first observations (reset)
+                self.episodes.start_group(lease_id, prompt)
+                continue
             tokens = self.engine.render(prompt)
             if len(tokens) >= max_len:
                 self.stats.prompts_too_long += 1
@@ -265,16 +293,34 @@ class Generator:
         """One engine step (or a short idle wait); complete groups are scored, built and put in the outbox."""
         if self.draining and now >= self.drain_deadline:
             return
+        if self.episodes is not None:
+            self._advance_episodes()
         if self.engine.num_unfinished() == 0:
-            time.sleep(IDLE_WAIT_S)
+            if self.episodes is not None:
+                self.episodes.wait(IDLE_WAIT_S)  # wakes as soon as an environment call finishes
+            else:
+                time.sleep(IDLE_WAIT_S)
             self.stats.idle_s += time.monotonic() - now
             return
         for sample in self.engine.step():
-            self.stats.samples += 1
             self.stats.tokens += len(sample.completion_tokens)
+            if self.episodes is not None:
+                self.episodes.on_turn(sample)
+                continue
+            self.stats.samples += 1
             pending = self.book.record(sample)
             if pending is not None:
                 self._finish_group(pending)
+
+    def _advance_episodes(self) -> None:
+        """Finished environment calls in, next turns out (held while the engine drains for a weights load);
+        groups whose n episodes all ended are built for the outbox."""
+        hold = self.pending_update is not None and not self.config.generator.inflight_weight_update
+        for group in self.episodes.advance(submit=not hold):
+            self.stats.samples += len(group.results)
+            self.outbox.add(build_episode_group(group.lease_id, group.prompt, group.results, self.index,
+                                                group.started_at))
+            self.book.close_prompt(group.lease_id, group.prompt.prompt_id)
 
     def _finish_group(self, pending: PendingGroup) -> None:
         metadata = pending.prompt.metadata
@@ -296,6 +342,8 @@ class Generator:
             "actor/buffer_reconnects": self.link.reconnects,
             "actor/weight_fetch_failures": sum(self.weights.failures.values()),
         })
+        if self.episodes is not None:
+            values.update(self.episodes.metrics())
         self.metrics.log(self.stats.reports, values)
         self.stats.reports += 1
 

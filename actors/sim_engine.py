@@ -2,8 +2,9 @@
 
 Every step produces one random token for every running sequence and takes `sim_token_s` of wall time however many
 sequences run (continuous batching: a step's cost does not grow with the batch); a sample finishes after
-`sim_tokens` tokens. Weights are received for real by the generator (same transport, same bytes) and "loaded" by
-taking their version: there is no model to load them into. Prompts are "tokenized" as their UTF-8 bytes.
+`sim_tokens` tokens (or the request's own `max_tokens`, if fewer). Weights are received for real by the generator
+(same transport, same bytes) and "loaded" by taking their version: there is no model to load them into. Prompts
+and multi-turn observations are "tokenized" as their UTF-8 bytes.
 Everything around it (leases, sockets, buffer, versions, staleness) stays real; this is what fleet-scale tests use.
 """
 
@@ -23,12 +24,14 @@ from common.types import PromptItem
 log = logging.getLogger("tandem.actors.sim_engine")
 
 SIM_VOCAB_SIZE = 49152
+SIM_END_OF_TURN = 2  # what closes an assistant turn in `render_turn` (a random token is it 1 time in 49152)
 
 
 @dataclass
 class _SimSequence:
     request_id: str
     start_version: int
+    length: int  # tokens it finishes after
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -54,8 +57,15 @@ class SimEngine:
     def decode(self, tokens: np.ndarray) -> str:
         return " ".join(str(int(t)) for t in tokens)
 
-    def add(self, request_id: str, prompt_tokens: list[int]) -> None:
-        self.waiting.append(_SimSequence(request_id, self.policy_version))
+    def render_turn(self, model_tokens: np.ndarray, messages: list[dict[str, str]]) -> list[int]:
+        """The end-of-turn token (unless sampled), then each message and `assistant: ` as UTF-8 bytes."""
+        ended = len(model_tokens) > 0 and int(model_tokens[-1]) == SIM_END_OF_TURN
+        text = "".join(f"\n{m['role']}: {m['content']}" for m in messages) + "\nassistant: "
+        return ([] if ended else [SIM_END_OF_TURN]) + list(text.encode())
+
+    def add(self, request_id: str, prompt_tokens: list[int], max_tokens: int | None = None) -> None:
+        length = self.sim_tokens if max_tokens is None else max(1, min(self.sim_tokens, max_tokens))
+        self.waiting.append(_SimSequence(request_id, self.policy_version, length))
 
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -74,7 +84,7 @@ class SimEngine:
             sequence.tokens.append(int(token))
             sequence.logprobs.append(float(logprob))
             sequence.versions.append(self.policy_version)
-            if len(sequence.tokens) >= self.sim_tokens:
+            if len(sequence.tokens) >= sequence.length:
                 del self.running[sequence.request_id]
                 finished.append(
                     FinishedSample(

@@ -35,6 +35,17 @@ STOP_ORDER = ("generator", "learner", "buffer")  # generators return their lease
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
+# torch.distributed rendezvous variables: a role must not inherit them from whatever started the launcher (a
+# torchrun-managed process, or a test process that initialised its own group), or its learner would join that group.
+RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                        "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
+
+
+def role_environment() -> dict[str, str]:
+    """This process's environment without the torch.distributed rendezvous variables."""
+    return {key: value for key, value in os.environ.items() if key not in RENDEZVOUS_VARIABLES}
+
+
 @dataclass
 class Role:
     """One supervised child process."""
@@ -57,7 +68,7 @@ class Role:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group: stopping it stops vLLM's / torchrun's children too
-            env={**os.environ, **self.env},
+            env={**role_environment(), **self.env},
             preexec_fn=_child_setup(self.cores, self.stop_with_parent),
         )
         out.close()

@@ -1,0 +1,272 @@
+"""What the pipeline benchmarks share: launch one `tandem run`, watch its processes, and read what it wrote.
+
+    outcome = launch_run(config_path, root, "sync-eta0", {"algo.max_staleness": 0}, timeout_s=600)
+    rate = trained_rate(outcome.records, first_step=2)        # trained samples/s, steady state
+    cpu_s = outcome.cpu_between("buffer", start_wall, end_wall)
+
+A run is `python -m launch.cli run CONFIG --section.key VALUE ...` as a subprocess (the real launcher and the real
+roles, never a re-implementation), on two free loopback ports, with its stdout/stderr in `<root>/<name>.out`.
+While it runs, a `RunWatcher` thread samples, every `WATCH_S` seconds: the CPU time (user + system, from
+/proc/<pid>/stat) of each role process the launcher started, when each learner step appeared in metrics.jsonl,
+and when every generator had opened its metrics stream (its loop is about to start). The wall clock of those
+samples is `time.time()`; `RunOutcome.step_wall` maps learner steps onto it.
+
+Failure modes: a run that exits non-zero or outlives `timeout_s` raises `RunFailed` with the tail of its output
+(the launcher's process group is killed first, so no role outlives the benchmark). Role processes are found by
+their parent (the launcher) and their command line; a role that exits between two samples keeps its last sample.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.metrics import read_metrics
+from tests.conftest import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_CONFIG = REPO / "examples" / "demo.toml"
+WATCH_S = 0.1
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+class RunFailed(RuntimeError):
+    """`tandem run` exited non-zero or ran past its timeout; the message carries the tail of its output."""
+
+
+@dataclass
+class RunOutcome:
+    """What one `tandem run` left behind, plus what the watcher saw while it ran (wall clock = time.time())."""
+
+    name: str
+    run_dir: Path
+    wall_s: float
+    records: list[dict[str, Any]]  # the learner's metrics.jsonl, one per step
+    buffer_records: list[dict[str, Any]]  # buffer.jsonl (the last one is written as the buffer stops)
+    step_wall: dict[int, float]  # learner step -> wall time its record was first seen (within WATCH_S)
+    generators_ready_wall: float | None  # when every generator had opened its metrics stream
+    cpu_samples: list[tuple[float, dict[str, float]]]  # (wall time, role name -> CPU seconds so far)
+    load_avg: float  # the machine's 1-minute load average as the run ended (others' work competes for cores)
+
+    def cpu_at(self, role_prefix: str, wall: float) -> float:
+        """CPU seconds used by the roles whose name starts with `role_prefix`, as of the last sample <= `wall`."""
+        seen: dict[str, float] = {}
+        for when, cpu in self.cpu_samples:
+            if when > wall:
+                break
+            seen.update(cpu)
+        return sum(value for role, value in seen.items() if role.startswith(role_prefix))
+
+    def cpu_between(self, role_prefix: str, start_wall: float, end_wall: float) -> float:
+        return self.cpu_at(role_prefix, end_wall) - self.cpu_at(role_prefix, start_wall)
+
+    def first_step_after(self, wall: float) -> int:
+        """The first learner step whose record appeared after `wall` (the last step if none did)."""
+        later = [step for step, seen in sorted(self.step_wall.items()) if seen > wall]
+        return later[0] if later else max(self.step_wall, default=0)
+
+
+def port_overrides() -> dict[str, Any]:
+    """Two free loopback ports wired into every role's addresses (buffer and weight publisher)."""
+    buffer_port, weights_port = free_port(), free_port()
+    return {
+        "buffer.port": buffer_port, "generator.buffer_address": f"127.0.0.1:{buffer_port}",
+        "learner.buffer_address": f"127.0.0.1:{buffer_port}", "learner.weights_port": weights_port,
+        "generator.weights_address": f"127.0.0.1:{weights_port}",
+    }  # fmt: skip
+
+
+def every_core_overrides() -> dict[str, Any]:
+    """Every core to every role (no pinning): simulated roles stand for separate machines and mostly sleep."""
+    every_core = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    return {"generator.cpu_cores": every_core, "learner.cpu_cores": every_core}
+
+
+def override_args(overrides: dict[str, Any]) -> list[str]:
+    """`{"algo.max_staleness": 0, "generator.cpu_cores": "0,1"}` -> `--algo.max_staleness 0 --generator...
+    '"0,1"'`: strings are JSON-quoted so that they parse back as strings (a bare `1` would be an integer)."""
+    args: list[str] = []
+    for key, value in overrides.items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, str):
+            text = json.dumps(value)
+        else:
+            text = str(value)
+        args += [f"--{key}", text]
+    return args
+
+
+def launch_run(config: Path, root: Path, name: str, overrides: dict[str, Any], timeout_s: float) -> RunOutcome:
+    """Run `tandem run config` to completion under `root/name` with `overrides` (+ fresh ports); see the module
+    docstring. Raises RunFailed on a non-zero exit or a timeout."""
+    argv = [sys.executable, "-m", "launch.cli", "run", str(config),
+            *override_args({"run.root": str(root), "run.name": name, **port_overrides(), **overrides})]  # fmt: skip
+    run_dir = root / name
+    out_path = root / f"{name}.out"
+    root.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    with out_path.open("wb") as out:
+        process = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True)  # fmt: skip
+    watcher = RunWatcher(process.pid, run_dir)
+    watcher.start()
+    try:
+        code = process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        watcher.stop()
+        _stop_group(process)
+    if code != 0:
+        tail = "\n".join(out_path.read_text(errors="replace").splitlines()[-40:])
+        why = f"ran past {timeout_s:.0f}s" if code is None else f"exited with {code}"
+        raise RunFailed(f"tandem run {name} {why}; output {out_path}:\n{tail}")
+    buffer_path = run_dir / "buffer.jsonl"
+    return RunOutcome(
+        name=name, run_dir=run_dir, wall_s=time.time() - started, records=read_metrics(run_dir / "metrics.jsonl"),
+        buffer_records=read_metrics(buffer_path) if buffer_path.exists() else [], step_wall=watcher.step_wall,
+        generators_ready_wall=watcher.generators_ready_wall, cpu_samples=watcher.cpu_samples,
+        load_avg=os.getloadavg()[0],
+    )  # fmt: skip
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM the launcher's process group (it stops its roles in order), SIGKILL what is left after a grace."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+class RunWatcher:
+    """A daemon thread that samples a running `tandem run` (see the module docstring). Not restartable."""
+
+    def __init__(self, launcher_pid: int, run_dir: Path) -> None:
+        self.launcher_pid = launcher_pid
+        self.run_dir = run_dir
+        self.step_wall: dict[int, float] = {}
+        self.generators_ready_wall: float | None = None
+        self.cpu_samples: list[tuple[float, dict[str, float]]] = []
+        self._metrics_offset = 0
+        self._roles: dict[int, str] = {}  # pid -> role name
+        self._expected_generators: int | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="run-watcher", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._done.wait(WATCH_S):
+            now = time.time()
+            self._find_roles()
+            cpu = {role: seconds for pid, role in self._roles.items() if (seconds := process_cpu_s(pid)) is not None}
+            if cpu:
+                self.cpu_samples.append((now, cpu))
+            self._read_new_steps(now)
+            if self.generators_ready_wall is None and self._generators_ready():
+                self.generators_ready_wall = now
+
+    def _find_roles(self) -> None:
+        for pid in child_pids(self.launcher_pid):
+            if pid not in self._roles:
+                role = role_name(pid)
+                if role is not None:
+                    self._roles[pid] = role
+
+    def _read_new_steps(self, now: float) -> None:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return
+        with path.open() as handle:
+            handle.seek(self._metrics_offset)
+            for line in handle:
+                if not line.endswith("\n"):
+                    break  # being written: read it next time
+                self._metrics_offset += len(line.encode())
+                self.step_wall.setdefault(int(json.loads(line)["step"]), now)
+
+    def _generators_ready(self) -> bool:
+        if self._expected_generators is None:
+            config_path = self.run_dir / "config.json"  # written by the launcher before it starts any role
+            if not config_path.exists():
+                return False
+            self._expected_generators = json.loads(config_path.read_text())["generator"]["count"]
+        expected = self._expected_generators
+        return all((self.run_dir / f"generator-{i}.jsonl").exists() for i in range(expected))
+
+
+def child_pids(parent: int) -> list[int]:
+    """Live children of the main thread of `parent` (/proc/<pid>/task/<pid>/children; [] once it is gone)."""
+    try:
+        return [int(pid) for pid in Path(f"/proc/{parent}/task/{parent}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def role_name(pid: int) -> str | None:
+    """"buffer-0", "learner-0" or "generator-<i>" from a role's command line (`launch.cli ROLE ...`); None if the
+    process is not a role (or is gone)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    if "launch.cli" not in argv or argv.index("launch.cli") + 1 >= len(argv):
+        return None
+    role = argv[argv.index("launch.cli") + 1]
+    if role == "generator" and "--generator.index" in argv:
+        return f"generator-{argv[argv.index('--generator.index') + 1]}"
+    return f"{role}-0" if role in ("buffer", "learner") else None
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a live process (its own threads, not its children); None if it is gone."""
+    stat = _read_stat(pid)
+    return None if stat is None else (int(stat[11]) + int(stat[12])) / CLOCK_TICKS
+
+
+def _read_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name: state [0], ppid [1], utime [11], stime [12]."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()
+
+
+def trained_rate(records: list[dict[str, Any]], first_step: int, last_step: int | None = None) -> dict[str, float]:
+    """Trained samples/s from the record of `first_step` to that of `last_step` (default: the last record), on the
+    learner's clock; with the window's steps, samples and seconds. Raises ValueError when the run has no step
+    after `first_step`."""
+    by_step = {int(r["step"]): r for r in records}
+    last = max(by_step, default=0) if last_step is None else last_step
+    if first_step not in by_step or last not in by_step or last <= first_step:
+        raise ValueError(f"need learner steps after step {first_step} (the run has {len(records)} records): "
+                         "raise the run's total_steps")
+    start, end = by_step[first_step], by_step[last]
+    seconds = end["time"] - start["time"]
+    samples = end["learner/samples_trained"] - start["learner/samples_trained"]
+    return {"samples_per_s": samples / seconds, "window_samples": samples, "window_s": seconds,
+            "window_steps": last - first_step, "step_s": seconds / (last - first_step)}  # fmt: skip
+
+
+def mean_of(records: list[dict[str, Any]], key: str, first_step: int = 0) -> float:
+    """Mean of a numeric metric over the records after `first_step` (NaN if none has it)."""
+    values = [r[key] for r in records if r["step"] > first_step and isinstance(r.get(key), (int, float))]
+    return sum(values) / len(values) if values else float("nan")

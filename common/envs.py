@@ -1,0 +1,187 @@
+"""The environment interface of multi-turn (agentic) RL, and the adapter that makes every reward function one.
+
+A user's environment is a few lines; `reset` and `step` may be plain functions or `async def`:
+
+    class Countdown:
+        def reset(self, task):                      # task: a leased PromptItem (.messages, .metadata)
+            self.left = int(task.metadata["turns"])
+            return task.messages                    # the first observation: the chat the model answers first
+        async def step(self, text):                 # the text of the model's turn
+            self.left -= 1
+            done = self.left == 0
+            return StepResult([{"role": "user", "content": "Go on."}], reward=float(done), done=done)
+
+    # config:  [env] environment = "my_pkg.envs:Countdown"   environment_args = {...}
+
+Contract between an environment and the generator's episode driver (`actors.episodes`):
+  * One instance per episode: the factory `env.environment` names is called with `env.environment_args` as keyword
+    arguments (keep it cheap: it runs on the generator's loop; slow set-up belongs in `reset`), then `reset(task)`
+    once, then `step(text)` once per model turn until a step says `done` or a limit ends the episode, then
+    `close()` if the object has one.
+  * `reset` returns the first observation: a non-empty chat (`[{"role": ..., "content": ...}]`), usually
+    `task.messages`. The group's `n` episodes may open with different observations.
+  * `step` gets the model's turn decoded from the tokens it sampled (special tokens skipped; a turn cut by
+    `generator.max_tokens` is passed as it is) and returns a `StepResult`: the NEW messages that follow the model's
+    turn (usually one `user` or `tool` message; ignored when `done`), this turn's reward, and whether the episode is
+    over. The episode's reward is the sum of its step rewards.
+  * Calls run off the engine loop (async ones on one event loop, plain ones in `env.env_workers` threads), each
+    bounded by `env.step_timeout_s` and the episode by `env.episode_timeout_s`. An `async` method must not block
+    (it would stall every other async environment): write blocking code as a plain `def`.
+  * Failure modes: a call that raises, returns a malformed result or overruns its timeout ends the episode with
+    the finish reason `env_error: <Type>: <message>` or `env_timeout` and the reward `env.failure_reward`; the
+    generator stays up and counts it. A plain function that overruns keeps its worker thread until it returns.
+
+Importing this module is cheap (no torch, no tokenizer); it is part of the shared contract (`common/`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from common.config import EnvConfig
+
+Message = dict[str, str]  # {"role": "user" | "assistant" | "tool" | "system", "content": str}
+
+
+class Task(Protocol):
+    """What `reset` receives: a leased prompt (`common.types.PromptItem`) or anything with the same fields."""
+
+    @property
+    def messages(self) -> list[Message]: ...
+
+    @property
+    def metadata(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What `Environment.step` returns.
+
+    observation: the messages that follow the model's turn, in order (rendered with the chat template after it);
+                 may be empty only when `done` (the observation of a final step is not rendered).
+    reward:      this turn's reward (finite); the episode's reward is the sum over its steps.
+    done:        the episode is over (the finish reason becomes `done`).
+    info:        free-form diagnostics; the driver does not read it.
+    """
+
+    observation: list[Message]
+    reward: float = 0.0
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Environment(Protocol):
+    """One episode's environment (the contract is in the module docstring). Methods may be `async def`."""
+
+    def reset(self, task: Task) -> list[Message] | Awaitable[list[Message]]: ...
+
+    def step(self, model_turn_text: str) -> StepResult | Awaitable[StepResult]: ...
+
+
+EnvironmentFactory = Callable[[], Environment]
+
+
+def check_messages(value: Any, what: str) -> list[Message]:
+    """`value` as a chat, or TypeError naming `what` and the first bad message."""
+    if not isinstance(value, list):
+        raise TypeError(f"{what} must be a list of chat messages, got {type(value).__name__}")
+    for i, message in enumerate(value):
+        if (
+            not isinstance(message, Mapping)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
+        ):
+            raise TypeError(f"{what}[{i}] must be a dict with string 'role' and 'content', got {message!r:.200}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def check_first_observation(value: Any) -> list[Message]:
+    """What `reset` returned, as a non-empty chat; TypeError/ValueError saying what is wrong."""
+    messages = check_messages(value, "reset() observation")
+    if not messages:
+        raise ValueError("reset() must return a non-empty chat: the model needs something to answer")
+    return messages
+
+
+def check_step_result(value: Any) -> StepResult:
+    """What `step` returned, checked: a `StepResult` with a valid observation and a finite reward.
+
+    Raises TypeError/ValueError with what to change (the driver turns it into an `env_error` finish reason).
+    """
+    if not isinstance(value, StepResult):
+        raise TypeError(f"step() must return common.envs.StepResult, got {type(value).__name__}")
+    observation = check_messages(value.observation, "step() observation")
+    if not isinstance(value.reward, numbers.Real) or not math.isfinite(float(value.reward)):
+        raise ValueError(f"step() reward must be a finite number, got {value.reward!r}")
+    if not value.done and not observation:
+        raise ValueError("step() returned no observation and done=False: the model would have nothing to answer")
+    return StepResult(observation, float(value.reward), bool(value.done), value.info)
+
+
+class RewardFnEnvironment:
+    """The single-turn adapter: a reward function `fn(completion, metadata)` as a one-step environment.
+
+    reset -> the task's messages; step -> done, with the reward `common.tasks.total_reward` makes of what `fn`
+    returned (its components are in `info["components"]`). A raising reward function raises out of `step`, which
+    the driver records as `env_error` (the single-turn generator path uses `env.fallback_reward` instead).
+    """
+
+    def __init__(self, reward_fn: Callable[[str, Mapping[str, Any]], Any]) -> None:
+        self.reward_fn = reward_fn
+        self.metadata: Mapping[str, Any] = {}
+
+    def reset(self, task: Task) -> list[Message]:
+        self.metadata = task.metadata
+        return list(task.messages)
+
+    def step(self, model_turn_text: str) -> StepResult:
+        from common.tasks import total_reward
+
+        reward, components = total_reward(self.reward_fn(model_turn_text, self.metadata))
+        return StepResult([], reward=reward, done=True, info={"components": components})
+
+
+def resolve_environment(spec: str) -> Callable[..., Environment]:
+    """The factory (usually a class) named by `"package.module:Name"`.
+
+    Raises ImportError (the module must be importable: on PYTHONPATH or installed), AttributeError or TypeError;
+    every message names `env.environment` and the spec.
+    """
+    module_name, sep, attr_path = spec.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise ValueError(f"env.environment: {spec!r} must look like 'package.module:Factory'")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        raise ImportError(
+            f"env.environment: {spec!r}: cannot import {module_name!r} ({error}); put it on PYTHONPATH or install it"
+        ) from error
+    target: Any = module
+    for part in attr_path.split("."):
+        if not hasattr(target, part):
+            raise AttributeError(f"env.environment: {spec!r}: {module_name!r} has no attribute {attr_path!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise TypeError(f"env.environment: {spec!r} is a {type(target).__name__}, not a class or factory")
+    if isinstance(target, type) and not (hasattr(target, "reset") and hasattr(target, "step")):
+        raise TypeError(f"env.environment: {spec!r}: class {target.__name__} needs reset(task) and step(text)")
+    return target
+
+
+def environment_factory(env: EnvConfig) -> EnvironmentFactory:
+    """A zero-argument factory of one episode's environment: `env.environment(**env.environment_args)`, or, when
+    `env.environment` is empty, the single-turn adapter around `env.reward_fn`. Resolves the names now, so a
+    misnamed environment or reward function fails at start-up, not at the first episode."""
+    if not env.environment:
+        from common.tasks import resolve_reward_fn
+
+        reward_fn = resolve_reward_fn(env.reward_fn)
+        return lambda: RewardFnEnvironment(reward_fn)
+    factory = resolve_environment(env.environment)
+    arguments = dict(env.environment_args)
+    return lambda: factory(**arguments)
