@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import save
-from benchmarks.runs import DEMO_CONFIG, RunOutcome, every_core_overrides, launch_run, mean_of, trained_rate
+from benchmarks.runs import (DEMO_CONFIG, RunOutcome, cpu_use, every_core_overrides, launch_run, mean_of,
+                             trained_rate)
 from common.config import load_config
 
 WARMUP_STEPS = 2  # rates are measured from this step's record on (the first batch has nothing to overlap with)
@@ -65,6 +66,7 @@ def run_summary(outcome: RunOutcome, eta: int) -> dict[str, Any]:
     """Rates, the learner's time split and the staleness seen, of one run (steady state: after WARMUP_STEPS)."""
     records = outcome.records
     return {
+        **cpu_use(outcome, WARMUP_STEPS),
         "eta": eta,
         "steps": len(records),
         "wall_s": outcome.wall_s,
@@ -91,7 +93,10 @@ def run_pair(config: Path, root: Path, prefix: str, overrides: dict[str, Any], t
         print(f"  {prefix}: η = {eta}: {summary['samples_per_s']:.2f} samples/s, {summary['step_s']:.2f} s/step "
               f"(learner waits {summary['wait_s']:.2f} s, trains {summary['train_s']:.2f} s, publishes "
               f"{summary['publish_s']:.3f} s a step), staleness mean {summary['staleness_mean']:.2f} max "
-              f"{summary['staleness_max']:.0f}, {outcome.wall_s:.0f} s in all", flush=True)  # fmt: skip
+              f"{summary['staleness_max']:.0f}; cores used: learner {summary['learner_cores']:.2f} "
+              f"({summary['learner_cpu_per_train_s']:.2f} CPU s per train s), generator "
+              f"{summary['generator_cores']:.2f}; load average {outcome.load_avg:.1f}; {outcome.wall_s:.0f} s in all",
+              flush=True)  # fmt: skip
     ratio = runs[f"eta{ASYNC_ETA}"]["samples_per_s"] / runs[f"eta{SYNC_ETA}"]["samples_per_s"]
     return {"runs": runs, "ratio": ratio}
 

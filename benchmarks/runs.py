@@ -7,9 +7,10 @@
 A run is `python -m launch.cli run CONFIG --section.key VALUE ...` as a subprocess (the real launcher and the real
 roles, never a re-implementation), on two free loopback ports, with its stdout/stderr in `<root>/<name>.out`.
 While it runs, a `RunWatcher` thread samples, every `WATCH_S` seconds: the CPU time (user + system, from
-/proc/<pid>/stat) of each role process the launcher started, when each learner step appeared in metrics.jsonl,
-and when every generator had opened its metrics stream (its loop is about to start). The wall clock of those
-samples is `time.time()`; `RunOutcome.step_wall` maps learner steps onto it.
+/proc/<pid>/stat) of each role the launcher started, its process and its descendants (vLLM's engine core and
+workers count for their generator; a descendant that exited keeps its last sample), when each learner step
+appeared in metrics.jsonl, and when every generator had opened its metrics stream (its loop is about to start).
+The wall clock of those samples is `time.time()`; `RunOutcome.step_wall` maps learner steps onto it.
 
 Failure modes: a run that exits non-zero or outlives `timeout_s` raises `RunFailed` with the tail of its output
 (the launcher's process group is killed first, so no role outlives the benchmark). Role processes are found by
@@ -35,6 +36,7 @@ from tests.conftest import free_port
 REPO = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO / "examples" / "demo.toml"
 WATCH_S = 0.1
+DISCOVER_EVERY = 10  # passes between two searches for role processes and their descendants
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -160,7 +162,9 @@ class RunWatcher:
         self.generators_ready_wall: float | None = None
         self.cpu_samples: list[tuple[float, dict[str, float]]] = []
         self._metrics_offset = 0
-        self._roles: dict[int, str] = {}  # pid -> role name
+        self._roles: dict[int, str] = {}  # pid -> role name, for the role processes and their descendants
+        self._last_cpu: dict[int, float] = {}  # pid -> CPU seconds when last seen alive (kept after it exits)
+        self._passes = 0
         self._expected_generators: int | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="run-watcher", daemon=True)
@@ -175,8 +179,16 @@ class RunWatcher:
     def _loop(self) -> None:
         while not self._done.wait(WATCH_S):
             now = time.time()
-            self._find_roles()
-            cpu = {role: seconds for pid, role in self._roles.items() if (seconds := process_cpu_s(pid)) is not None}
+            if self._passes % DISCOVER_EVERY == 0:
+                self._find_roles()
+            self._passes += 1
+            for pid in self._roles:
+                seconds = process_cpu_s(pid)
+                if seconds is not None:
+                    self._last_cpu[pid] = seconds
+            cpu: dict[str, float] = {}
+            for pid, seconds in self._last_cpu.items():
+                cpu[self._roles[pid]] = cpu.get(self._roles[pid], 0.0) + seconds
             if cpu:
                 self.cpu_samples.append((now, cpu))
             self._read_new_steps(now)
@@ -184,11 +196,14 @@ class RunWatcher:
                 self.generators_ready_wall = now
 
     def _find_roles(self) -> None:
+        """Role processes (children of the launcher) and their descendants (vLLM's engine and workers...)."""
         for pid in child_pids(self.launcher_pid):
-            if pid not in self._roles:
-                role = role_name(pid)
-                if role is not None:
-                    self._roles[pid] = role
+            role = self._roles.get(pid) or role_name(pid)
+            if role is None:
+                continue
+            self._roles[pid] = role
+            for descendant in descendant_pids(pid):
+                self._roles.setdefault(descendant, role)
 
     def _read_new_steps(self, now: float) -> None:
         path = self.run_dir / "metrics.jsonl"
@@ -213,11 +228,24 @@ class RunWatcher:
 
 
 def child_pids(parent: int) -> list[int]:
-    """Live children of the main thread of `parent` (/proc/<pid>/task/<pid>/children; [] once it is gone)."""
-    try:
-        return [int(pid) for pid in Path(f"/proc/{parent}/task/{parent}/children").read_text().split()]
-    except OSError:
-        return []
+    """Live children of `parent`, whichever of its threads started them (/proc/<pid>/task/*/children)."""
+    children: list[int] = []
+    for children_file in Path(f"/proc/{parent}/task").glob("*/children"):
+        try:
+            children += [int(pid) for pid in children_file.read_text().split()]
+        except OSError:  # the thread or the process is gone
+            continue
+    return children
+
+
+def descendant_pids(root: int) -> list[int]:
+    """Live children, grandchildren, ... of `root`."""
+    found, frontier = [], [root]
+    while frontier:
+        children = child_pids(frontier.pop())
+        found += children
+        frontier += children
+    return found
 
 
 def role_name(pid: int) -> str | None:
@@ -270,3 +298,16 @@ def mean_of(records: list[dict[str, Any]], key: str, first_step: int = 0) -> flo
     """Mean of a numeric metric over the records after `first_step` (NaN if none has it)."""
     values = [r[key] for r in records if r["step"] > first_step and isinstance(r.get(key), (int, float))]
     return sum(values) / len(values) if values else float("nan")
+
+
+def cpu_use(outcome: RunOutcome, first_step: int) -> dict[str, float]:
+    """From `first_step` to the last step: cores used by the learner and by the generator(s) (with vLLM's
+    processes), and the learner's CPU seconds per second of `train_step`: about 1 when it had its core to
+    itself, less when other processes on the machine took part of it (its training time then says more about
+    them than about Tandem)."""
+    last = max(outcome.step_wall)
+    start, end = outcome.step_wall[first_step], outcome.step_wall[last]
+    train_s = sum(r["perf/train_s"] for r in outcome.records if first_step < r["step"] <= last)
+    learner = outcome.cpu_between("learner", start, end)
+    return {"learner_cores": learner / (end - start), "generator_cores": outcome.cpu_between("generator", start, end)
+            / (end - start), "learner_cpu_per_train_s": learner / max(train_s, 1e-9)}  # fmt: skip

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import save
-from benchmarks.runs import DEMO_CONFIG, launch_run, mean_of, trained_rate
+from benchmarks.runs import DEMO_CONFIG, cpu_use, launch_run, mean_of, trained_rate
 
 
 def run_one(root: Path, eta: int, correction: str, steps: int) -> dict[str, Any]:
@@ -44,6 +44,7 @@ def run_one(root: Path, eta: int, correction: str, steps: int) -> dict[str, Any]
         "staleness_max": max((r["staleness/max"] for r in records), default=0),
         "dropped_stale": records[-1].get("buffer/dropped_stale", 0) if records else 0,
         "kl_mean": mean_of(records, "policy/kl"),
+        **cpu_use(outcome, 1),
         "reward_stderr": statistics.fmean(r["reward/std"] / r["perf/samples"] ** 0.5 for r in records),
     }  # fmt: skip
 
@@ -101,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                 rewards = " ".join("-" if r is None else f"{r:.2f}" for r in run["reward"])
                 print(f"η={eta} {correction:>4}: reward by step [{rewards}]  last half {last_half:.3f}  "
                       f"{run['samples_per_s']:.2f} samples/s  staleness mean {run['staleness_mean']:.2f} max "
-                      f"{run['staleness_max']:.0f}  dropped {run['dropped_stale']}  ({run['wall_s']:.0f} s)",
+                      f"{run['staleness_max']:.0f}  dropped {run['dropped_stale']}  learner {run['learner_cpu_per_train_s']:.2f} "
+                      f"CPU s per train s  ({run['wall_s']:.0f} s, load {run['load_avg']:.1f})",
                       flush=True)  # fmt: skip
     noise = statistics.fmean(run["reward_stderr"] for run in runs)
     best = max(runs, key=lambda run: float("-inf") if run["reward_last_half"] is None else run["reward_last_half"])
