@@ -60,9 +60,15 @@ def stop_fleet(run_name: str, address: str | None = None) -> dict[str, Any]:
     follower (`tandem ray CONFIG`, which reports the outcome and exits 130), or here if nobody follows it."""
     import ray
 
+    from ray.exceptions import RayActorError
+
     handle = controller(run_name, address)
     outcome = ray.get(handle.stop.remote("tandem ray stop"))
-    if not ray.get(handle.followed.remote(FOLLOWER_SILENT_S)):
+    try:
+        followed = ray.get(handle.followed.remote(FOLLOWER_SILENT_S))
+    except RayActorError:  # the follower saw the outcome first and has already removed the controller
+        return outcome
+    if not followed:
         ray.kill(handle, no_restart=True)
     return outcome
 

@@ -15,6 +15,7 @@ import pytest
 
 from common.metrics import read_metrics
 from tests.conftest import free_port
+from tests.launch.ray_runs import buffer_counters, processes_of
 
 REQUIRED_KEYS = {
     "step", "policy_version", "time", "reward/mean", "staleness/mean", "staleness/max",
@@ -37,23 +38,11 @@ def run_tandem(tmp_path: Path, model_dir: Path, eta: int, steps: int = 4) -> tup
     return result, tmp_path / name
 
 
-def leftover_processes(marker: str) -> list[str]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmdline and int(pid) != os.getpid():
-            found.append(f"{pid}: {cmdline[:120]}")
-    return found
-
-
 @pytest.mark.parametrize("eta", [0, 2])
 def test_tandem_run_end_to_end(tmp_path: Path, tiny_model_dir: Path, eta: int) -> None:
     result, run_dir = run_tandem(tmp_path, tiny_model_dir, eta)
     assert result.returncode == 0, f"tandem run failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    assert not leftover_processes(str(run_dir)), "processes of the run outlived the launcher"
+    assert not processes_of(run_dir), "processes of the run outlived the launcher"
 
     records = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, len(records) + 1)) and len(records) == 4
@@ -62,8 +51,7 @@ def test_tandem_run_end_to_end(tmp_path: Path, tiny_model_dir: Path, eta: int) -
         assert record["staleness/max"] <= eta
     assert records[-1]["policy_version"] == 4
 
-    final = read_metrics(run_dir / "buffer.jsonl")[-1]  # written by the buffer as it stops
-    c = {key.removeprefix("buffer/"): value for key, value in final.items()}
+    c = buffer_counters(run_dir)  # written by the buffer as it stops
     assert c["arrived"] == c["trained"] + c["dropped_stale"] + c["evicted"] + c["rejected"] + c["buffered"]
     assert c["served"] >= 4 * 2 * 4  # steps x groups_per_step x group_size samples
     if eta == 0:
