@@ -20,6 +20,8 @@ Efficiency = achieved / min(generation, training). The crossover lies off the gr
 5 for L = 2), so every point is bound by one side by >= 20%. The formulas are checked first, against what one
 generator achieves with a free learner (sim_sample_s = 0) and what the learner achieves with free generation
 (sim_token_s = 0): `calibration` in the JSON, measured / formula. Target: efficiency >= 0.95 at every point.
+With the calibration, each point also gets `scaling_efficiency`: achieved / min(G x the measured rate of one
+generator, the measured rate of the learner), what coupling the fleet costs beyond the stand-ins' own losses.
 
 Steady state: from the first learner step whose record appeared after every generator had opened its metrics
 stream (its loop runs), plus one step, to the last step, cut to whole periods of rounds vs batches when
@@ -166,6 +168,39 @@ def calibrate(root: Path, config: Path, window_s: float) -> dict[str, Any]:
     return checks
 
 
+def add_scaling_efficiency(rows: list[dict[str, Any]], calibration: dict[str, Any]) -> None:
+    """Give each row `scaling_efficiency`: achieved / min(G x one generator's measured rate, the learner's measured
+    rate). The target is on `efficiency` (against the formulas); this second figure separates what coupling G
+    generators to L ranks loses from what one simulated stand-in loses by itself (its `fixed_s` per unit)."""
+    one_generator = calibration["one_generator"]["measured"]
+    for row in rows:
+        learner = calibration.get(f"learner_world_size_{row['world_size']}")
+        training = learner["measured"] if learner else row["training_capacity"]
+        row["scaling_efficiency"] = row["samples_per_s"] / min(row["generators"] * one_generator, training)
+
+
+def wakeup_cost_us(sleep_s: float = SIM_TOKEN_S, repeats: int = 30) -> dict[str, float]:
+    """Median µs of one simulated decode step's own work (two small numpy draws) run hot, and run right after
+    sleeping `sleep_s`. On this VM the second is 100-300x the first: every wake-up of a sleeping process pays it,
+    and a simulated pipeline is all wake-ups (each engine step, each request to a sleeping peer), so it bounds the
+    fixed cost per round and per step that the calibration measures."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+
+    def median_us(pause_s: float) -> float:
+        times = []
+        for _ in range(repeats):
+            if pause_s:
+                time.sleep(pause_s)
+            start = time.perf_counter()
+            rng.integers(0, 49152, size=32), rng.exponential(2.0, size=32)
+            times.append(time.perf_counter() - start)
+        return float(np.median(times)) * 1e6
+
+    return {"hot_us": median_us(0.0), "after_sleep_us": median_us(sleep_s), "sleep_s": sleep_s}
+
+
 def plot(rows: list[dict[str, Any]]):
     def draw(axes: Any) -> None:
         figure = axes.figure
@@ -180,13 +215,16 @@ def plot(rows: list[dict[str, Any]]):
             line = rate_ax.plot(counts, [row["samples_per_s"] for row in points], marker + "-", label=f"L = {ranks}")
             rate_ax.plot(counts, [min(row["generation_capacity"], row["training_capacity"]) for row in points], ":",
                          color=line[0].get_color(), label=f"capacity, L = {ranks}")  # fmt: skip
-            for row in points:
+            for row in points:  # efficiency: under the L = 1 points, over the L = 2 points
                 rate_ax.annotate(f"{row['efficiency']:.2f}", (row["generators"], row["samples_per_s"]),
-                                 textcoords="offset points", xytext=(0, -12), ha="center", fontsize=7)
+                                 textcoords="offset points", xytext=(0, -12 if ranks == 1 else 6), ha="center",
+                                 fontsize=7)  # fmt: skip
             cpu_ax.plot(counts, [1e6 * row["buffer_cpu_s_per_sample"] for row in points], marker + "-",
                         label=f"L = {ranks}")  # fmt: skip
+        counts = sorted({row["generators"] for row in rows})
         for ax in (rate_ax, cpu_ax):
             ax.set_xscale("log", base=2)
+            ax.set_xticks(counts, [str(count) for count in counts])
             ax.set_xlabel("generators G")
             ax.legend(fontsize=8)
         rate_ax.set_ylabel("trained samples/s (efficiency under each point)")
@@ -209,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     counts = args.generators or ([1, 4, 16] if args.quick else [1, 2, 4, 8, 16, 32])
     window_s = args.window_s or (10.0 if args.quick else 15.0)
     started = time.time()
+    wakeup = wakeup_cost_us()
+    print(f"this machine: a decode step's own work takes {wakeup['hot_us']:.0f} µs hot, {wakeup['after_sleep_us']:.0f} "
+          f"µs right after a {wakeup['sleep_s']:.2f} s sleep (the cost of waking up)", flush=True)  # fmt: skip
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="tandem-fleet-") as tmp:
         root = args.runs_dir or Path(tmp)
@@ -231,8 +272,16 @@ def main(argv: list[str] | None = None) -> int:
           f"(target >= {TARGET_EFFICIENCY}); {time.time() - started:.0f} s in all")
     headline = {"min_efficiency": worst["efficiency"], "target_efficiency": TARGET_EFFICIENCY,
                 "buffer_us_per_sample_max_g": 1e6 * max(rows, key=lambda r: r["generators"])["buffer_cpu_s_per_sample"]}
+    if calibration is not None:
+        add_scaling_efficiency(rows, calibration)
+        scaling_worst = min(rows, key=lambda row: row["scaling_efficiency"])
+        headline["min_scaling_efficiency"] = scaling_worst["scaling_efficiency"]
+        print(f"against the calibrated capacities (what one generator, one learner achieve alone): lowest "
+              f"{scaling_worst['scaling_efficiency']:.3f} at G={scaling_worst['generators']} "
+              f"L={scaling_worst['world_size']}")  # fmt: skip
+    wakeup_end = wakeup_cost_us()
     result = {"headline": headline, "config": SIM_CONFIG, "window_s": window_s, "calibration": calibration,
-              "rows": rows}  # fmt: skip
+              "wakeup_cost": {"start": wakeup, "end": wakeup_end}, "rows": rows}  # fmt: skip
     save("fleet_scaling", result, plot(rows))
     return 0
 

@@ -26,7 +26,7 @@ from typing import Any
 from benchmarks.common import RESULTS, save
 
 BENCHMARKS = ("wire_codec", "buffer_throughput", "generator_throughput", "weight_sync", "learner_throughput",
-              "async_vs_sync", "fleet_scaling", "staleness_effect", "ray_overhead", "env_latency")  # fmt: skip
+              "async_vs_sync", "fleet_scaling", "staleness_effect", "demo_runs", "ray_overhead", "env_latency")  # fmt: skip
 OPTIONAL = frozenset({"ray_overhead", "env_latency"})  # run when present
 HERE = Path(__file__).resolve().parent
 

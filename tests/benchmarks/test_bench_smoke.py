@@ -39,3 +39,22 @@ def test_async_vs_sync_simulation_writes_its_figures(tmp_path: Path, monkeypatch
     assert sim["ratio"] == pytest.approx(sim["runs"]["eta2"]["samples_per_s"] / sim["runs"]["eta0"]["samples_per_s"])
     assert result["headline"]["sim_ratio"] == sim["ratio"]
     assert sim["ratio"] > 1.0, f"async did not train faster than sync: {sim['ratio']:.2f}x"
+
+
+def test_demo_runs_judges_the_kept_runs_and_a_flat_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import demo_runs
+
+    monkeypatch.setattr(benchmarks.common, "RESULTS", tmp_path / "results")
+    assert demo_runs.main([]) == 0  # both kept demo runs (η = 2 and η = 0) meet the criterion
+    result = json.loads((tmp_path / "results" / "demo_runs.json").read_text())
+    assert result["headline"]["all_learned"] and len(result["runs"]) == 2
+    assert [run["staleness_max"] for run in result["runs"]] == [2, 0]
+
+    flat = tmp_path / "flat.jsonl"
+    flat.write_text("".join(json.dumps({"step": step, "time": 10.0 * step, "reward/mean": 0.5,
+                                        "learner/samples_trained": 32 * step}) + "\n" for step in range(1, 11)))
+    assert demo_runs.main(["--run", f"flat={flat}"]) == 1
+    run = json.loads((tmp_path / "results" / "demo_runs.json").read_text())["runs"][0]
+    assert run["rise"] == 0 and not run["learned"] and run["samples_per_s"] == pytest.approx(3.2)
+    with pytest.raises(SystemExit):
+        demo_runs.main(["--run", "no-equals-sign"])

@@ -1,4 +1,4 @@
-"""The benchmarks' shared helpers (benchmarks.runs, benchmarks.run_all): pure parts, no processes."""
+"""The benchmarks' shared helpers (benchmarks.runs, benchmarks.run_all) and pure parts of fleet_scaling: no processes."""
 
 from __future__ import annotations
 
@@ -56,3 +56,16 @@ def test_headline_prefers_the_benchmarks_own_then_top_level_numbers() -> None:
     assert headline({"x": 1, "ok": True, "table": {"a": 1.5}, "mixed": {"a": "b"}, "rows": [1]}) == \
         {"x": 1, "table": {"a": 1.5}}
     assert format_figures({"ratio": 2.04567, "t": {"a": 1}}) == "ratio 2.05  t.a 1"
+
+
+def test_scaling_efficiency_is_against_the_measured_capacities() -> None:
+    from benchmarks.fleet_scaling import add_scaling_efficiency
+
+    calibration = {"one_generator": {"measured": 30.0}, "learner_world_size_1": {"measured": 75.0}}
+    rows = [
+        {"generators": 2, "world_size": 1, "samples_per_s": 57.0, "training_capacity": 80.0},  # generation-bound
+        {"generators": 8, "world_size": 1, "samples_per_s": 72.0, "training_capacity": 80.0},  # training-bound
+        {"generators": 8, "world_size": 2, "samples_per_s": 150.0, "training_capacity": 160.0},  # not calibrated
+    ]
+    add_scaling_efficiency(rows, calibration)
+    assert [row["scaling_efficiency"] for row in rows] == pytest.approx([57 / 60, 72 / 75, 150 / 160])
