@@ -175,7 +175,10 @@ class GeneratorConfig(_Section):
     top_p: float = Field(1.0, description="Nucleus sampling.", gt=0, le=1)
     max_tokens: int = Field(128, description="Completion tokens per sample, at most.", ge=1)
     prompts_in_flight: int = Field(
-        8, description="Prompts the generator keeps leased ahead so the engine never waits.", ge=1
+        8,
+        description="Prompts the generator holds at once (leased and queued, or generating); it "
+        "asks for a new lease as soon as one is built into a group, while the others keep the engine busy.",
+        ge=1,
     )
     inflight_weight_update: bool = Field(
         False,
