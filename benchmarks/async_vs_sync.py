@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import save
+from benchmarks.common import save, side_by_side
 from benchmarks.runs import (DEMO_CONFIG, RunOutcome, cpu_use, every_core_overrides, launch_run, mean_of,
                              trained_rate)
 from common.config import load_config
@@ -170,12 +170,9 @@ def plot(sim: dict[str, Any] | None, real: dict[str, Any] | None):
     """Panels: simulated samples vs time; real samples vs time; real reward vs time (those that ran)."""
 
     def draw(axes: Any) -> None:
-        figure = axes.figure
         panels = [("sim", "samples")] * (sim is not None) + [("real", "samples"), ("real", "reward")] * (
             real is not None)
-        axes.remove()
-        figure.set_size_inches(5 * len(panels), 4)
-        for ax, (part, key) in zip(figure.subplots(1, len(panels), squeeze=False)[0], panels):
+        for ax, (part, key) in zip(side_by_side(axes, len(panels), width=5 * len(panels)), panels):
             result = sim if part == "sim" else real
             for name, run in result["runs"].items():
                 ax.plot([p["time"] for p in run["curve"]], [p[key] for p in run["curve"]], "o-", markersize=3,

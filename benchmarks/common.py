@@ -38,6 +38,14 @@ def best_seconds(fn: Callable[[], Any], repeat: int = 20, warmup: int = 3) -> fl
     return float(np.median(times))
 
 
+def side_by_side(axes: Any, count: int, width: float, height: float = 4.0) -> list[Any]:
+    """Replace the single axes that `save` hands a plot by `count` panels side by side in a `width` x `height` figure."""
+    figure = axes.figure
+    axes.remove()
+    figure.set_size_inches(width, height)
+    return list(figure.subplots(1, count, squeeze=False)[0])
+
+
 def save(name: str, result: dict[str, Any], plot: Callable[[Any], None] | None = None) -> Path:
     """Write `results/<name>.json` (with the machine) and, if given, `results/<name>.png` drawn by `plot(axes)`."""
     RESULTS.mkdir(parents=True, exist_ok=True)

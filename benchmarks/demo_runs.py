@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, save
+from benchmarks.common import RESULTS, save, side_by_side
 from benchmarks.runs import mean_of, trained_rate
 from common.metrics import read_metrics
 from launch.progress import reward_rise
@@ -46,10 +46,7 @@ def summarize_run(label: str, path: Path) -> dict[str, Any]:
 
 def plot(runs: list[dict[str, Any]]):
     def draw(axes: Any) -> None:
-        figure = axes.figure
-        axes.remove()
-        figure.set_size_inches(11, 4)
-        by_step, by_time = figure.subplots(1, 2)
+        by_step, by_time = side_by_side(axes, 2, width=11)
         for run in runs:
             by_step.plot(range(1, run["steps"] + 1), run["reward"], marker="o", markersize=3, label=run["label"])
             by_time.plot([t / 60 for t in run["time"]], run["reward"], marker="o", markersize=3,

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import save
+from benchmarks.common import save, side_by_side
 from benchmarks.runs import RunOutcome, every_core_overrides, launch_run, trained_rate
 
 TARGET_EFFICIENCY = 0.95
@@ -203,10 +203,7 @@ def wakeup_cost_us(sleep_s: float = SIM_TOKEN_S, repeats: int = 30) -> dict[str,
 
 def plot(rows: list[dict[str, Any]]):
     def draw(axes: Any) -> None:
-        figure = axes.figure
-        axes.remove()
-        figure.set_size_inches(12, 4)
-        rate_ax, cpu_ax = figure.subplots(1, 2)
+        rate_ax, cpu_ax = side_by_side(axes, 2, width=12)
         for ranks, marker in ((1, "o"), (2, "s")):
             points = [row for row in rows if row["world_size"] == ranks]
             if not points:

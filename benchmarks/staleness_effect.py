@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import save
+from benchmarks.common import save, side_by_side
 from benchmarks.runs import DEMO_CONFIG, cpu_use, launch_run, mean_of, trained_rate
 
 
@@ -55,10 +55,7 @@ def run_one(root: Path, eta: int, correction: str, steps: int) -> dict[str, Any]
 
 def plot(runs: list[dict[str, Any]]):
     def draw(axes: Any) -> None:
-        figure = axes.figure
-        axes.remove()
-        figure.set_size_inches(16, 4)
-        by_step, by_version, by_time = figure.subplots(1, 3)
+        by_step, by_version, by_time = side_by_side(axes, 3, width=16)
         etas = sorted({run["eta"] for run in runs})
         colors = {eta: f"C{i}" for i, eta in enumerate(etas)}
         for run in runs:
