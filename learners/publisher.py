@@ -21,8 +21,9 @@ Invariants:
   * Tensor names are the Hugging Face state-dict names, dtypes the training dtype (bfloat16 travels as
     raw 2-byte words): what vLLM's `load_weights` expects.
 
-Transports: `zmq` (this module's publisher; CPU and any machine) and `nccl` (GPU broadcast through vLLM's
-stateless process group, not implemented: `NcclWeightsBroadcaster` says so). `open_weights_publisher` picks one.
+Transport: `zmq` (this module's publisher; CPU and any machine). A GPU broadcast over NCCL (vLLM's stateless
+process group) is not part of this build: `open_weights_publisher` refuses it with an error that says so, and a
+generator refuses a header announcing it (`actors/weights.py`).
 """
 
 from __future__ import annotations
@@ -230,28 +231,11 @@ class ZmqWeightsPublisher:
         self._thread.join(timeout=5)
 
 
-class NcclWeightsBroadcaster:
-    """GPU transport: broadcast the gathered weights from rank 0 to every generator over NCCL (vLLM's
-    stateless process group), with `WeightsHeader(transport="nccl")` announcing each version. The slot for it:
-    the same `publish(version, layout, weights)` contract as `ZmqWeightsPublisher`."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(
-            "NCCL weight broadcast is not implemented yet: it needs CUDA GPUs on both sides and vLLM's "
-            "StatelessProcessGroup; use the 'zmq' transport (works on CPU and GPU machines)"
-        )
-
-    def publish(self, version: int, layout: Layout, weights: Iterable[tuple[str, Any]]) -> float:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-
 def open_weights_publisher(transport: str, host: str, port: int, security: SocketSecurity) -> WeightsPublisher:
-    """The publisher for `transport` ('zmq' or 'nccl'); raises ValueError for anything else."""
+    """The publisher for `transport`: 'zmq' is the one this build has; raises ValueError for anything else."""
     if transport == "zmq":
         return ZmqWeightsPublisher(host, port, security)
     if transport == "nccl":
-        return NcclWeightsBroadcaster(host, port, security)
-    raise ValueError(f"weights transport must be 'zmq' or 'nccl' (got {transport!r})")
+        raise ValueError("NCCL weight broadcast is not part of this build (it needs CUDA GPUs on both sides and "
+                         "vLLM's StatelessProcessGroup); use the 'zmq' transport, which works on CPU and GPU machines")
+    raise ValueError(f"weights transport must be 'zmq' (got {transport!r})")

@@ -13,7 +13,6 @@ import torch
 from common.sockets import Client, SocketSecurity
 from common.types import ErrorReply, LeaseRequest, WeightsHeader, WeightsNotNewer
 from learners.publisher import (
-    NcclWeightsBroadcaster,
     buckets_reusable,
     ZmqWeightsPublisher,
     copy_into_snapshot,
@@ -138,13 +137,11 @@ def test_other_messages_are_refused_and_the_publisher_stays_up(publisher_and_cli
     assert fetch_weights(client, -1)[0] == WeightsNotNewer(latest_version=-1)
 
 
-def test_a_busy_port_fails_at_construction_and_nccl_says_it_is_not_implemented(publisher_and_client) -> None:
+def test_a_busy_port_fails_at_construction_and_nccl_says_it_is_not_built(publisher_and_client) -> None:
     publisher, client = publisher_and_client
     with pytest.raises(OSError, match="cannot bind"):
         ZmqWeightsPublisher("127.0.0.1", client.port, SocketSecurity())
-    with pytest.raises(NotImplementedError, match="use the 'zmq' transport"):
+    with pytest.raises(ValueError, match="not part of this build.*use the 'zmq' transport"):
         open_weights_publisher("nccl", "127.0.0.1", free_port(), SocketSecurity())
-    with pytest.raises(NotImplementedError):
-        NcclWeightsBroadcaster()
-    with pytest.raises(ValueError, match="'zmq' or 'nccl'"):
+    with pytest.raises(ValueError, match="must be 'zmq'"):
         open_weights_publisher("carrier-pigeon", "127.0.0.1", free_port(), SocketSecurity())
