@@ -44,6 +44,7 @@ from common.types import (
     StatsRequest,
     VersionReport,
 )
+from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SECURITY = SocketSecurity()
@@ -121,7 +122,7 @@ class BufferUnderTest:
     """The buffer service in a subprocess, every thread pinned to BUFFER_CORE; killed on exit."""
 
     def __init__(self, workdir: Path, samples: int, groups_per_step: int) -> None:
-        port, weights = _free_port(), _free_port()
+        port, weights = free_port(), free_port()
         self.address = f"127.0.0.1:{port}"
         capacity = samples * 256  # 256 groups held at most: the ingest phase evicts on every arrival
         self.config = workdir / "bench.toml"
@@ -161,14 +162,6 @@ class BufferUnderTest:
         self.process.kill()
         self.process.wait(timeout=20)
         self.log.close()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_phase(name: str, samples: int, tokens: int, groups_per_step: int, generators: int, seconds: float,

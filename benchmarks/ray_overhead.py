@@ -19,7 +19,6 @@ results/ray_overhead.{json,png}.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import subprocess
@@ -30,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import save
+from benchmarks.runs import every_core_overrides, override_args, port_overrides, trained_rate
 from common.metrics import read_metrics
-from tests.conftest import free_port
 
 GROUPS_PER_STEP, GROUP_SIZE = 8, 4
 GENERATOR_SAMPLES_S, LEARNER_SAMPLES_S = 50.0, 400.0  # what the sim costs below amount to
@@ -74,19 +73,13 @@ def launch(launcher: str, config: Path, root: Path, name: str, generators: int, 
     argv = [sys.executable, "-m", "launch.cli", launcher, str(config), "--run.root", str(root), "--run.name", name,
             "--generator.count", str(generators), "--learner.total_steps", str(steps)]  # fmt: skip
     if launcher == "run":
-        buffer_port, weights_port = free_port(), free_port()
-        every_core = json.dumps(",".join(map(str, sorted(os.sched_getaffinity(0)))))
-        argv += ["--buffer.port", str(buffer_port), "--generator.buffer_address", f"127.0.0.1:{buffer_port}",
-                 "--learner.buffer_address", f"127.0.0.1:{buffer_port}", "--learner.weights_port", str(weights_port),
-                 "--generator.weights_address", f"127.0.0.1:{weights_port}", "--generator.cpu_cores", every_core,
-                 "--learner.cpu_cores", every_core]  # fmt: skip
+        argv += override_args({**port_overrides(), **every_core_overrides()})
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}  # always a fresh local Ray
     result = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"tandem {launcher} failed ({result.returncode}):\n{result.stderr[-3000:]}")
     records = read_metrics(root / name / "metrics.jsonl")
-    first, last = records[len(records) // 2 - 1], records[-1]
-    return (last["learner/samples_trained"] - first["learner/samples_trained"]) / (last["time"] - first["time"])
+    return trained_rate(records, int(records[len(records) // 2 - 1]["step"]))["samples_per_s"]
 
 
 def main(argv: list[str] | None = None) -> int:
