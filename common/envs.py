@@ -36,7 +36,6 @@ Importing this module is cheap (no torch, no tokenizer); it is part of the share
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 from collections.abc import Awaitable, Callable, Mapping
@@ -44,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from common.config import EnvConfig
+from common.plugins import resolve_callable
 
 Message = dict[str, str]  # {"role": "user" | "assistant" | "tool" | "system", "content": str}
 
@@ -152,22 +152,7 @@ def resolve_environment(spec: str) -> Callable[..., Environment]:
     Raises ImportError (the module must be importable: on PYTHONPATH or installed), AttributeError or TypeError;
     every message names `env.environment` and the spec.
     """
-    module_name, sep, attr_path = spec.partition(":")
-    if not sep or not module_name or not attr_path:
-        raise ValueError(f"env.environment: {spec!r} must look like 'package.module:Factory'")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        raise ImportError(
-            f"env.environment: {spec!r}: cannot import {module_name!r} ({error}); put it on PYTHONPATH or install it"
-        ) from error
-    target: Any = module
-    for part in attr_path.split("."):
-        if not hasattr(target, part):
-            raise AttributeError(f"env.environment: {spec!r}: {module_name!r} has no attribute {attr_path!r}")
-        target = getattr(target, part)
-    if not callable(target):
-        raise TypeError(f"env.environment: {spec!r} is a {type(target).__name__}, not a class or factory")
+    target = resolve_callable(spec, "env.environment", "package.module:Factory", "a class or factory")
     if isinstance(target, type) and not (hasattr(target, "reset") and hasattr(target, "step")):
         raise TypeError(f"env.environment: {spec!r}: class {target.__name__} needs reset(task) and step(text)")
     return target

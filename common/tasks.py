@@ -14,7 +14,6 @@ datasets) are imported only by the loaders that need them.
 from __future__ import annotations
 
 import ast
-import importlib
 import json
 import math
 import numbers
@@ -24,6 +23,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from common.plugins import resolve_callable
 
 MetadataValue = str | int | float | bool
 RewardFn = Callable[[str, Mapping[str, Any]], float | Mapping[str, float]]
@@ -271,25 +272,7 @@ def resolve_reward_fn(spec: str) -> RewardFn:
     be imported (it must be importable: on PYTHONPATH, or installed), AttributeError when it has no such
     attribute, TypeError when the attribute is not callable; every message names the spec.
     """
-    module_name, sep, attr_path = spec.partition(":")
-    if not sep or not module_name or not attr_path:
-        raise ValueError(f"reward function {spec!r}: expected 'module.path:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name is not None and module_name.startswith(error.name):
-            raise ImportError(
-                f"reward function {spec!r}: no module named {error.name!r} (put it on PYTHONPATH or install it)"
-            ) from error
-        raise ImportError(f"reward function {spec!r}: importing {module_name!r} failed: {error}") from error
-    target: Any = module
-    for part in attr_path.split("."):
-        if not hasattr(target, part):
-            raise AttributeError(f"reward function {spec!r}: {module_name!r} has no attribute {attr_path!r}")
-        target = getattr(target, part)
-    if not callable(target):
-        raise TypeError(f"reward function {spec!r}: {attr_path!r} is a {type(target).__name__}, not a callable")
-    return target
+    return resolve_callable(spec, "reward function", "module.path:function", "a callable")
 
 
 def _finite(value: Any, what: str) -> float:
