@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -42,24 +41,10 @@ import numpy as np
 
 from actors.engine_api import FinishedSample, SamplingSettings
 from actors.weights import SharedMemoryStaging, WeightsUpdate
-from common.config import GeneratorConfig, ModelConfig
+from common.config import GeneratorConfig, ModelConfig, parse_cores
 from common.types import PromptItem
 
 log = logging.getLogger("tandem.actors.engine")
-
-_CORES = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
-
-
-def parse_cores(spec: str) -> set[int]:
-    """`"0-3,6"` -> {0, 1, 2, 3, 6}; raises ValueError naming `generator.cpu_cores` on anything else."""
-    if not _CORES.match(spec):
-        raise ValueError(f"generator.cpu_cores: '{spec}' must look like '0', '0-3' or '0-3,6'")
-    cores: set[int] = set()
-    for part in spec.split(","):
-        low, _, high = part.partition("-")
-        cores.update(range(int(low), int(high or low) + 1))
-    return cores
-
 
 def configure_cpu_environment(generator: GeneratorConfig) -> dict[str, str]:
     """Set vLLM's CPU knobs from the config; must run before vLLM starts its engine. Returns what was set.
@@ -69,7 +54,7 @@ def configure_cpu_environment(generator: GeneratorConfig) -> dict[str, str]:
     """
     settings = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(generator.kv_cache_gib)))}
     if generator.cpu_cores:
-        cores = parse_cores(generator.cpu_cores)
+        cores = parse_cores(generator.cpu_cores, "generator.cpu_cores")
         available = os.sched_getaffinity(0)
         if not cores <= available:
             raise ValueError(

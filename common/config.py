@@ -13,6 +13,7 @@ naming the dotted key and what is allowed, e.g. ``learner.lr: must be > 0 (got -
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -454,3 +455,20 @@ def write_resolved(config: TandemConfig, run_dir: Path) -> Path:
     tmp.write_text(config.model_dump_json(indent=2))
     tmp.replace(target)
     return target
+
+
+_CORE_LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
+
+
+def parse_cores(spec: str, key: str) -> set[int]:
+    """A core list such as `generator.cpu_cores = "0-3,6"` -> {0, 1, 2, 3, 6}; empty -> empty set (no pinning).
+    Raises ValueError naming `key` for anything else."""
+    if not spec:
+        return set()
+    if not _CORE_LIST.match(spec):
+        raise ValueError(f"{key}: '{spec}' must look like '0', '0-3' or '0-3,6'")
+    cores: set[int] = set()
+    for part in spec.split(","):
+        low, _, high = part.partition("-")
+        cores.update(range(int(low), int(high or low) + 1))
+    return cores

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import TandemConfig, write_resolved
+from common.config import TandemConfig, parse_cores, write_resolved
 from common.logs import setup_logging
 from launch.progress import RunProgress, summarize
 
@@ -129,22 +129,12 @@ def plan_cores(config: TandemConfig) -> tuple[set[int] | None, set[int] | None]:
     (at least one core) and the learner the rest; on one core both share it.
     """
     available = sorted(os.sched_getaffinity(0))
-    explicit = (parse_cores(config.generator.cpu_cores), parse_cores(config.learner.cpu_cores))
+    explicit = (parse_cores(config.generator.cpu_cores, "generator.cpu_cores") or None,
+                parse_cores(config.learner.cpu_cores, "learner.cpu_cores") or None)
     if any(explicit) or len(available) < 2:
         return explicit
     half = max(1, len(available) // 2)
     return set(available[:half]), set(available[half:])
-
-
-def parse_cores(spec: str) -> set[int] | None:
-    """`"0-2,5"` -> {0, 1, 2, 5}; empty -> None (no pinning)."""
-    if not spec:
-        return None
-    cores: set[int] = set()
-    for part in spec.split(","):
-        low, _, high = part.partition("-")
-        cores.update(range(int(low), int(high or low) + 1))
-    return cores
 
 
 def cores_spec(cores: set[int] | None) -> str:

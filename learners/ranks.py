@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from common.config import TandemConfig, write_resolved
+from common.config import parse_cores as parse_core_list  # this module's parse_cores names its key
 
 log = logging.getLogger("tandem.learner.ranks")
 
@@ -62,14 +63,7 @@ def launch_ranks(config: TandemConfig) -> int:
 
 def parse_cores(spec: str) -> list[int]:
     """`"0-3,6"` -> [0, 1, 2, 3, 6]; raises ValueError naming `learner.cpu_cores` on anything else."""
-    cores: set[int] = set()
-    try:
-        for part in spec.split(","):
-            low, _, high = part.strip().partition("-")
-            cores.update(range(int(low), int(high or low) + 1))
-    except ValueError:
-        raise ValueError(f"learner.cpu_cores: '{spec}' must look like '0', '0-3' or '0-3,6'") from None
-    return sorted(cores)
+    return sorted(parse_core_list(spec, "learner.cpu_cores"))
 
 
 def pin_cores(spec: str, local_rank: int, local_world: int) -> list[int] | None:
