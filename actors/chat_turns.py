@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 
 from common.envs import Message
+from common.tasks import render_prompt
+from common.types import PromptItem
 
 _ANCHOR_USER = "x"
 _ANCHOR_ASSISTANT = "y"
@@ -82,3 +84,27 @@ class ChatTurnRenderer:
     def end_of_turn_id(self) -> int:
         """The token that ends an assistant turn (ChatML: `<|im_end|>`): the closer's first token."""
         return self.closer[0]
+
+
+class TokenizerTexts:
+    """The `Engine` interface's text methods for an engine that holds a Hugging Face tokenizer in `self.tokenizer`:
+    prompts through its chat template, completions decoded without special tokens, the environment's turns through
+    a `ChatTurnRenderer` (made on first use: single-turn runs never need it)."""
+
+    tokenizer: Any
+    _turns: ChatTurnRenderer | None = None
+
+    @property
+    def turns(self) -> ChatTurnRenderer:
+        if self._turns is None:
+            self._turns = ChatTurnRenderer(self.tokenizer)
+        return self._turns
+
+    def render(self, prompt: PromptItem) -> list[int]:
+        return render_prompt(self.tokenizer, prompt)
+
+    def decode(self, tokens: np.ndarray) -> str:
+        return self.tokenizer.decode(tokens.tolist(), skip_special_tokens=True)
+
+    def render_turn(self, model_tokens: np.ndarray, messages: list[Message]) -> list[int]:
+        return self.turns.render_turn(model_tokens, messages)

@@ -39,10 +39,10 @@ from typing import Any
 
 import numpy as np
 
+from actors.chat_turns import TokenizerTexts
 from actors.engine_api import FinishedSample, SamplingSettings
 from actors.weights import SharedMemoryStaging, WeightsUpdate
 from common.config import GeneratorConfig, ModelConfig, parse_cores
-from common.types import PromptItem
 
 log = logging.getLogger("tandem.actors.engine")
 
@@ -101,7 +101,7 @@ class WeightLoader:
         return sum(t[4] for t in tensors)
 
 
-class VllmEngine:
+class VllmEngine(TokenizerTexts):
     """A vLLM `LLMEngine` driven request by request (see the module docstring). One driver thread."""
 
     def __init__(
@@ -144,23 +144,8 @@ class VllmEngine:
         self.engine.set_weight_version("0")
         self._start_versions: dict[str, int] = {}
         self._staging = SharedMemoryStaging()
-        self._turns: Any = None  # ChatTurnRenderer, made on the first multi-turn observation
         log.info("vLLM engine up in %.1fs (%s, max_num_seqs=%d)", time.monotonic() - started, model_path, max_num_seqs)
 
-    def render(self, prompt: PromptItem) -> list[int]:
-        from common.tasks import render_prompt
-
-        return list(render_prompt(self.tokenizer, prompt))
-
-    def decode(self, tokens: np.ndarray) -> str:
-        return self.tokenizer.decode(tokens.tolist(), skip_special_tokens=True)
-
-    def render_turn(self, model_tokens: np.ndarray, messages: list[dict[str, str]]) -> list[int]:
-        if self._turns is None:
-            from actors.chat_turns import ChatTurnRenderer
-
-            self._turns = ChatTurnRenderer(self.tokenizer)
-        return self._turns.render_turn(model_tokens, messages)
 
     def add(self, request_id: str, prompt_tokens: list[int], max_tokens: int | None = None) -> None:
         params = self.params

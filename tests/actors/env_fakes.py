@@ -18,11 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from actors.chat_turns import ChatTurnRenderer
+from actors.chat_turns import TokenizerTexts
 from actors.engine_api import FinishedSample
 from actors.weights import WeightsUpdate
 from common.envs import StepResult
-from common.types import PromptItem
 
 FIRST_ORDINARY_TOKEN = 100  # SmolLM2's special tokens are ids 0..16
 
@@ -40,7 +39,7 @@ class _Request:
     versions: list[int] = field(default_factory=list)
 
 
-class ScriptedEngine:
+class ScriptedEngine(TokenizerTexts):
     """The `Engine` interface over a real tokenizer's chat template; one random token per running request a step.
 
     A request ends after a random length in [1, max_tokens]; with `eos_probability` its last token is the
@@ -51,7 +50,6 @@ class ScriptedEngine:
     def __init__(self, tokenizer: Any, seed: int = 0, eos_probability: float = 0.3, max_tokens: int = 8,
                  step_s: float = 0.0) -> None:
         self.tokenizer = tokenizer
-        self.turns = ChatTurnRenderer(tokenizer)
         self.rng = np.random.default_rng(seed)
         self.eos_probability = eos_probability
         self.max_tokens = max_tokens
@@ -60,15 +58,6 @@ class ScriptedEngine:
         self.running: dict[str, _Request] = {}
         self.requests: dict[str, _Request] = {}  # every request ever added, by id
         self.steps = 0
-
-    def render(self, prompt: PromptItem) -> list[int]:
-        return self.turns.render_prompt(prompt.messages)
-
-    def render_turn(self, model_tokens: np.ndarray, messages: list[dict[str, str]]) -> list[int]:
-        return self.turns.render_turn(model_tokens, messages)
-
-    def decode(self, tokens: np.ndarray) -> str:
-        return self.tokenizer.decode([int(t) for t in tokens], skip_special_tokens=True)
 
     def add(self, request_id: str, prompt_tokens: list[int], max_tokens: int | None = None) -> None:
         limit = self.max_tokens if max_tokens is None else max_tokens

@@ -16,32 +16,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from actors.chat_turns import ChatTurnRenderer
+from actors.chat_turns import TokenizerTexts
 from actors.engine_api import FinishedSample
 from actors.weights import WeightsUpdate
-from common.types import PromptItem
 
 
-class HfEngine:
+class HfEngine(TokenizerTexts):
     """Batched transformers sampling behind the `Engine` interface (see the module docstring)."""
 
     def __init__(self, model: Any, tokenizer: Any, temperature: float, max_tokens: int) -> None:
         self.model, self.tokenizer = model, tokenizer
-        self.turns = ChatTurnRenderer(tokenizer)
         self.temperature, self.max_tokens = temperature, max_tokens
         self.eos_id = self.turns.end_of_turn_id()
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id)
         self.policy_version = 0
         self.waiting: dict[str, tuple[list[int], int]] = {}
-
-    def render(self, prompt: PromptItem) -> list[int]:
-        return self.turns.render_prompt(prompt.messages)
-
-    def render_turn(self, model_tokens: np.ndarray, messages: list[dict[str, str]]) -> list[int]:
-        return self.turns.render_turn(model_tokens, messages)
-
-    def decode(self, tokens: np.ndarray) -> str:
-        return self.tokenizer.decode([int(t) for t in tokens], skip_special_tokens=True)
 
     def add(self, request_id: str, prompt_tokens: list[int], max_tokens: int | None = None) -> None:
         self.waiting[request_id] = (list(prompt_tokens), max_tokens or self.max_tokens)
