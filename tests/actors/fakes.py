@@ -14,7 +14,8 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -223,6 +224,18 @@ class FakePublisher(_ServerThread):
                 still.append((request, since))
         self.deferred = still
         return answers
+
+
+@contextmanager
+def running_peers(ports: tuple[int, int], prompts: list[PromptItem]) -> Iterator[tuple[FakeBuffer, FakePublisher]]:
+    """A started FakeBuffer leasing `prompts` two at a time and a FakePublisher, on `ports`; stopped on exit."""
+    buffer = FakeBuffer(ports[0], prompts, lease_size=2).start()
+    publisher = FakePublisher(ports[1]).start()
+    try:
+        yield buffer, publisher
+    finally:
+        buffer.stop()
+        publisher.stop()
 
 
 def write_config(path: Path, run_root: Path, buffer_port: int, weights_port: int, **sections: dict[str, Any]) -> Path:

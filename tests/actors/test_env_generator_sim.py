@@ -19,7 +19,7 @@ import pytest
 from actors.sim_engine import SIM_END_OF_TURN
 from common.metrics import read_metrics
 from common.types import PromptItem
-from tests.actors.fakes import REPO, FakeBuffer, FakePublisher, generator_command, write_config
+from tests.actors.fakes import REPO, generator_command, running_peers, write_config
 
 GROUP_SIZE = 3
 SIM_TOKENS = 5
@@ -37,15 +37,8 @@ def items() -> list[PromptItem]:
 
 @pytest.fixture
 def peers(ports):
-    buffer = FakeBuffer(ports[0], items(), lease_size=2)
-    publisher = FakePublisher(ports[1])
-    buffer.start()
-    publisher.start()
-    try:
-        yield buffer, publisher
-    finally:
-        buffer.stop()
-        publisher.stop()
+    with running_peers(ports, items()) as started:
+        yield started
 
 
 def test_multi_turn_groups_faults_survived_and_counted(tmp_path, ports, peers) -> None:

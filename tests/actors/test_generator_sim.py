@@ -17,7 +17,7 @@ import pytest
 
 from common.metrics import read_metrics
 from common.types import LeaseRefused
-from tests.actors.fakes import REPO, FakeBuffer, FakePublisher, arithmetic_items, generator_command, write_config
+from tests.actors.fakes import REPO, arithmetic_items, generator_command, running_peers, write_config
 
 GROUP_SIZE = 3
 
@@ -49,16 +49,8 @@ def _finish(process: subprocess.Popen, timeout_s: float) -> tuple[int, str]:
 
 @pytest.fixture
 def peers(ports):
-    buffer_port, weights_port = ports
-    buffer = FakeBuffer(buffer_port, arithmetic_items(10, explode_every=4), lease_size=2)
-    publisher = FakePublisher(weights_port)
-    buffer.start()
-    publisher.start()
-    try:
-        yield buffer, publisher
-    finally:
-        buffer.stop()
-        publisher.stop()
+    with running_peers(ports, arithmetic_items(10, explode_every=4)) as started:
+        yield started
 
 
 def _check_group(group, generator_id: int = 0) -> None:
