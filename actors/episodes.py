@@ -236,21 +236,25 @@ class EpisodeDriver:
         self.calling[id(episode)] = episode
         episode.call.on_done(lambda: self._answered.append(episode))  # deque.append is thread-safe
 
-    def _failed_call(self, episode: _Episode, outcome: CallOutcome, now: float, what: str) -> bool:
-        """Finish the episode if the call raised or overran; True if it did."""
+    def _checked(self, episode: _Episode, outcome: CallOutcome, now: float, what: str,
+                 check: Callable[[Any], Any]) -> Any | None:  # fmt: skip
+        """`check(value)` of a call that returned in time; None once the episode is finished because the call
+        raised, overran, or returned something `check` rejects."""
         if outcome.timed_out:
             self._finish(episode, "episode_timeout" if now >= episode.deadline else "env_timeout")
-        elif outcome.error is not None:
-            self._finish(episode, f"env_error: {what}: {outcome.error}"[:300])
-        return outcome.timed_out or outcome.error is not None
+            return None
+        error = outcome.error
+        if error is None:
+            try:
+                return check(outcome.value)
+            except (TypeError, ValueError) as rejected:
+                error = rejected
+        self._finish(episode, f"env_error: {what}: {error}"[:300])
+        return None
 
     def _on_reset(self, episode: _Episode, outcome: CallOutcome, now: float) -> None:
-        if self._failed_call(episode, outcome, now, "reset"):
-            return
-        try:
-            messages = check_first_observation(outcome.value)
-        except (TypeError, ValueError) as error:
-            self._finish(episode, f"env_error: reset: {error}"[:300])
+        messages = self._checked(episode, outcome, now, "reset", check_first_observation)
+        if messages is None:
             return
         tokens = self.engine.render(dataclasses.replace(episode.group.prompt, messages=messages))
         episode.trajectory = Trajectory(tokens)
@@ -262,12 +266,8 @@ class EpisodeDriver:
         self._queue(episode)
 
     def _on_step(self, episode: _Episode, outcome: CallOutcome, now: float) -> None:
-        if self._failed_call(episode, outcome, now, "step"):
-            return
-        try:
-            result = check_step_result(outcome.value)
-        except (TypeError, ValueError) as error:
-            self._finish(episode, f"env_error: step: {error}"[:300])
+        result = self._checked(episode, outcome, now, "step", check_step_result)
+        if result is None:
             return
         episode.step_rewards.append(result.reward)
         if result.done:
