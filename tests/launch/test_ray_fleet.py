@@ -22,7 +22,8 @@ from tests.launch.ray_runs import SIM_CONFIG, RayLaunch, buffer_counters, proces
 
 pytestmark = pytest.mark.timeout(300)
 
-PROMPTS = 400  # one epoch (buffer.epochs = 1): the run ends when every prompt has come back
+PROMPTS = 1000  # one epoch (buffer.epochs = 1): the run ends when every prompt has come back; enough that
+# the generators are still mid-epoch when two of them are killed, even on a fast machine (400 ran out first on CI)
 GROUPS_PER_STEP = 4  # ray_sim.toml
 
 
@@ -55,6 +56,8 @@ def test_scale_up_and_replace_dead_generators(tmp_path: Path, ray_cluster: str, 
         print(f"trained samples/s: 1 generator {before:.1f}, 3 generators {after:.1f}")
         assert after > 1.5 * before, f"samples/s with 1 generator {before:.1f}, with 3 {after:.1f}"
 
+        left = PROMPTS - GROUPS_PER_STEP * len(launch.records())
+        assert left >= PROMPTS // 4, f"only {left} prompts left to kill generators mid-epoch: raise PROMPTS"
         handle = controller("scale")
         os.kill(ray.get(handle.member_pid.remote("generator-1")), signal.SIGKILL)  # a crash: its leases stay out
         ray.kill(ray.get_actor(actor_name("scale", "generator-2"), namespace=NAMESPACE))  # its actor dies
