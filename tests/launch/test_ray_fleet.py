@@ -125,7 +125,7 @@ def test_dead_learner_resumes_when_configured(tmp_path: Path, ray_cluster: str, 
         launch.close()
     steps = [r["step"] for r in launch.records()]
     resumed_at = next(i for i, (a, b) in enumerate(zip(steps, steps[1:])) if b <= a) + 1
-    assert steps[resumed_at] in (6, 11, 16) and steps[-1] == 30, steps  # continued after checkpoint 5, 10 or 15
+    assert steps[resumed_at] % 5 == 1 and steps[resumed_at] > 1 and steps[-1] == 30, steps  # after checkpoint 5, 10...
     assert steps[resumed_at:] == list(range(steps[resumed_at], 31)), steps
     assert read_metrics(launch.run_dir / "ray.jsonl")[-1]["ray/learner_restarts"] == 1
     assert not processes_of(launch.run_dir), processes_of(launch.run_dir)
