@@ -63,10 +63,6 @@ class ChatTurnRenderer:
             )
         return closer
 
-    def render_prompt(self, messages: list[Message]) -> list[int]:
-        """A whole chat with the generation prompt: the first observation of an episode."""
-        return self._apply(messages, add_generation_prompt=True)
-
     def render_turn(self, model_tokens: np.ndarray, messages: list[Message]) -> list[int]:
         """Environment tokens that follow the model's turn `model_tokens`: the closer (minus the token the model
         already sampled) + `messages` + the generation prompt. Raises ValueError if the template is not

@@ -146,7 +146,6 @@ class VllmEngine(TokenizerTexts):
         self._staging = SharedMemoryStaging()
         log.info("vLLM engine up in %.1fs (%s, max_num_seqs=%d)", time.monotonic() - started, model_path, max_num_seqs)
 
-
     def add(self, request_id: str, prompt_tokens: list[int], max_tokens: int | None = None) -> None:
         params = self.params
         if max_tokens is not None and max_tokens != params.max_tokens:

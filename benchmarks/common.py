@@ -39,7 +39,8 @@ def best_seconds(fn: Callable[[], Any], repeat: int = 20, warmup: int = 3) -> fl
 
 
 def side_by_side(axes: Any, count: int, width: float, height: float = 4.0) -> list[Any]:
-    """Replace the single axes that `save` hands a plot by `count` panels side by side in a `width` x `height` figure."""
+    """Replace the single axes that `save` hands a plot by `count` panels side by side, in a figure of
+    `width` x `height` inches."""
     figure = axes.figure
     axes.remove()
     figure.set_size_inches(width, height)

@@ -13,9 +13,9 @@ from step 1 on, staleness seen, samples dropped as stale, and the mean reward ov
 What to read: a larger η must buy throughput without a lower reward at equal steps; where reward at equal steps
 falls with η (or without the correction), that η is too large. The reward of step k's batch was earned by the
 policy of version k - 1 - staleness, so against steps an asynchronous curve lags by its mean staleness even if
-it learns exactly as well; the middle panel plots reward against that version, which removes the lag. Short runs on a 2-core machine give noisy
-rewards: the standard error of one step's reward/mean (reward/std / sqrt(samples), averaged) is the noise floor,
-and it is reported; differences below about twice it are not evidence. Writes results/staleness_effect.{json,png}.
+it learns exactly as well; the middle panel plots reward against that version, which removes the lag. Short runs
+on a 2-core machine give noisy rewards: the standard error of one step's reward/mean (reward/std / sqrt(samples),
+averaged) is the noise floor, and it is reported; differences below about twice it are not evidence. Writes results/staleness_effect.{json,png}.
 """
 
 from __future__ import annotations

@@ -20,8 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common.config import TandemConfig, write_resolved
-from common.config import parse_cores as parse_core_list  # this module's parse_cores names its key
+from common.config import TandemConfig, parse_cores, write_resolved
 
 log = logging.getLogger("tandem.learner.ranks")
 
@@ -61,11 +60,6 @@ def launch_ranks(config: TandemConfig) -> int:
                 process.wait()
 
 
-def parse_cores(spec: str) -> list[int]:
-    """`"0-3,6"` -> [0, 1, 2, 3, 6]; raises ValueError naming `learner.cpu_cores` on anything else."""
-    return sorted(parse_core_list(spec, "learner.cpu_cores"))
-
-
 def pin_cores(spec: str, local_rank: int, local_world: int) -> list[int] | None:
     """Pin this rank to its share of `spec`'s cores (an equal, contiguous slice per local rank) and size torch's
     thread pool to it. Empty spec: nothing changes (returns None). Raises ValueError for unavailable cores or
@@ -74,7 +68,7 @@ def pin_cores(spec: str, local_rank: int, local_world: int) -> list[int] | None:
         return None
     import torch
 
-    cores = parse_cores(spec)
+    cores = sorted(parse_cores(spec, "learner.cpu_cores"))
     available = os.sched_getaffinity(0)
     if not set(cores) <= available:
         raise ValueError(f"learner.cpu_cores: cores {sorted(set(cores) - available)} are not available "

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ConfigError, TandemConfig, load_config, parse_overrides, write_resolved
+from common.config import (ConfigError, TandemConfig, load_config, parse_cores, parse_overrides,
+                           write_resolved)
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -103,3 +104,12 @@ def test_resolved_json_loads_with_overrides(tmp_path: Path) -> None:
     path = write_resolved(load_config(None, ["--run.name", "j"]), tmp_path)
     config = load_config(path, ["--generator.index", "3"])
     assert config.run.name == "j" and config.generator.index == 3
+
+
+def test_parse_cores() -> None:
+    assert sorted(parse_cores("0-3,6", "learner.cpu_cores")) == [0, 1, 2, 3, 6]
+    assert parse_cores("1", "learner.cpu_cores") == {1} and parse_cores("", "learner.cpu_cores") == set()
+    with pytest.raises(ValueError, match="learner.cpu_cores: 'a-b'"):
+        parse_cores("a-b", "learner.cpu_cores")
+    with pytest.raises(ValueError, match="generator.cpu_cores: '0, 1'"):
+        parse_cores("0, 1", "generator.cpu_cores")

@@ -1,5 +1,5 @@
 """The learner's buffer client over real sockets: it waits out a buffer that is down or not ready, takes only
-the batch it asked for, and reports versions; plus core pinning's parsing."""
+the batch it asked for, and reports versions."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 from common.sockets import Server, SocketSecurity
 from common.types import ErrorReply, VersionReport
 from learners.buffer_link import BufferLink
-from learners.ranks import parse_cores
 from tests.conftest import free_port
 from tests.learners.learner_fakes import FakeBuffer
 
@@ -77,9 +76,3 @@ def test_a_refusal_is_an_error_that_names_the_buffers_reason() -> None:
         thread.join(timeout=10)
         client.close()
         server.close()
-
-
-def test_parse_cores() -> None:
-    assert parse_cores("0-3,6") == [0, 1, 2, 3, 6] and parse_cores("1") == [1]
-    with pytest.raises(ValueError, match="learner.cpu_cores: 'a-b'"):
-        parse_cores("a-b")
