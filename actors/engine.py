@@ -46,6 +46,7 @@ from common.config import GeneratorConfig, ModelConfig, parse_cores
 
 log = logging.getLogger("tandem.actors.engine")
 
+
 def configure_cpu_environment(generator: GeneratorConfig) -> dict[str, str]:
     """Set vLLM's CPU knobs from the config; must run before vLLM starts its engine. Returns what was set.
 

@@ -76,8 +76,15 @@ class EpisodeLimits:
     @classmethod
     def from_config(cls, config: TandemConfig) -> EpisodeLimits:
         env = config.env
-        return cls(env.max_turns, env.max_total_tokens, config.generator.max_tokens, config.model.max_model_len,
-                   env.step_timeout_s, env.episode_timeout_s, env.failure_reward)
+        return cls(
+            env.max_turns,
+            env.max_total_tokens,
+            config.generator.max_tokens,
+            config.model.max_model_len,
+            env.step_timeout_s,
+            env.episode_timeout_s,
+            env.failure_reward,
+        )
 
 
 @dataclass
@@ -142,8 +149,15 @@ class EpisodeStats:
 class EpisodeDriver:
     """Runs episodes turn by turn on `engine` (see the module docstring). One driver thread."""
 
-    def __init__(self, engine: Engine, factory: EnvironmentFactory, limits: EpisodeLimits, runner: EnvRunner,
-                 group_size: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        factory: EnvironmentFactory,
+        limits: EpisodeLimits,
+        runner: EnvRunner,
+        group_size: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.engine, self.factory, self.limits, self.runner = engine, factory, limits, runner
         self.group_size = group_size
         self.clock = clock
@@ -236,8 +250,9 @@ class EpisodeDriver:
         self.calling[id(episode)] = episode
         episode.call.on_done(lambda: self._answered.append(episode))  # deque.append is thread-safe
 
-    def _checked(self, episode: _Episode, outcome: CallOutcome, now: float, what: str,
-                 check: Callable[[Any], Any]) -> Any | None:  # fmt: skip
+    def _checked(
+        self, episode: _Episode, outcome: CallOutcome, now: float, what: str, check: Callable[[Any], Any]
+    ) -> Any | None:
         """`check(value)` of a call that returned in time; None once the episode is finished because the call
         raised, overran, or returned something `check` rejects."""
         if outcome.timed_out:
@@ -259,8 +274,12 @@ class EpisodeDriver:
         tokens = self.engine.render(dataclasses.replace(episode.group.prompt, messages=messages))
         episode.trajectory = Trajectory(tokens)
         if len(tokens) + 1 > self.limits.max_model_len:
-            log.error("episode %s: first observation has %d tokens, model.max_model_len is %d (raise it)",
-                      episode.name, len(tokens), self.limits.max_model_len)
+            log.error(
+                "episode %s: first observation has %d tokens, model.max_model_len is %d (raise it)",
+                episode.name,
+                len(tokens),
+                self.limits.max_model_len,
+            )
             self._finish(episode, "max_total_tokens")
             return
         self._queue(episode)
@@ -282,8 +301,10 @@ class EpisodeDriver:
             self._finish(episode, f"env_error: render: {type(error).__name__}: {error}"[:300])
             return
         trajectory = episode.trajectory
-        if (trajectory.num_tokens + len(tokens) + 1 > self.limits.max_total_tokens
-                or trajectory.context_length + len(tokens) + 1 > self.limits.max_model_len):
+        if (
+            trajectory.num_tokens + len(tokens) + 1 > self.limits.max_total_tokens
+            or trajectory.context_length + len(tokens) + 1 > self.limits.max_model_len
+        ):
             self._finish(episode, "max_total_tokens")
             return
         trajectory.add_environment(tokens)
@@ -296,8 +317,11 @@ class EpisodeDriver:
 
     def _submit(self, episode: _Episode) -> None:
         trajectory, limits = episode.trajectory, self.limits
-        room = min(limits.turn_max_tokens, limits.max_total_tokens - trajectory.num_tokens,
-                   limits.max_model_len - trajectory.context_length)
+        room = min(
+            limits.turn_max_tokens,
+            limits.max_total_tokens - trajectory.num_tokens,
+            limits.max_model_len - trajectory.context_length,
+        )
         episode.request_id = f"{episode.name}:{episode.turns}"
         episode.phase = "generating"
         self.requests[episode.request_id] = episode
@@ -322,8 +346,13 @@ class EpisodeDriver:
         failed = reason.startswith(FAILURE_PREFIXES)
         if failed:
             components = {"turn_reward_sum": 0.0, "terminal": 0.0, "failure": self.limits.failure_reward}
-            log.warning("episode %s ended %s after %d turns: reward %.3f", episode.name, reason, episode.turns,
-                        self.limits.failure_reward)
+            log.warning(
+                "episode %s ended %s after %d turns: reward %.3f",
+                episode.name,
+                reason,
+                episode.turns,
+                self.limits.failure_reward,
+            )
         else:
             terminal = episode.step_rewards[-1] if reason in ("done", "length") else 0.0
             before = episode.step_rewards[:-1] if reason in ("done", "length") else episode.step_rewards
@@ -336,7 +365,8 @@ class EpisodeDriver:
             self.runner.call(close, timeout_s=self.limits.step_timeout_s)  # not waited for; a failure is harmless
         group = episode.group
         group.results[episode.index] = EpisodeResult(
-            episode.trajectory, episode.start_version, reason, episode.turns, components)
+            episode.trajectory, episode.start_version, reason, episode.turns, components
+        )
         if group.complete:
             del self.groups[(group.lease_id, group.prompt.prompt_id)]
             self._complete.append(group)

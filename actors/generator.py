@@ -100,9 +100,7 @@ def open_engine(config: TandemConfig) -> Engine:
     log.info("engine environment: %s", configure_cpu_environment(gen))
     settings = SamplingSettings(gen.temperature, gen.top_p, gen.max_tokens, seed)
     model_path = resolve_model_path(config.model.path)
-    return VllmEngine(
-        model_path, config.model, settings, max_num_seqs, gen.enforce_eager, gen.tensor_parallel_size
-    )
+    return VllmEngine(model_path, config.model, settings, max_num_seqs, gen.enforce_eager, gen.tensor_parallel_size)
 
 
 class _StopSignal:
@@ -123,8 +121,9 @@ class _StopSignal:
 class Generator:
     """The state of one generator and one method per phase of `run`'s loop. One thread."""
 
-    def __init__(self, config: TandemConfig, engine: Engine, scorer: RewardScorer,
-                 environments: EnvironmentFactory | None = None) -> None:
+    def __init__(
+        self, config: TandemConfig, engine: Engine, scorer: RewardScorer, environments: EnvironmentFactory | None = None
+    ) -> None:
         gen = config.generator
         self.config = config
         self.index = gen.index
@@ -230,7 +229,10 @@ class Generator:
         self.next_lease = 0.0  # admission may have opened with the new version
         log.info(
             "weights v%d -> v%d (%.1f MB) loaded in %.2fs (%.2fs since received)",
-            previous, update.policy_version, update.nbytes / 1e6, self.stats.weight_load_s,
+            previous,
+            update.policy_version,
+            update.nbytes / 1e6,
+            self.stats.weight_load_s,
             time.monotonic() - update.received_at,
         )
 
@@ -281,7 +283,9 @@ class Generator:
                 self.stats.prompts_too_long += 1
                 log.error(
                     "prompt %d has %d tokens, model.max_model_len is %d: skipped (raise model.max_model_len)",
-                    prompt.prompt_id, len(tokens), max_len,
+                    prompt.prompt_id,
+                    len(tokens),
+                    max_len,
                 )
                 self.book.close_prompt(lease_id, prompt.prompt_id)
                 continue
@@ -318,8 +322,9 @@ class Generator:
         hold = self.pending_update is not None and not self.config.generator.inflight_weight_update
         for group in self.episodes.advance(submit=not hold):
             self.stats.samples += len(group.results)
-            self.outbox.add(build_episode_group(group.lease_id, group.prompt, group.results, self.index,
-                                                group.started_at))
+            self.outbox.add(
+                build_episode_group(group.lease_id, group.prompt, group.results, self.index, group.started_at)
+            )
             self.book.close_prompt(group.lease_id, group.prompt.prompt_id)
 
     def _finish_group(self, pending: PendingGroup) -> None:
@@ -332,16 +337,18 @@ class Generator:
         if not force and now - self.stats.since < REPORT_S:
             return
         values = self.stats.drain(now)
-        values.update({
-            "actor/policy_version": self.engine.policy_version,
-            "actor/unsent_groups": len(self.outbox),
-            "actor/reward_errors": self.scorer.errors,
-            "actor/groups_delivered": self.outbox.acks["accepted"] + self.outbox.acks["duplicate"],
-            "actor/groups_rejected": self.outbox.acks["rejected"],
-            "actor/prompts_in_flight": self.book.in_flight(),
-            "actor/buffer_reconnects": self.link.reconnects,
-            "actor/weight_fetch_failures": sum(self.weights.failures.values()),
-        })
+        values.update(
+            {
+                "actor/policy_version": self.engine.policy_version,
+                "actor/unsent_groups": len(self.outbox),
+                "actor/reward_errors": self.scorer.errors,
+                "actor/groups_delivered": self.outbox.acks["accepted"] + self.outbox.acks["duplicate"],
+                "actor/groups_rejected": self.outbox.acks["rejected"],
+                "actor/prompts_in_flight": self.book.in_flight(),
+                "actor/buffer_reconnects": self.link.reconnects,
+                "actor/weight_fetch_failures": sum(self.weights.failures.values()),
+            }
+        )
         if self.episodes is not None:
             values.update(self.episodes.metrics())
         self.metrics.log(self.stats.reports, values)

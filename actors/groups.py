@@ -78,8 +78,7 @@ def build_group(pending: PendingGroup, scores: list[Score], generator_id: int) -
         versions=np.asarray([s.start_version for s in samples], dtype=np.int32),
         rewards=np.asarray([score.reward for score in scores], dtype=np.float32),
         reward_components={
-            name: np.asarray([score.components.get(name, 0.0) for score in scores], dtype=np.float32)
-            for name in names
+            name: np.asarray([score.components.get(name, 0.0) for score in scores], dtype=np.float32) for name in names
         },
         finish_reasons=[
             s.finish_reason if score.error is None else f"error: reward: {score.error}"

@@ -101,9 +101,11 @@ class AgentEnvironment:
         known = len(self.conversation)
         if event.messages[:known] != self.conversation or len(event.messages) == known:
             problem = next((i for i, (a, b) in enumerate(zip(event.messages, self.conversation)) if a != b), known)
-            error = AgentError(f"messages[{problem}] differs from the episode's conversation (or nothing new "
-                               "follows it): repeat the conversation so far, the model's replies unchanged, then "
-                               "add the new messages")
+            error = AgentError(
+                f"messages[{problem}] differs from the episode's conversation (or nothing new "
+                "follows it): repeat the conversation so far, the model's replies unchanged, then "
+                "add the new messages"
+            )
             event.reply.set_exception(error)
             raise error
         self.conversation, self._pending = event.messages, event.reply
@@ -194,9 +196,11 @@ class AgentServer:
 
 def _completion(text: str) -> dict[str, Any]:
     return {
-        "id": f"chatcmpl-{secrets.token_hex(8)}", "object": "chat.completion", "created": int(time.time()),
-        "model": "tandem", "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                        "finish_reason": "stop"}],
+        "id": f"chatcmpl-{secrets.token_hex(8)}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": "tandem",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
     }
 
@@ -259,16 +263,25 @@ def _handler(server: AgentServer) -> type[BaseHTTPRequestHandler]:
                 self._error(503, "no episode to run right now: try again")
                 return
             task = env.task
-            self._send(200, {"episode_id": env.episode_id, "prompt_id": task.prompt_id,
-                             "messages": task.messages, "metadata": task.metadata})
+            self._send(
+                200,
+                {
+                    "episode_id": env.episode_id,
+                    "prompt_id": task.prompt_id,
+                    "messages": task.messages,
+                    "metadata": task.metadata,
+                },
+            )
 
         def _chat(self, body: dict[str, Any]) -> None:
             if body.get("stream"):
                 raise ValueError("stream is not supported: send stream=false")
             episode_id = self.headers.get(EPISODE_HEADER)
             if not episode_id:
-                raise ValueError(f"the {EPISODE_HEADER} header is required: claim an episode with "
-                                 "POST /tandem/episodes and send its episode_id")
+                raise ValueError(
+                    f"the {EPISODE_HEADER} header is required: claim an episode with "
+                    "POST /tandem/episodes and send its episode_id"
+                )
             messages = check_messages(body.get("messages"), "messages")
             if not messages:
                 raise ValueError("messages must not be empty")

@@ -60,8 +60,9 @@ class SandboxResult:
         return self.returncode == 0 and not self.timed_out
 
 
-def run_python(source: str, files: dict[str, str] | None = None, limits: SandboxLimits = SandboxLimits(),
-               stdin: str = "") -> SandboxResult:
+def run_python(
+    source: str, files: dict[str, str] | None = None, limits: SandboxLimits = SandboxLimits(), stdin: str = ""
+) -> SandboxResult:
     """Run `source` as `__main__` in the sandbox, with `files` (name -> text) written beside it first.
 
     Never raises for what the code does (errors, timeouts, limits show in the result); raises ValueError for a file
@@ -78,8 +79,17 @@ def run_python(source: str, files: dict[str, str] | None = None, limits: Sandbox
         command = [sys.executable, "-I", "-S", str(BOOT), str(root), str(root / "main.py"), json.dumps(asdict(limits))]
         environment = {"PATH": "/usr/bin:/bin", "HOME": str(root), "LANG": "C.UTF-8"}
         started = time.monotonic()
-        process = subprocess.Popen(command, cwd=root, env=environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+        process = subprocess.Popen(
+            command,
+            cwd=root,
+            env=environment,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
         timed_out = False
         try:
             stdout, stderr = process.communicate(stdin, timeout=limits.time_s)
@@ -90,8 +100,14 @@ def run_python(source: str, files: dict[str, str] | None = None, limits: Sandbox
         seconds = time.monotonic() - started
         isolation_file = root / ".isolation.json"
         isolation = json.loads(isolation_file.read_text()) if isolation_file.is_file() else {}
-    return SandboxResult(None if timed_out else process.returncode, stdout[-OUTPUT_LIMIT:], stderr[-OUTPUT_LIMIT:],
-                         timed_out, seconds, isolation)
+    return SandboxResult(
+        None if timed_out else process.returncode,
+        stdout[-OUTPUT_LIMIT:],
+        stderr[-OUTPUT_LIMIT:],
+        timed_out,
+        seconds,
+        isolation,
+    )
 
 
 def _kill_group(process: subprocess.Popen) -> None:

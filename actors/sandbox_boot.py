@@ -25,15 +25,43 @@ CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
 MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 PATH_EVENTS = {  # audit event -> positions of its path arguments
-    "os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.rename": (0, 1), "os.link": (0, 1),
-    "os.symlink": (1,), "os.chmod": (0,), "os.chown": (0,), "os.truncate": (0,), "os.utime": (0,),
-    "os.mknod": (0,), "os.mkfifo": (0,), "os.setxattr": (0,), "os.removexattr": (0,), "shutil.rmtree": (0,),
-    "shutil.copyfile": (1,), "shutil.copytree": (1,), "shutil.move": (0, 1), "shutil.make_archive": (0,),
+    "os.remove": (0,),
+    "os.rmdir": (0,),
+    "os.mkdir": (0,),
+    "os.rename": (0, 1),
+    "os.link": (0, 1),
+    "os.symlink": (1,),
+    "os.chmod": (0,),
+    "os.chown": (0,),
+    "os.truncate": (0,),
+    "os.utime": (0,),
+    "os.mknod": (0,),
+    "os.mkfifo": (0,),
+    "os.setxattr": (0,),
+    "os.removexattr": (0,),
+    "shutil.rmtree": (0,),
+    "shutil.copyfile": (1,),
+    "shutil.copytree": (1,),
+    "shutil.move": (0, 1),
+    "shutil.make_archive": (0,),
 }
 FORBIDDEN_EVENTS = {
-    "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-    "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "socket.__new__", "socket.socketpair", "gc.get_referrers",
-    "gc.get_referents", "gc.get_objects", "sys._current_frames",
+    "subprocess.Popen",
+    "os.system",
+    "os.exec",
+    "os.posix_spawn",
+    "os.spawn",
+    "os.fork",
+    "os.forkpty",
+    "ctypes.dlopen",
+    "ctypes.dlsym",
+    "ctypes.cdata",
+    "socket.__new__",
+    "socket.socketpair",
+    "gc.get_referrers",
+    "gc.get_referents",
+    "gc.get_objects",
+    "sys._current_frames",
 }
 FORBIDDEN_IMPORTS = {"ctypes", "_ctypes", "_posixsubprocess"}
 
@@ -69,9 +97,13 @@ def limit(limits):
 
     memory = int(limits["memory_mb"]) << 20
     cpu = max(1, int(limits["time_s"] + 1))
-    for what, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu),
-                        (resource.RLIMIT_FSIZE, int(limits["file_size_mb"]) << 20),
-                        (resource.RLIMIT_NOFILE, int(limits["max_open_files"])), (resource.RLIMIT_CORE, 0)):
+    for what, value in (
+        (resource.RLIMIT_AS, memory),
+        (resource.RLIMIT_CPU, cpu),
+        (resource.RLIMIT_FSIZE, int(limits["file_size_mb"]) << 20),
+        (resource.RLIMIT_NOFILE, int(limits["max_open_files"])),
+        (resource.RLIMIT_CORE, 0),
+    ):
         resource.setrlimit(what, (value, value))
 
 

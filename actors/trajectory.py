@@ -53,8 +53,12 @@ class Trajectory:
     def add_model_turn(self, sample: FinishedSample) -> None:
         """Append a model turn exactly as sampled (ids, behaviour log-probs, per-token versions)."""
         tokens = np.asarray(sample.completion_tokens, dtype=np.int32)
-        self._append(tokens, np.asarray(sample.behaviour_logprobs, dtype=np.float32), 1,
-                     np.asarray(sample.token_versions, dtype=np.int32))
+        self._append(
+            tokens,
+            np.asarray(sample.behaviour_logprobs, dtype=np.float32),
+            1,
+            np.asarray(sample.token_versions, dtype=np.int32),
+        )
 
     def add_environment(self, tokens: list[int]) -> None:
         """Append environment tokens (an observation as a chat-template delta): no loss, no log-prob."""
@@ -64,7 +68,8 @@ class Trajectory:
     def _append(self, tokens: np.ndarray, logprobs: np.ndarray, mask: int, versions: np.ndarray) -> None:
         if not len(tokens) == len(logprobs) == len(versions):
             raise ValueError(
-                f"misaligned turn: {len(tokens)} tokens, {len(logprobs)} log-probs, {len(versions)} versions")
+                f"misaligned turn: {len(tokens)} tokens, {len(logprobs)} log-probs, {len(versions)} versions"
+            )
         self._tokens.append(tokens)
         self._logprobs.append(logprobs)
         self._mask.append(np.full(len(tokens), mask, np.uint8))
@@ -74,11 +79,16 @@ class Trajectory:
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(tokens int32 [T], behaviour_logprobs float32 [T], loss_mask uint8 [T], token_versions int32 [T])."""
+
         def joined(parts: list[np.ndarray], dtype: type) -> np.ndarray:
             return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
 
-        return (joined(self._tokens, np.int32), joined(self._logprobs, np.float32), joined(self._mask, np.uint8),
-                joined(self._versions, np.int32))
+        return (
+            joined(self._tokens, np.int32),
+            joined(self._logprobs, np.float32),
+            joined(self._mask, np.uint8),
+            joined(self._versions, np.int32),
+        )
 
 
 @dataclass
@@ -109,8 +119,9 @@ def _common_prefix_length(sequences: list[list[int]]) -> int:
     return shortest
 
 
-def build_episode_group(lease_id: int, prompt: PromptItem, results: list[EpisodeResult], generator_id: int,
-                        started_at: float) -> RolloutGroup:
+def build_episode_group(
+    lease_id: int, prompt: PromptItem, results: list[EpisodeResult], generator_id: int, started_at: float
+) -> RolloutGroup:
     """The columnar group of `n` finished episodes of one prompt (layout in the module docstring).
 
     versions[i] is the oldest version among sample i's model tokens (its start version if it has none).

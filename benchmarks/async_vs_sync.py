@@ -35,8 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import save, side_by_side
-from benchmarks.runs import (DEMO_CONFIG, RunOutcome, cpu_use, every_core_overrides, launch_run, mean_of,
-                             trained_rate)
+from benchmarks.runs import DEMO_CONFIG, RunOutcome, cpu_use, every_core_overrides, launch_run, mean_of, trained_rate
 from common.config import load_config
 
 WARMUP_STEPS = 2  # rates are measured from this step's record on (the first batch has nothing to overlap with)
@@ -62,8 +61,12 @@ groups_per_step = {GROUPS_PER_STEP}
 
 def sim_overrides(step_s: float, weights_mb: float) -> dict[str, Any]:
     """Sim costs such that one batch takes `step_s` to generate and `step_s` to train on."""
-    return {"generator.sim_token_s": step_s / SIM_TOKENS, "learner.sim_sample_s": step_s / (GROUPS_PER_STEP *
-            GROUP_SIZE), "learner.sim_weights_mb": weights_mb, **every_core_overrides()}  # fmt: skip
+    return {
+        "generator.sim_token_s": step_s / SIM_TOKENS,
+        "learner.sim_sample_s": step_s / (GROUPS_PER_STEP * GROUP_SIZE),
+        "learner.sim_weights_mb": weights_mb,
+        **every_core_overrides(),
+    }
 
 
 def run_summary(outcome: RunOutcome, eta: int) -> dict[str, Any]:
@@ -82,8 +85,15 @@ def run_summary(outcome: RunOutcome, eta: int) -> dict[str, Any]:
         "staleness_mean": mean_of(records, "staleness/mean"),
         "staleness_max": max((r["staleness/max"] for r in records), default=0),
         "dropped_stale": records[-1].get("buffer/dropped_stale", 0) if records else 0,
-        "curve": [{"step": r["step"], "time": r["time"], "samples": r["learner/samples_trained"],
-                   "reward": r.get("reward/mean")} for r in records],  # fmt: skip
+        "curve": [
+            {
+                "step": r["step"],
+                "time": r["time"],
+                "samples": r["learner/samples_trained"],
+                "reward": r.get("reward/mean"),
+            }
+            for r in records
+        ],
     }
 
 
@@ -94,13 +104,15 @@ def run_pair(config: Path, root: Path, prefix: str, overrides: dict[str, Any], t
         print(f"  {prefix}: η = {eta} ...", flush=True)
         outcome = launch_run(config, root, f"{prefix}-eta{eta}", {**overrides, "algo.max_staleness": eta}, timeout_s)
         runs[f"eta{eta}"] = summary = run_summary(outcome, eta)
-        print(f"  {prefix}: η = {eta}: {summary['samples_per_s']:.2f} samples/s, {summary['step_s']:.2f} s/step "
-              f"(learner waits {summary['wait_s']:.2f} s, trains {summary['train_s']:.2f} s, publishes "
-              f"{summary['publish_s']:.3f} s a step), staleness mean {summary['staleness_mean']:.2f} max "
-              f"{summary['staleness_max']:.0f}; cores used: learner {summary['learner_cores']:.2f} "
-              f"({summary['learner_cpu_per_train_s']:.2f} CPU s per train s), generator "
-              f"{summary['generator_cores']:.2f}; load average {outcome.load_avg:.1f}; {outcome.wall_s:.0f} s in all",
-              flush=True)  # fmt: skip
+        print(
+            f"  {prefix}: η = {eta}: {summary['samples_per_s']:.2f} samples/s, {summary['step_s']:.2f} s/step "
+            f"(learner waits {summary['wait_s']:.2f} s, trains {summary['train_s']:.2f} s, publishes "
+            f"{summary['publish_s']:.3f} s a step), staleness mean {summary['staleness_mean']:.2f} max "
+            f"{summary['staleness_max']:.0f}; cores used: learner {summary['learner_cores']:.2f} "
+            f"({summary['learner_cpu_per_train_s']:.2f} CPU s per train s), generator "
+            f"{summary['generator_cores']:.2f}; load average {outcome.load_avg:.1f}; {outcome.wall_s:.0f} s in all",
+            flush=True,
+        )
     ratio = runs[f"eta{ASYNC_ETA}"]["samples_per_s"] / runs[f"eta{SYNC_ETA}"]["samples_per_s"]
     return {"runs": runs, "ratio": ratio}
 
@@ -115,12 +127,24 @@ def simulation_part(root: Path, step_s: float, steps: int, weights_mb: float) ->
         run["ideal_step_s"] = ideal[key]
         run["efficiency"] = ideal[key] / run["step_s"]
         run["overhead_s"] = run["step_s"] - ideal[key]
-    result.update({"gen_batch_s": step_s, "train_batch_s": step_s, "weights_mb": weights_mb, "steps": steps,
-                   "theoretical_ratio": 2.0, "target_ratio": TARGET_RATIO, "config": SIM_CONFIG,
-                   "overrides": overrides})  # fmt: skip
-    print(f"SIMULATION: async/sync = {result['ratio']:.2f}x (theory 2x, target >= {TARGET_RATIO}x); "
-          f"step overhead over the ideal: sync {result['runs']['eta0']['overhead_s']:+.3f} s, "
-          f"async {result['runs']['eta2']['overhead_s']:+.3f} s", flush=True)  # fmt: skip
+    result.update(
+        {
+            "gen_batch_s": step_s,
+            "train_batch_s": step_s,
+            "weights_mb": weights_mb,
+            "steps": steps,
+            "theoretical_ratio": 2.0,
+            "target_ratio": TARGET_RATIO,
+            "config": SIM_CONFIG,
+            "overrides": overrides,
+        }
+    )
+    print(
+        f"SIMULATION: async/sync = {result['ratio']:.2f}x (theory 2x, target >= {TARGET_RATIO}x); "
+        f"step overhead over the ideal: sync {result['runs']['eta0']['overhead_s']:+.3f} s, "
+        f"async {result['runs']['eta2']['overhead_s']:+.3f} s",
+        flush=True,
+    )
     return result
 
 
@@ -128,9 +152,16 @@ def real_part(root: Path, steps: int) -> dict[str, Any]:
     demo = load_config(DEMO_CONFIG)
     overrides = {"learner.total_steps": steps}
     result = run_pair(DEMO_CONFIG, root, "real", overrides, timeout_s=600 + 120 * steps)
-    result.update({"steps": steps, "demo_config": DEMO_CONFIG.read_text(), "model": demo.model.path,
-                   "groups_per_step": demo.learner.groups_per_step, "group_size": demo.algo.group_size,
-                   "max_tokens": demo.generator.max_tokens})  # fmt: skip
+    result.update(
+        {
+            "steps": steps,
+            "demo_config": DEMO_CONFIG.read_text(),
+            "model": demo.model.path,
+            "groups_per_step": demo.learner.groups_per_step,
+            "group_size": demo.algo.group_size,
+            "max_tokens": demo.generator.max_tokens,
+        }
+    )
     explain_real(result)
     return result
 
@@ -150,20 +181,29 @@ def explain_real(result: dict[str, Any]) -> None:
     for run in runs.values():
         share = min(1.0, run["learner_cpu_per_train_s"])
         run["step_s_own_core"] = run["wait_s"] + run["train_s"] * share + run["publish_s"]
-    result.update({
-        "gen_batch_s_at_eta0": gen_s, "train_step_s_at_eta0": train_s,
-        "ideal_ratio": (gen_s + train_s) / max(gen_s, train_s),
-        "ratio_own_core": sync["step_s_own_core"] / asynchronous["step_s_own_core"],
-        "contended": min(run["learner_cpu_per_train_s"] for run in runs.values()) < CONTENDED_BELOW,
-    })  # fmt: skip
-    print(f"REAL (demo, {result['steps']} steps): async/sync = {result['ratio']:.2f}x; at η = 0 a step is "
-          f"generation {gen_s:.1f} s + training {train_s:.1f} s, so overlap can give at most "
-          f"{result['ideal_ratio']:.2f}x; corrected for the share of its core each learner got: "
-          f"{result['ratio_own_core']:.2f}x; reward at the last step: async {asynchronous['curve'][-1]['reward']:.3f}, "
-          f"sync {sync['curve'][-1]['reward']:.3f}", flush=True)  # fmt: skip
+    result.update(
+        {
+            "gen_batch_s_at_eta0": gen_s,
+            "train_step_s_at_eta0": train_s,
+            "ideal_ratio": (gen_s + train_s) / max(gen_s, train_s),
+            "ratio_own_core": sync["step_s_own_core"] / asynchronous["step_s_own_core"],
+            "contended": min(run["learner_cpu_per_train_s"] for run in runs.values()) < CONTENDED_BELOW,
+        }
+    )
+    print(
+        f"REAL (demo, {result['steps']} steps): async/sync = {result['ratio']:.2f}x; at η = 0 a step is "
+        f"generation {gen_s:.1f} s + training {train_s:.1f} s, so overlap can give at most "
+        f"{result['ideal_ratio']:.2f}x; corrected for the share of its core each learner got: "
+        f"{result['ratio_own_core']:.2f}x; reward at the last step: async {asynchronous['curve'][-1]['reward']:.3f}, "
+        f"sync {sync['curve'][-1]['reward']:.3f}",
+        flush=True,
+    )
     if result["contended"]:
-        print(f"WARNING: a learner got less than {CONTENDED_BELOW:.0%} of its core (other processes on this machine): "
-              "the measured ratio reflects their load; rerun on a quiet machine", flush=True)
+        print(
+            f"WARNING: a learner got less than {CONTENDED_BELOW:.0%} of its core (other processes on this machine): "
+            "the measured ratio reflects their load; rerun on a quiet machine",
+            flush=True,
+        )
 
 
 def plot(sim: dict[str, Any] | None, real: dict[str, Any] | None):
@@ -171,12 +211,18 @@ def plot(sim: dict[str, Any] | None, real: dict[str, Any] | None):
 
     def draw(axes: Any) -> None:
         panels = [("sim", "samples")] * (sim is not None) + [("real", "samples"), ("real", "reward")] * (
-            real is not None)
+            real is not None
+        )
         for ax, (part, key) in zip(side_by_side(axes, len(panels), width=5 * len(panels)), panels):
             result = sim if part == "sim" else real
             for name, run in result["runs"].items():
-                ax.plot([p["time"] for p in run["curve"]], [p[key] for p in run["curve"]], "o-", markersize=3,
-                        label=f"η = {run['eta']}: {run['samples_per_s']:.1f} samples/s")  # fmt: skip
+                ax.plot(
+                    [p["time"] for p in run["curve"]],
+                    [p[key] for p in run["curve"]],
+                    "o-",
+                    markersize=3,
+                    label=f"η = {run['eta']}: {run['samples_per_s']:.1f} samples/s",
+                )
             ax.set_xlabel("seconds since the learner started")
             ax.set_ylabel("trained samples" if key == "samples" else "reward/mean")
             title = "SIMULATION" if part == "sim" else "real demo (SmolLM2)"
@@ -198,20 +244,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs-dir", type=Path, default=None, help="keep the runs here (default: a temp folder)")
     args = parser.parse_args(argv)
     sim_steps = args.steps or (12 if args.quick else 20)
-    real_steps = args.real_steps or (load_config(DEMO_CONFIG).learner.total_steps if args.full else
-                                     4 if args.quick else 8)  # fmt: skip
+    real_steps = args.real_steps or (
+        load_config(DEMO_CONFIG).learner.total_steps if args.full else 4 if args.quick else 8
+    )
     if sim_steps <= WARMUP_STEPS + 1 or real_steps <= WARMUP_STEPS:
-        parser.error(f"--steps must be > {WARMUP_STEPS + 1} and --real-steps > {WARMUP_STEPS} (the rate is "
-                     f"measured after step {WARMUP_STEPS})")  # fmt: skip
+        parser.error(
+            f"--steps must be > {WARMUP_STEPS + 1} and --real-steps > {WARMUP_STEPS} (the rate is "
+            f"measured after step {WARMUP_STEPS})"
+        )
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="tandem-async-vs-sync-") as tmp:
         root = args.runs_dir or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         sim = simulation_part(root, args.step_s, sim_steps, args.weights_mb) if args.part != "real" else None
         real = real_part(root, real_steps) if args.part != "sim" else None
-    headline = {"sim_ratio": sim["ratio"] if sim else None, "real_ratio": real["ratio"] if real else None,
-                "real_ratio_own_core": real["ratio_own_core"] if real else None,
-                "target_sim_ratio": TARGET_RATIO}  # fmt: skip
+    headline = {
+        "sim_ratio": sim["ratio"] if sim else None,
+        "real_ratio": real["ratio"] if real else None,
+        "real_ratio_own_core": real["ratio_own_core"] if real else None,
+        "target_sim_ratio": TARGET_RATIO,
+    }
     print(f"done in {time.time() - started:.0f} s")
     save("async_vs_sync", {"headline": headline, "simulation": sim, "real": real}, plot(sim, real))
     return 0

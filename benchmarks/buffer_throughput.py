@@ -57,7 +57,10 @@ def synthetic_group(samples: int, tokens: int) -> RolloutGroup:
     rng = np.random.default_rng(0)
     total = samples * tokens
     return RolloutGroup(
-        lease_id=0, prompt_id=0, epoch=0, generator_id=0,
+        lease_id=0,
+        prompt_id=0,
+        epoch=0,
+        generator_id=0,
         prompt_tokens=rng.integers(0, 49152, 128).astype(np.int32),
         offsets=np.arange(0, total + 1, tokens, dtype=np.int64),
         completion_tokens=rng.integers(0, 49152, total).astype(np.int32),
@@ -68,7 +71,7 @@ def synthetic_group(samples: int, tokens: int) -> RolloutGroup:
         rewards=rng.random(samples).astype(np.float32),
         reward_components={"correct": rng.random(samples).astype(np.float32)},
         finish_reasons=["stop"] * samples,
-    )  # fmt: skip
+    )
 
 
 def group_bytes(group: RolloutGroup) -> int:
@@ -93,8 +96,9 @@ def generator_process(address: str, generator_id: int, samples: int, tokens: int
             time.sleep(0.01)
             continue
         for prompt in grant.prompts:
-            group = dataclasses.replace(base, lease_id=grant.lease_id, prompt_id=prompt.prompt_id,
-                                        epoch=prompt.epoch, generator_id=generator_id)  # fmt: skip
+            group = dataclasses.replace(
+                base, lease_id=grant.lease_id, prompt_id=prompt.prompt_id, epoch=prompt.epoch, generator_id=generator_id
+            )
             client.request(group, timeout_s=10)
             pushed += 1
     client.close()
@@ -136,8 +140,12 @@ class BufferUnderTest:
             f"groups_per_step = {groups_per_step}\n"
         )
         self.log = (workdir / "buffer.out").open("w")
-        self.process = subprocess.Popen([sys.executable, "-m", "launch.cli", "buffer", str(self.config)],
-                                        cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)  # fmt: skip
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "launch.cli", "buffer", str(self.config)],
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         os.sched_setaffinity(self.process.pid, {BUFFER_CORE})
         self.client = Client(self.address, SECURITY, identity="bench-stats")
         self.stats()  # waits until it answers
@@ -164,8 +172,9 @@ class BufferUnderTest:
         self.log.close()
 
 
-def run_phase(name: str, samples: int, tokens: int, groups_per_step: int, generators: int, seconds: float,
-              serve: bool) -> dict[str, Any]:  # fmt: skip
+def run_phase(
+    name: str, samples: int, tokens: int, groups_per_step: int, generators: int, seconds: float, serve: bool
+) -> dict[str, Any]:
     """One fresh buffer, `generators` generator processes (and a learner if `serve`) for `seconds`."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
@@ -173,8 +182,10 @@ def run_phase(name: str, samples: int, tokens: int, groups_per_step: int, genera
         try:
             out = ctx.Queue()
             stop_at = time.time() + seconds + 3.0  # clients run a little longer than the measured window
-            procs = [ctx.Process(target=generator_process, args=(buffer.address, i, samples, tokens, stop_at, out))
-                     for i in range(generators)]  # fmt: skip
+            procs = [
+                ctx.Process(target=generator_process, args=(buffer.address, i, samples, tokens, stop_at, out))
+                for i in range(generators)
+            ]
             if serve:
                 procs.append(ctx.Process(target=learner_process, args=(buffer.address, groups_per_step, stop_at, out)))
             for proc in procs:
@@ -195,21 +206,31 @@ def run_phase(name: str, samples: int, tokens: int, groups_per_step: int, genera
     groups_out = after["served_groups"] - before["served_groups"]
     cpu = cpu_after - cpu_before
     result = {
-        "phase": name, "samples_per_group": samples, "tokens_per_sample": tokens, "group_bytes": size,
-        "seconds": round(elapsed, 3), "groups_in": groups_in, "groups_out": groups_out,
-        "groups_in_per_s": groups_in / elapsed, "groups_out_per_s": groups_out / elapsed,
-        "mb_in_per_s": groups_in * size / elapsed / 1e6, "mb_out_per_s": groups_out * size / elapsed / 1e6,
-        "buffer_cpu_s": cpu, "buffer_cpu_share": cpu / elapsed,
+        "phase": name,
+        "samples_per_group": samples,
+        "tokens_per_sample": tokens,
+        "group_bytes": size,
+        "seconds": round(elapsed, 3),
+        "groups_in": groups_in,
+        "groups_out": groups_out,
+        "groups_in_per_s": groups_in / elapsed,
+        "groups_out_per_s": groups_out / elapsed,
+        "mb_in_per_s": groups_in * size / elapsed / 1e6,
+        "mb_out_per_s": groups_out * size / elapsed / 1e6,
+        "buffer_cpu_s": cpu,
+        "buffer_cpu_share": cpu / elapsed,
         "cpu_s_per_group": cpu / max(groups_in, 1),
         "cpu_bound_mb_in_per_s": size / (cpu / max(groups_in, 1)) / 1e6 if cpu else None,  # at 100% of its core
         "evicted_groups": after["evicted_groups"] - before["evicted_groups"],
         "rejected": {k: v for k, v in after.items() if k.startswith("rejected_") and v},
-    }  # fmt: skip
-    print(f"{name:>14}: in {result['groups_in_per_s']:8.1f} groups/s {result['mb_in_per_s']:8.1f} MB/s | "
-          f"out {result['groups_out_per_s']:8.1f} groups/s {result['mb_out_per_s']:8.1f} MB/s | "
-          f"buffer CPU {100 * result['buffer_cpu_share']:5.1f}% of a core, "
-          f"{1e3 * result['cpu_s_per_group']:.3f} ms per group "
-          f"(-> {result['cpu_bound_mb_in_per_s'] or 0:.0f} MB/s at 100% of its core)")  # fmt: skip
+    }
+    print(
+        f"{name:>14}: in {result['groups_in_per_s']:8.1f} groups/s {result['mb_in_per_s']:8.1f} MB/s | "
+        f"out {result['groups_out_per_s']:8.1f} groups/s {result['mb_out_per_s']:8.1f} MB/s | "
+        f"buffer CPU {100 * result['buffer_cpu_share']:5.1f}% of a core, "
+        f"{1e3 * result['cpu_s_per_group']:.3f} ms per group "
+        f"(-> {result['cpu_bound_mb_in_per_s'] or 0:.0f} MB/s at 100% of its core)"
+    )
     return result
 
 
@@ -229,26 +250,40 @@ def main(argv: list[str] | None = None) -> int:
     phases = [
         run_phase("ingest", 64, 1024, batch, args.generators, args.seconds, serve=False),
         run_phase("ingest+serve", 64, 1024, batch, args.generators, args.seconds, serve=True),
-        run_phase("demo groups", demo.algo.group_size, demo.generator.max_tokens, batch, args.generators,
-                  args.seconds, serve=True),  # fmt: skip
+        run_phase(
+            "demo groups",
+            demo.algo.group_size,
+            demo.generator.max_tokens,
+            batch,
+            args.generators,
+            args.seconds,
+            serve=True,
+        ),
     ]
     ingest, mixed, small = phases
     overhead_big = mixed["cpu_s_per_group"] * batch / args.learner_step_s
     overhead_demo = small["cpu_s_per_group"] * batch / args.learner_step_s
     summary = {
-        "ingest_mb_per_s": ingest["mb_in_per_s"], "ingest_target_mb_per_s": TARGET_MB_S,
+        "ingest_mb_per_s": ingest["mb_in_per_s"],
+        "ingest_target_mb_per_s": TARGET_MB_S,
         "ingest_meets_target": ingest["mb_in_per_s"] >= TARGET_MB_S,
-        "learner_step_s": args.learner_step_s, "groups_per_step": batch,
-        "overhead_per_step_64x1024": overhead_big, "overhead_per_step_demo": overhead_demo,
+        "learner_step_s": args.learner_step_s,
+        "groups_per_step": batch,
+        "overhead_per_step_64x1024": overhead_big,
+        "overhead_per_step_demo": overhead_demo,
         "overhead_target": TARGET_OVERHEAD,
         "overhead_meets_target": max(overhead_big, overhead_demo) < TARGET_OVERHEAD,
         "load_average_at_end": os.getloadavg(),  # the clients share the other core(s) with whatever else runs
-    }  # fmt: skip
-    print(f"buffer CPU per learner step ({batch} groups in and out) vs a {args.learner_step_s:.0f} s step: "
-          f"{100 * overhead_big:.3f}% with 64x1024 groups, {100 * overhead_demo:.4f}% with demo groups "
-          f"({demo.algo.group_size}x{demo.generator.max_tokens}); target < {100 * TARGET_OVERHEAD:.0f}%")
-    print(f"ingest {ingest['mb_in_per_s']:.0f} MB/s vs target {TARGET_MB_S:.0f} MB/s: "
-          f"{'met' if summary['ingest_meets_target'] else 'MISSED'}")
+    }
+    print(
+        f"buffer CPU per learner step ({batch} groups in and out) vs a {args.learner_step_s:.0f} s step: "
+        f"{100 * overhead_big:.3f}% with 64x1024 groups, {100 * overhead_demo:.4f}% with demo groups "
+        f"({demo.algo.group_size}x{demo.generator.max_tokens}); target < {100 * TARGET_OVERHEAD:.0f}%"
+    )
+    print(
+        f"ingest {ingest['mb_in_per_s']:.0f} MB/s vs target {TARGET_MB_S:.0f} MB/s: "
+        f"{'met' if summary['ingest_meets_target'] else 'MISSED'}"
+    )
 
     def plot(axes: Any) -> None:
         labels = [f"{p['phase']}\n{p['samples_per_group']}x{p['tokens_per_sample']}" for p in phases]

@@ -81,8 +81,15 @@ class InlineRunner:
 def run_config(latency_s: float, in_flight: int, blocking: bool, args: argparse.Namespace) -> dict[str, float]:
     engine = SimEngine(args.tokens, args.token_s, max_num_seqs=4096, seed=0)
     runner: Any = InlineRunner() if blocking else EnvRunner(workers=in_flight)
-    limits = EpisodeLimits(max_turns=args.turns, max_total_tokens=100_000, turn_max_tokens=args.tokens,
-                           max_model_len=1_000_000, step_timeout_s=60, episode_timeout_s=600, failure_reward=0)
+    limits = EpisodeLimits(
+        max_turns=args.turns,
+        max_total_tokens=100_000,
+        turn_max_tokens=args.tokens,
+        max_model_len=1_000_000,
+        step_timeout_s=60,
+        episode_timeout_s=600,
+        failure_reward=0,
+    )
     seeds = itertools.count()
     driver = EpisodeDriver(engine, lambda: LatencyEnv(latency_s, args.turns, next(seeds)), limits, runner, GROUP_SIZE)
     task = PromptItem(0, 0, [{"role": "user", "content": "Solve the task with the tool."}], {})
@@ -106,25 +113,31 @@ def run_config(latency_s: float, in_flight: int, blocking: bool, args: argparse.
     runner.close()
     turns = driver.stats.turns
     return {
-        "latency_ms": latency_s * 1000, "in_flight": in_flight, "mode": "blocking" if blocking else "concurrent",
-        "samples_per_s": samples / elapsed, "model_tokens_per_s": driver.stats.model_tokens / elapsed,
+        "latency_ms": latency_s * 1000,
+        "in_flight": in_flight,
+        "mode": "blocking" if blocking else "concurrent",
+        "samples_per_s": samples / elapsed,
+        "model_tokens_per_s": driver.stats.model_tokens / elapsed,
         "env_steps_per_s": len(driver.stats.step_seconds) / elapsed,
-        "engine_utilisation": busy_s / elapsed, "episodes": samples,
+        "engine_utilisation": busy_s / elapsed,
+        "episodes": samples,
         "turns_mean": sum(turns) / len(turns) if turns else 0.0,
     }
 
 
 def plot(rows: list[dict[str, Any]]) -> Any:
     def draw(axes: Any) -> None:
-        for label, selected in [(f"concurrent, {n} in flight", [r for r in rows if r["mode"] == "concurrent"
-                                                                and r["in_flight"] == n]) for n in IN_FLIGHT] + [
-                ("blocking, 64 in flight", [r for r in rows if r["mode"] == "blocking"])]:
+        for label, selected in [
+            (f"concurrent, {n} in flight", [r for r in rows if r["mode"] == "concurrent" and r["in_flight"] == n])
+            for n in IN_FLIGHT
+        ] + [("blocking, 64 in flight", [r for r in rows if r["mode"] == "blocking"])]:
             x = [str(int(r["latency_ms"])) for r in selected]
             y = [r["model_tokens_per_s"] for r in selected]
             axes.plot(x, y, marker="o", label=label, linestyle="--" if "blocking" in label else "-")
             for xi, yi, r in zip(x, y, selected):
-                axes.annotate(f"{r['engine_utilisation']:.0%}", (xi, yi), textcoords="offset points",
-                              xytext=(4, 4), fontsize=7)
+                axes.annotate(
+                    f"{r['engine_utilisation']:.0%}", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7
+                )
         axes.set_xlabel("environment latency per step (ms)")
         axes.set_ylabel("model tokens / s (sampled turns)")
         axes.set_yscale("log")
@@ -148,13 +161,20 @@ def main() -> None:
             print(rows[-1])
         rows.append(run_config(latency, 64, blocking=True, args=args))
         print(rows[-1])
-    print(f"\n{'latency':>8} {'mode':>11} {'in flight':>9} {'samples/s':>10} {'env steps/s':>11} {'tokens/s':>9} "
-          f"{'engine busy':>11}")
+    print(
+        f"\n{'latency':>8} {'mode':>11} {'in flight':>9} {'samples/s':>10} {'env steps/s':>11} {'tokens/s':>9} "
+        f"{'engine busy':>11}"
+    )
     for r in rows:
-        print(f"{r['latency_ms']:>6.0f}ms {r['mode']:>11} {r['in_flight']:>9} {r['samples_per_s']:>10.1f} "
-              f"{r['env_steps_per_s']:>11.1f} {r['model_tokens_per_s']:>9.0f} {r['engine_utilisation']:>10.0%}")
-    save("env_latency", {"engine": "SIMULATION (actors.sim_engine.SimEngine)", "settings": vars(args),
-                         "results": rows}, plot(rows))
+        print(
+            f"{r['latency_ms']:>6.0f}ms {r['mode']:>11} {r['in_flight']:>9} {r['samples_per_s']:>10.1f} "
+            f"{r['env_steps_per_s']:>11.1f} {r['model_tokens_per_s']:>9.0f} {r['engine_utilisation']:>10.0%}"
+        )
+    save(
+        "env_latency",
+        {"engine": "SIMULATION (actors.sim_engine.SimEngine)", "settings": vars(args), "results": rows},
+        plot(rows),
+    )
 
 
 if __name__ == "__main__":

@@ -109,13 +109,15 @@ def steady_window(outcome: RunOutcome, period: int) -> tuple[int, int]:
     first = outcome.first_step_after(ready) + 1
     last = first + (max(outcome.step_wall) - first) // period * period
     if last - first < max(period, MIN_WINDOW_STEPS // 2):
-        raise RuntimeError(f"{outcome.name}: only {last - first} steps of steady state after every generator "
-                           "started; raise --window-s")  # fmt: skip
+        raise RuntimeError(
+            f"{outcome.name}: only {last - first} steps of steady state after every generator started; raise --window-s"
+        )
     return first, last
 
 
-def measure_point(root: Path, config: Path, generators: int, ranks: int, window_s: float,
-                  overrides: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+def measure_point(
+    root: Path, config: Path, generators: int, ranks: int, window_s: float, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """One run; its rate, efficiency against the formula capacities, and CPU per role over the steady state."""
     extra = overrides or {}
     gen_cap = generation_capacity(generators, extra.get("generator.sim_token_s", SIM_TOKEN_S))
@@ -124,8 +126,13 @@ def measure_point(root: Path, config: Path, generators: int, ranks: int, window_
     period = batch_period_steps(generators) if gen_cap < train_cap else 1
     steps = total_steps(bound, generators, window_s, period)
     name = "-".join([f"g{generators}-l{ranks}", *(f"{key.split('.')[-1]}{value}" for key, value in extra.items())])
-    settings = {"generator.count": generators, "learner.world_size": ranks, "learner.total_steps": steps,
-                **every_core_overrides(), **extra}  # fmt: skip
+    settings = {
+        "generator.count": generators,
+        "learner.world_size": ranks,
+        "learner.total_steps": steps,
+        **every_core_overrides(),
+        **extra,
+    }
     outcome = launch_run(config, root, name, settings, timeout_s=300 + 3 * steps)
     first, last = steady_window(outcome, period)
     start_wall, end_wall = outcome.step_wall[first], outcome.step_wall[last]
@@ -134,15 +141,24 @@ def measure_point(root: Path, config: Path, generators: int, ranks: int, window_
     cpu = {role: outcome.cpu_between(role, start_wall, end_wall) for role in ("buffer", "learner", "generator")}
     final = outcome.records[-1]
     return {
-        "generators": generators, "world_size": ranks, "total_steps": steps, "window_steps": [first, last],
-        "generation_capacity": gen_cap, "training_capacity": train_cap, "bound": "generation" if gen_cap < train_cap
-        else "training", "samples_per_s": rate["samples_per_s"], "efficiency": rate["samples_per_s"] / bound,
-        "window_s": rate["window_s"], "window_samples": rate["window_samples"],
+        "generators": generators,
+        "world_size": ranks,
+        "total_steps": steps,
+        "window_steps": [first, last],
+        "generation_capacity": gen_cap,
+        "training_capacity": train_cap,
+        "bound": "generation" if gen_cap < train_cap else "training",
+        "samples_per_s": rate["samples_per_s"],
+        "efficiency": rate["samples_per_s"] / bound,
+        "window_s": rate["window_s"],
+        "window_samples": rate["window_samples"],
         "buffer_cpu_s_per_sample": cpu["buffer"] / rate["window_samples"],
         "cpu_share": {role: seconds / window for role, seconds in cpu.items()},  # cores used, on average
-        "dropped_stale": final.get("buffer/dropped_stale", 0), "staleness_max": max(r["staleness/max"]
-        for r in outcome.records), "wall_s": outcome.wall_s, "load_avg": outcome.load_avg,
-    }  # fmt: skip
+        "dropped_stale": final.get("buffer/dropped_stale", 0),
+        "staleness_max": max(r["staleness/max"] for r in outcome.records),
+        "wall_s": outcome.wall_s,
+        "load_avg": outcome.load_avg,
+    }
 
 
 def calibrate(root: Path, config: Path, window_s: float) -> dict[str, Any]:
@@ -151,20 +167,31 @@ def calibrate(root: Path, config: Path, window_s: float) -> dict[str, Any]:
     round for the generator, per step for the learner), which is what bounds efficiency: 1 - fixed / unit."""
     per_round, per_step = PROMPTS_IN_FLIGHT * GROUP_SIZE, GROUPS_PER_STEP * GROUP_SIZE
     generator = measure_point(root, config, 1, 1, window_s, {"learner.sim_sample_s": 0})
-    checks = {"one_generator": {"formula": generation_capacity(1), "measured": generator["samples_per_s"],
-                                "unit_s": SIM_TOKENS * SIM_TOKEN_S, "samples_per_unit": per_round}}  # fmt: skip
+    checks = {
+        "one_generator": {
+            "formula": generation_capacity(1),
+            "measured": generator["samples_per_s"],
+            "unit_s": SIM_TOKENS * SIM_TOKEN_S,
+            "samples_per_unit": per_round,
+        }
+    }
     for ranks in (1, 2):
         learner = measure_point(root, config, 4, ranks, window_s, {"generator.sim_token_s": 0})
-        checks[f"learner_world_size_{ranks}"] = {"formula": training_capacity(ranks),
-                                                 "measured": learner["samples_per_s"],
-                                                 "unit_s": per_step / training_capacity(ranks),
-                                                 "samples_per_unit": per_step}  # fmt: skip
+        checks[f"learner_world_size_{ranks}"] = {
+            "formula": training_capacity(ranks),
+            "measured": learner["samples_per_s"],
+            "unit_s": per_step / training_capacity(ranks),
+            "samples_per_unit": per_step,
+        }
     for name, check in checks.items():
         check["measured_over_formula"] = check["measured"] / check["formula"]
         check["fixed_s"] = check.pop("samples_per_unit") / check["measured"] - check["unit_s"]
-        print(f"  calibration {name}: measured {check['measured']:.1f} samples/s, formula {check['formula']:.1f} "
-              f"({check['measured_over_formula']:.3f}): {1e3 * check['fixed_s']:.0f} ms fixed per "
-              f"{check['unit_s']:.2f} s {'round' if name == 'one_generator' else 'step'}", flush=True)  # fmt: skip
+        print(
+            f"  calibration {name}: measured {check['measured']:.1f} samples/s, formula {check['formula']:.1f} "
+            f"({check['measured_over_formula']:.3f}): {1e3 * check['fixed_s']:.0f} ms fixed per "
+            f"{check['unit_s']:.2f} s {'round' if name == 'one_generator' else 'step'}",
+            flush=True,
+        )
     return checks
 
 
@@ -210,14 +237,25 @@ def plot(rows: list[dict[str, Any]]):
                 continue
             counts = [row["generators"] for row in points]
             line = rate_ax.plot(counts, [row["samples_per_s"] for row in points], marker + "-", label=f"L = {ranks}")
-            rate_ax.plot(counts, [min(row["generation_capacity"], row["training_capacity"]) for row in points], ":",
-                         color=line[0].get_color(), label=f"capacity, L = {ranks}")  # fmt: skip
+            rate_ax.plot(
+                counts,
+                [min(row["generation_capacity"], row["training_capacity"]) for row in points],
+                ":",
+                color=line[0].get_color(),
+                label=f"capacity, L = {ranks}",
+            )
             for row in points:  # efficiency: under the L = 1 points, over the L = 2 points
-                rate_ax.annotate(f"{row['efficiency']:.2f}", (row["generators"], row["samples_per_s"]),
-                                 textcoords="offset points", xytext=(0, -12 if ranks == 1 else 6), ha="center",
-                                 fontsize=7)  # fmt: skip
-            cpu_ax.plot(counts, [1e6 * row["buffer_cpu_s_per_sample"] for row in points], marker + "-",
-                        label=f"L = {ranks}")  # fmt: skip
+                rate_ax.annotate(
+                    f"{row['efficiency']:.2f}",
+                    (row["generators"], row["samples_per_s"]),
+                    textcoords="offset points",
+                    xytext=(0, -12 if ranks == 1 else 6),
+                    ha="center",
+                    fontsize=7,
+                )
+            cpu_ax.plot(
+                counts, [1e6 * row["buffer_cpu_s_per_sample"] for row in points], marker + "-", label=f"L = {ranks}"
+            )
         counts = sorted({row["generators"] for row in rows})
         for ax in (rate_ax, cpu_ax):
             ax.set_xscale("log", base=2)
@@ -245,8 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     window_s = args.window_s or (10.0 if args.quick else 15.0)
     started = time.time()
     wakeup = wakeup_cost_us()
-    print(f"this machine: a decode step's own work takes {wakeup['hot_us']:.0f} µs hot, {wakeup['after_sleep_us']:.0f} "
-          f"µs right after a {wakeup['sleep_s']:.2f} s sleep (the cost of waking up)", flush=True)  # fmt: skip
+    print(
+        f"this machine: a decode step's own work takes {wakeup['hot_us']:.0f} µs hot, {wakeup['after_sleep_us']:.0f} "
+        f"µs right after a {wakeup['sleep_s']:.2f} s sleep (the cost of waking up)",
+        flush=True,
+    )
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="tandem-fleet-") as tmp:
         root = args.runs_dir or Path(tmp)
@@ -258,27 +299,43 @@ def main(argv: list[str] | None = None) -> int:
             for generators in counts:
                 row = measure_point(root, config, generators, ranks, window_s)
                 rows.append(row)
-                print(f"G={generators:>2} L={ranks}  {row['samples_per_s']:6.1f} samples/s of "
-                      f"{min(row['generation_capacity'], row['training_capacity']):6.1f} ({row['bound']}-bound)  "
-                      f"efficiency {row['efficiency']:.3f}  buffer {1e6 * row['buffer_cpu_s_per_sample']:.0f} "
-                      f"µs CPU/sample  cores used: generators {row['cpu_share']['generator']:.2f}, buffer "
-                      f"{row['cpu_share']['buffer']:.2f}, learner {row['cpu_share']['learner']:.2f}  "
-                      f"({row['wall_s']:.0f} s, load {row['load_avg']:.1f})", flush=True)  # fmt: skip
+                print(
+                    f"G={generators:>2} L={ranks}  {row['samples_per_s']:6.1f} samples/s of "
+                    f"{min(row['generation_capacity'], row['training_capacity']):6.1f} ({row['bound']}-bound)  "
+                    f"efficiency {row['efficiency']:.3f}  buffer {1e6 * row['buffer_cpu_s_per_sample']:.0f} "
+                    f"µs CPU/sample  cores used: generators {row['cpu_share']['generator']:.2f}, buffer "
+                    f"{row['cpu_share']['buffer']:.2f}, learner {row['cpu_share']['learner']:.2f}  "
+                    f"({row['wall_s']:.0f} s, load {row['load_avg']:.1f})",
+                    flush=True,
+                )
     worst = min(rows, key=lambda row: row["efficiency"])
-    print(f"lowest efficiency {worst['efficiency']:.3f} at G={worst['generators']} L={worst['world_size']} "
-          f"(target >= {TARGET_EFFICIENCY}); {time.time() - started:.0f} s in all")
-    headline = {"min_efficiency": worst["efficiency"], "target_efficiency": TARGET_EFFICIENCY,
-                "buffer_us_per_sample_max_g": 1e6 * max(rows, key=lambda r: r["generators"])["buffer_cpu_s_per_sample"]}
+    print(
+        f"lowest efficiency {worst['efficiency']:.3f} at G={worst['generators']} L={worst['world_size']} "
+        f"(target >= {TARGET_EFFICIENCY}); {time.time() - started:.0f} s in all"
+    )
+    headline = {
+        "min_efficiency": worst["efficiency"],
+        "target_efficiency": TARGET_EFFICIENCY,
+        "buffer_us_per_sample_max_g": 1e6 * max(rows, key=lambda r: r["generators"])["buffer_cpu_s_per_sample"],
+    }
     if calibration is not None:
         add_scaling_efficiency(rows, calibration)
         scaling_worst = min(rows, key=lambda row: row["scaling_efficiency"])
         headline["min_scaling_efficiency"] = scaling_worst["scaling_efficiency"]
-        print(f"against the calibrated capacities (what one generator, one learner achieve alone): lowest "
-              f"{scaling_worst['scaling_efficiency']:.3f} at G={scaling_worst['generators']} "
-              f"L={scaling_worst['world_size']}")  # fmt: skip
+        print(
+            f"against the calibrated capacities (what one generator, one learner achieve alone): lowest "
+            f"{scaling_worst['scaling_efficiency']:.3f} at G={scaling_worst['generators']} "
+            f"L={scaling_worst['world_size']}"
+        )
     wakeup_end = wakeup_cost_us()
-    result = {"headline": headline, "config": SIM_CONFIG, "window_s": window_s, "calibration": calibration,
-              "wakeup_cost": {"start": wakeup, "end": wakeup_end}, "rows": rows}  # fmt: skip
+    result = {
+        "headline": headline,
+        "config": SIM_CONFIG,
+        "window_s": window_s,
+        "calibration": calibration,
+        "wakeup_cost": {"start": wakeup, "end": wakeup_end},
+        "rows": rows,
+    }
     save("fleet_scaling", result, plot(rows))
     return 0
 

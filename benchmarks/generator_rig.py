@@ -1,8 +1,8 @@
 """What the generator benchmarks share: the model they run, and a `tandem generator` process beside fake peers.
 
-    model_dir, model_name = benchmark_model()          # SmolLM2-135M if prepared, else the tiny random model
-    with generator_process(config_path, log_dir) as process:
-        ...                                             # killed with its vLLM children on the way out
+model_dir, model_name = benchmark_model()          # SmolLM2-135M if prepared, else the tiny random model
+with generator_process(config_path, log_dir) as process:
+    ...                                             # killed with its vLLM children on the way out
 """
 
 from __future__ import annotations

@@ -42,7 +42,10 @@ def run_pipeline(model_dir: Path, warmup: list[PromptItem], timed: list[PromptIt
     publisher.start()
     tmp = Path(tempfile.mkdtemp(prefix="bench-gen-"))
     config = write_config(
-        tmp / "gen.toml", tmp / "runs", buffer.port, publisher.port,
+        tmp / "gen.toml",
+        tmp / "runs",
+        buffer.port,
+        publisher.port,
         model={"path": str(model_dir), "max_model_len": 1024},
         algo={"group_size": args.group_size},
         env={"reward_fn": "common.tasks:arithmetic_reward"},
@@ -73,8 +76,11 @@ def run_direct(model_dir: Path, warmup: list[PromptItem], timed: list[PromptItem
     configure_cpu_environment(GeneratorConfig())
     settings = SamplingSettings(TEMPERATURE, 1.0, args.max_tokens, SEED)
     engine = VllmEngine(
-        model_dir, ModelConfig(path=str(model_dir), max_model_len=1024), settings,
-        max_num_seqs=len(timed) * args.group_size, enforce_eager=True,
+        model_dir,
+        ModelConfig(path=str(model_dir), max_model_len=1024),
+        settings,
+        max_num_seqs=len(timed) * args.group_size,
+        enforce_eager=True,
     )
     try:
         for round_prompts in (warmup, timed):
@@ -108,8 +114,14 @@ def run_transformers(model_dir: Path, timed: list[PromptItem], args: Any) -> dic
     start = time.time()
     with torch.no_grad():
         out = model.generate(
-            input_ids=input_ids, attention_mask=attention, do_sample=True, temperature=TEMPERATURE, top_p=1.0,
-            top_k=0, max_new_tokens=args.max_tokens, pad_token_id=pad,
+            input_ids=input_ids,
+            attention_mask=attention,
+            do_sample=True,
+            temperature=TEMPERATURE,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=args.max_tokens,
+            pad_token_id=pad,
         )
     seconds = time.time() - start
     new = out[:, width:]
@@ -137,8 +149,10 @@ def main() -> None:
     print("transformers", results["transformers"], flush=True)
     rates = {name: result["tokens_per_s"] for name, result in results.items()}
     ratio = rates["pipeline"] / rates["direct"]
-    print(f"pipeline / direct = {ratio:.1%} (target >= 90%); "
-          f"pipeline / transformers = {rates['pipeline'] / rates['transformers']:.1f}x")
+    print(
+        f"pipeline / direct = {ratio:.1%} (target >= 90%); "
+        f"pipeline / transformers = {rates['pipeline'] / rates['transformers']:.1f}x"
+    )
 
     def plot(axes: Any) -> None:
         names = list(results)
@@ -153,8 +167,14 @@ def main() -> None:
         "generator_throughput",
         {
             "model": model_name,
-            "settings": {"prompts": args.prompts, "group_size": args.group_size, "max_tokens": args.max_tokens,
-                         "temperature": TEMPERATURE, "top_p": 1.0, "enforce_eager": True},
+            "settings": {
+                "prompts": args.prompts,
+                "group_size": args.group_size,
+                "max_tokens": args.max_tokens,
+                "temperature": TEMPERATURE,
+                "top_p": 1.0,
+                "enforce_eager": True,
+            },
             "results": results,
             "pipeline_over_direct": ratio,
             "target_pipeline_over_direct": 0.9,

@@ -42,14 +42,23 @@ def demo_batch(seed: int) -> list[RolloutGroup]:
     for g in range(GROUPS):
         lengths = rng.integers(*COMPLETION_TOKENS, GROUP_SIZE)
         total = int(lengths.sum())
-        groups.append(RolloutGroup(
-            lease_id=seed, prompt_id=g, epoch=0, generator_id=0,
-            prompt_tokens=rng.integers(3, 49152, PROMPT_TOKENS).astype(np.int32),
-            offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-            completion_tokens=rng.integers(3, 49152, total).astype(np.int32),
-            behaviour_logprobs=np.full(total, -2.0, dtype=np.float32), loss_mask=np.ones(total, dtype=np.uint8),
-            token_versions=np.zeros(total, dtype=np.int32), versions=np.zeros(GROUP_SIZE, dtype=np.int32),
-            rewards=rng.integers(0, 2, GROUP_SIZE).astype(np.float32), finish_reasons=["length"] * GROUP_SIZE))
+        groups.append(
+            RolloutGroup(
+                lease_id=seed,
+                prompt_id=g,
+                epoch=0,
+                generator_id=0,
+                prompt_tokens=rng.integers(3, 49152, PROMPT_TOKENS).astype(np.int32),
+                offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                completion_tokens=rng.integers(3, 49152, total).astype(np.int32),
+                behaviour_logprobs=np.full(total, -2.0, dtype=np.float32),
+                loss_mask=np.ones(total, dtype=np.uint8),
+                token_versions=np.zeros(total, dtype=np.int32),
+                versions=np.zeros(GROUP_SIZE, dtype=np.int32),
+                rewards=rng.integers(0, 2, GROUP_SIZE).astype(np.float32),
+                finish_reasons=["length"] * GROUP_SIZE,
+            )
+        )
     return groups
 
 
@@ -111,9 +120,17 @@ def measure_publishing(trainer: Any) -> dict[str, float]:
     memcpy_s = best_seconds(lambda: np.copyto(target, source), repeat=10)
     fresh_s = best_seconds(lambda: np.copy(source), repeat=10)
     publish_s = float(np.median(times[2:]))  # from the third publish on, the buckets are reused (warm)
-    return {"weights_mb": nbytes / 2**20, "publish_s": publish_s, "publish_first_s": times[0],
-            "publish_times_s": times, "publisher_counters": counters, "memcpy_s": memcpy_s, "fresh_copy_s": fresh_s,
-            "publish_over_memcpy": publish_s / memcpy_s, "fetch_s": fetch_s}
+    return {
+        "weights_mb": nbytes / 2**20,
+        "publish_s": publish_s,
+        "publish_first_s": times[0],
+        "publish_times_s": times,
+        "publisher_counters": counters,
+        "memcpy_s": memcpy_s,
+        "fresh_copy_s": fresh_s,
+        "publish_over_memcpy": publish_s / memcpy_s,
+        "fetch_s": fetch_s,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,40 +145,70 @@ def main(argv: list[str] | None = None) -> int:
     from learners.trainer import Trainer
 
     model_dir, model_name = resolve_model(args.model)
-    config = load_config(None, {
-        "model.path": str(model_dir), "model.dtype": "bfloat16", "algo.group_size": GROUP_SIZE,
-        "learner.groups_per_step": GROUPS, "learner.micro_batch_size": 8, "learner.zero_stage": args.zero_stage})
+    config = load_config(
+        None,
+        {
+            "model.path": str(model_dir),
+            "model.dtype": "bfloat16",
+            "algo.group_size": GROUP_SIZE,
+            "learner.groups_per_step": GROUPS,
+            "learner.micro_batch_size": 8,
+            "learner.zero_stage": args.zero_stage,
+        },
+    )
     print(f"model {model_name} ({model_dir}), {torch.get_num_threads()} threads, ZeRO-{args.zero_stage}, bf16")
     start = time.perf_counter()
     trainer = Trainer.from_config(config, init_distributed())
     init_s = time.perf_counter() - start
     training = measure_training(trainer, args.steps)
     publishing = measure_publishing(trainer)
-    print(f"training: {training['tokens_per_s']:.0f} tokens/s ({training['completion_tokens_per_s']:.0f} completion "
-          f"tokens/s), {training['step_s']:.1f} s/step (forward {training['forward_s']:.1f} s, backward + step "
-          f"{training['backward_s']:.1f} s), {training['tokens_per_step']:.0f} tokens/step; "
-          f"engine start {init_s:.1f} s")
-    print(f"publishing {publishing['weights_mb']:.0f} MiB: {publishing['publish_s'] * 1e3:.0f} ms (gather + copy, "
-          f"reused buffers) vs memcpy {publishing['memcpy_s'] * 1e3:.0f} ms = {publishing['publish_over_memcpy']:.2f}x "
-          f"(target <= 3x); first publish into fresh memory {publishing['publish_first_s'] * 1e3:.0f} ms, np.copy "
-          f"into fresh memory {publishing['fresh_copy_s'] * 1e3:.0f} ms; a generator's pull over loopback "
-          f"{publishing['fetch_s'] * 1e3:.0f} ms")
-    result = {"model": model_name, "model_dir": str(model_dir), "zero_stage": args.zero_stage, "dtype": "bfloat16",
-              "batch": {"groups": GROUPS, "group_size": GROUP_SIZE, "prompt_tokens": PROMPT_TOKENS,
-                        "completion_tokens": list(COMPLETION_TOKENS)},
-              "engine_start_s": init_s, "training": training, "publishing": publishing}
+    print(
+        f"training: {training['tokens_per_s']:.0f} tokens/s ({training['completion_tokens_per_s']:.0f} completion "
+        f"tokens/s), {training['step_s']:.1f} s/step (forward {training['forward_s']:.1f} s, backward + step "
+        f"{training['backward_s']:.1f} s), {training['tokens_per_step']:.0f} tokens/step; "
+        f"engine start {init_s:.1f} s"
+    )
+    print(
+        f"publishing {publishing['weights_mb']:.0f} MiB: {publishing['publish_s'] * 1e3:.0f} ms (gather + copy, "
+        f"reused buffers) vs memcpy {publishing['memcpy_s'] * 1e3:.0f} ms = {publishing['publish_over_memcpy']:.2f}x "
+        f"(target <= 3x); first publish into fresh memory {publishing['publish_first_s'] * 1e3:.0f} ms, np.copy "
+        f"into fresh memory {publishing['fresh_copy_s'] * 1e3:.0f} ms; a generator's pull over loopback "
+        f"{publishing['fetch_s'] * 1e3:.0f} ms"
+    )
+    result = {
+        "model": model_name,
+        "model_dir": str(model_dir),
+        "zero_stage": args.zero_stage,
+        "dtype": "bfloat16",
+        "batch": {
+            "groups": GROUPS,
+            "group_size": GROUP_SIZE,
+            "prompt_tokens": PROMPT_TOKENS,
+            "completion_tokens": list(COMPLETION_TOKENS),
+        },
+        "engine_start_s": init_s,
+        "training": training,
+        "publishing": publishing,
+    }
 
     def plot(axes: Any) -> None:
         labels = ["forward", "backward+step", "publish", "memcpy", "pull (loopback)"]
-        values = [training["forward_s"], training["backward_s"], publishing["publish_s"], publishing["memcpy_s"],
-                  publishing["fetch_s"]]
+        values = [
+            training["forward_s"],
+            training["backward_s"],
+            publishing["publish_s"],
+            publishing["memcpy_s"],
+            publishing["fetch_s"],
+        ]
         bars = axes.barh(labels, values, color=["C0", "C0", "C1", "C2", "C3"])
         axes.bar_label(bars, [f"{v:.2f}s" for v in values], padding=3)
         axes.set_xscale("log")
         axes.set_xlim(right=max(values) * 4)  # room for the labels
         axes.set_xlabel("seconds (log)")
-        axes.set_title(f"learner, {model_name}: {training['tokens_per_s']:.0f} tok/s; "
-                       f"publish {publishing['publish_over_memcpy']:.1f}x memcpy")
+        axes.set_title(
+            f"learner, {model_name}: {training['tokens_per_s']:.0f} tok/s; "
+            f"publish {publishing['publish_over_memcpy']:.1f}x memcpy"
+        )
 
     save("learner_throughput", result, plot)
     return 0

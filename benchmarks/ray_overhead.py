@@ -70,8 +70,21 @@ def total_steps(generators: int, seconds: float) -> int:
 
 def launch(launcher: str, config: Path, root: Path, name: str, generators: int, steps: int) -> float:
     """Run one simulated training under `tandem run` or `tandem ray`; its steady-state trained samples/s."""
-    argv = [sys.executable, "-m", "launch.cli", launcher, str(config), "--run.root", str(root), "--run.name", name,
-            "--generator.count", str(generators), "--learner.total_steps", str(steps)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "launch.cli",
+        launcher,
+        str(config),
+        "--run.root",
+        str(root),
+        "--run.name",
+        name,
+        "--generator.count",
+        str(generators),
+        "--learner.total_steps",
+        str(steps),
+    ]
     if launcher == "run":
         argv += override_args({**port_overrides(), **every_core_overrides()})
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}  # always a fresh local Ray
@@ -102,22 +115,39 @@ def main(argv: list[str] | None = None) -> int:
                     name = f"{launcher}-g{generators}-r{repeat}"
                     rates[launcher].append(launch(launcher, config, root, name, generators, steps))
             local, ray = (sorted(rates[k])[len(rates[k]) // 2] for k in ("run", "ray"))
-            row = {"generators": generators, "steps": steps, "local_samples_s": local, "ray_samples_s": ray,
-                   "overhead": 1 - ray / local, "local_runs": rates["run"], "ray_runs": rates["ray"]}  # fmt: skip
+            row = {
+                "generators": generators,
+                "steps": steps,
+                "local_samples_s": local,
+                "ray_samples_s": ray,
+                "overhead": 1 - ray / local,
+                "local_runs": rates["run"],
+                "ray_runs": rates["ray"],
+            }
             rows.append(row)
-            print(f"G={generators:>2}  tandem run {local:7.1f} samples/s   tandem ray {ray:7.1f} samples/s   "
-                  f"overhead {100 * row['overhead']:+5.1f}%   ({steps} steps)", flush=True)
+            print(
+                f"G={generators:>2}  tandem run {local:7.1f} samples/s   tandem ray {ray:7.1f} samples/s   "
+                f"overhead {100 * row['overhead']:+5.1f}%   ({steps} steps)",
+                flush=True,
+            )
     worst = max(row["overhead"] for row in rows)
     load = {"before": load_before, "after": os.getloadavg()}
-    print(f"largest overhead {100 * worst:+.1f}% (target <= 5%); {time.time() - started:.0f}s in all; "
-          f"load average {load['before'][0]:.1f} -> {load['after'][0]:.1f} on {os.cpu_count()} cores")
+    print(
+        f"largest overhead {100 * worst:+.1f}% (target <= 5%); {time.time() - started:.0f}s in all; "
+        f"load average {load['before'][0]:.1f} -> {load['after'][0]:.1f} on {os.cpu_count()} cores"
+    )
 
     def plot(axes: Any) -> None:
         counts = [row["generators"] for row in rows]
         axes.plot(counts, [row["local_samples_s"] for row in rows], "o-", label="tandem run (local processes)")
         axes.plot(counts, [row["ray_samples_s"] for row in rows], "s--", label="tandem ray (Ray actors)")
-        axes.plot(counts, [min(GENERATOR_SAMPLES_S * g, LEARNER_SAMPLES_S) for g in counts], ":", color="grey",
-                  label="sim cost bound")  # fmt: skip
+        axes.plot(
+            counts,
+            [min(GENERATOR_SAMPLES_S * g, LEARNER_SAMPLES_S) for g in counts],
+            ":",
+            color="grey",
+            label="sim cost bound",
+        )
         axes.set_xscale("log", base=2)
         axes.set_xticks(counts, [str(c) for c in counts])
         axes.set_xlabel("generators")
@@ -125,8 +155,18 @@ def main(argv: list[str] | None = None) -> int:
         axes.set_title("SIMULATION: launcher overhead (2-core machine)")
         axes.legend()
 
-    save("ray_overhead", {"config": CONFIG, "measured": "second half of the steps", "seconds": args.seconds,
-                          "load_average": load, "rows": rows, "largest_overhead": worst}, plot)  # fmt: skip
+    save(
+        "ray_overhead",
+        {
+            "config": CONFIG,
+            "measured": "second half of the steps",
+            "seconds": args.seconds,
+            "load_average": load,
+            "rows": rows,
+            "largest_overhead": worst,
+        },
+        plot,
+    )
     return 0
 
 

@@ -25,16 +25,32 @@ from typing import Any
 
 from benchmarks.common import RESULTS, save
 
-BENCHMARKS = ("wire_codec", "buffer_throughput", "generator_throughput", "weight_sync", "learner_throughput",
-              "async_vs_sync", "fleet_scaling", "staleness_effect", "demo_runs", "ray_overhead", "env_latency")  # fmt: skip
+BENCHMARKS = (
+    "wire_codec",
+    "buffer_throughput",
+    "generator_throughput",
+    "weight_sync",
+    "learner_throughput",
+    "async_vs_sync",
+    "fleet_scaling",
+    "staleness_effect",
+    "demo_runs",
+    "ray_overhead",
+    "env_latency",
+)
 OPTIONAL = frozenset({"ray_overhead", "env_latency"})  # run when present
 HERE = Path(__file__).resolve().parent
 
 
 def has_quick(name: str) -> bool:
     """Whether `benchmarks.<name> --help` offers --quick."""
-    help_text = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--help"], cwd=HERE.parent,
-                               capture_output=True, text=True, timeout=120).stdout  # fmt: skip
+    help_text = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{name}", "--help"],
+        cwd=HERE.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     return "--quick" in help_text
 
 
@@ -60,16 +76,25 @@ def run_benchmark(name: str, quick: bool, timeout_s: float) -> dict[str, Any]:
         status = f"failed (exit {code})"
     else:
         status = "ok" if fresh else f"no fresh {path.name}"
-    return {"name": name, "status": status, "seconds": seconds, "command": argv[1:],
-            "headline": headline(result) if result else {}, "result": result}  # fmt: skip
+    return {
+        "name": name,
+        "status": status,
+        "seconds": seconds,
+        "command": argv[1:],
+        "headline": headline(result) if result else {},
+        "result": result,
+    }
 
 
 def headline(result: dict[str, Any]) -> dict[str, Any]:
     """The benchmark's own `headline`, else its top-level numbers and tables of numbers (ratios, targets)."""
     if isinstance(result.get("headline"), dict):
         return result["headline"]
-    return {key: value for key, value in result.items() if _is_number(value)
-            or (isinstance(value, dict) and value and all(map(_is_number, value.values())))}  # fmt: skip
+    return {
+        key: value
+        for key, value in result.items()
+        if _is_number(value) or (isinstance(value, dict) and value and all(map(_is_number, value.values())))
+    }
 
 
 def _is_number(value: Any) -> bool:
@@ -109,10 +134,18 @@ def main(argv: list[str] | None = None) -> int:
     required_missing = [name for name in missing if name not in OPTIONAL]
     if required_missing:
         print(f"missing benchmark modules (expected in {HERE}): {', '.join(required_missing)}", file=sys.stderr)
-    rows = [run_benchmark(name, quick=not args.full, timeout_s=args.timeout_s) for name in names
-            if name not in missing]  # fmt: skip
-    rows += [{"name": name, "status": "absent (optional)" if name in OPTIONAL else "missing", "seconds": 0.0,
-              "command": [], "headline": {}, "result": None} for name in missing]  # fmt: skip
+    rows = [run_benchmark(name, quick=not args.full, timeout_s=args.timeout_s) for name in names if name not in missing]
+    rows += [
+        {
+            "name": name,
+            "status": "absent (optional)" if name in OPTIONAL else "missing",
+            "seconds": 0.0,
+            "command": [],
+            "headline": {},
+            "result": None,
+        }
+        for name in missing
+    ]
     print_table(rows)
     save("summary", {"quick": not args.full, "benchmarks": rows})
     failed = [row["name"] for row in rows if row["status"] not in ("ok", "absent (optional)")]

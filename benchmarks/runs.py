@@ -80,10 +80,12 @@ def port_overrides() -> dict[str, Any]:
     """Two free loopback ports wired into every role's addresses (buffer and weight publisher)."""
     buffer_port, weights_port = free_port(), free_port()
     return {
-        "buffer.port": buffer_port, "generator.buffer_address": f"127.0.0.1:{buffer_port}",
-        "learner.buffer_address": f"127.0.0.1:{buffer_port}", "learner.weights_port": weights_port,
+        "buffer.port": buffer_port,
+        "generator.buffer_address": f"127.0.0.1:{buffer_port}",
+        "learner.buffer_address": f"127.0.0.1:{buffer_port}",
+        "learner.weights_port": weights_port,
         "generator.weights_address": f"127.0.0.1:{weights_port}",
-    }  # fmt: skip
+    }
 
 
 def every_core_overrides() -> dict[str, Any]:
@@ -110,15 +112,22 @@ def override_args(overrides: dict[str, Any]) -> list[str]:
 def launch_run(config: Path, root: Path, name: str, overrides: dict[str, Any], timeout_s: float) -> RunOutcome:
     """Run `tandem run config` to completion under `root/name` with `overrides` (+ fresh ports); see the module
     docstring. Raises RunFailed on a non-zero exit or a timeout."""
-    argv = [sys.executable, "-m", "launch.cli", "run", str(config),
-            *override_args({"run.root": str(root), "run.name": name, **port_overrides(), **overrides})]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "launch.cli",
+        "run",
+        str(config),
+        *override_args({"run.root": str(root), "run.name": name, **port_overrides(), **overrides}),
+    ]
     run_dir = root / name
     out_path = root / f"{name}.out"
     root.mkdir(parents=True, exist_ok=True)
     started = time.time()
     with out_path.open("wb") as out:
-        process = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True)  # fmt: skip
+        process = subprocess.Popen(
+            argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
     watcher = RunWatcher(process.pid, run_dir)
     watcher.start()
     try:
@@ -134,11 +143,16 @@ def launch_run(config: Path, root: Path, name: str, overrides: dict[str, Any], t
         raise RunFailed(f"tandem run {name} {why}; output {out_path}:\n{tail}")
     buffer_path = run_dir / "buffer.jsonl"
     return RunOutcome(
-        name=name, run_dir=run_dir, wall_s=time.time() - started, records=read_metrics(run_dir / "metrics.jsonl"),
-        buffer_records=read_metrics(buffer_path) if buffer_path.exists() else [], step_wall=watcher.step_wall,
-        generators_ready_wall=watcher.generators_ready_wall, cpu_samples=watcher.cpu_samples,
+        name=name,
+        run_dir=run_dir,
+        wall_s=time.time() - started,
+        records=read_metrics(run_dir / "metrics.jsonl"),
+        buffer_records=read_metrics(buffer_path) if buffer_path.exists() else [],
+        step_wall=watcher.step_wall,
+        generators_ready_wall=watcher.generators_ready_wall,
+        cpu_samples=watcher.cpu_samples,
         load_avg=os.getloadavg()[0],
-    )  # fmt: skip
+    )
 
 
 def _stop_group(process: subprocess.Popen) -> None:
@@ -249,7 +263,7 @@ def descendant_pids(root: int) -> list[int]:
 
 
 def role_name(pid: int) -> str | None:
-    """"buffer-0", "learner-0" or "generator-<i>" from a role's command line (`launch.cli ROLE ...`); None if the
+    """ "buffer-0", "learner-0" or "generator-<i>" from a role's command line (`launch.cli ROLE ...`); None if the
     process is not a role (or is gone)."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
@@ -275,7 +289,7 @@ def _read_stat(pid: int) -> list[str] | None:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return text[text.rindex(")") + 2:].split()
+    return text[text.rindex(")") + 2 :].split()
 
 
 def trained_rate(records: list[dict[str, Any]], first_step: int, last_step: int | None = None) -> dict[str, float]:
@@ -285,13 +299,20 @@ def trained_rate(records: list[dict[str, Any]], first_step: int, last_step: int 
     by_step = {int(r["step"]): r for r in records}
     last = max(by_step, default=0) if last_step is None else last_step
     if first_step not in by_step or last not in by_step or last <= first_step:
-        raise ValueError(f"need learner steps after step {first_step} (the run has {len(records)} records): "
-                         "raise the run's total_steps")
+        raise ValueError(
+            f"need learner steps after step {first_step} (the run has {len(records)} records): "
+            "raise the run's total_steps"
+        )
     start, end = by_step[first_step], by_step[last]
     seconds = end["time"] - start["time"]
     samples = end["learner/samples_trained"] - start["learner/samples_trained"]
-    return {"samples_per_s": samples / seconds, "window_samples": samples, "window_s": seconds,
-            "window_steps": last - first_step, "step_s": seconds / (last - first_step)}  # fmt: skip
+    return {
+        "samples_per_s": samples / seconds,
+        "window_samples": samples,
+        "window_s": seconds,
+        "window_steps": last - first_step,
+        "step_s": seconds / (last - first_step),
+    }
 
 
 def mean_of(records: list[dict[str, Any]], key: str, first_step: int = 0) -> float:
@@ -309,5 +330,8 @@ def cpu_use(outcome: RunOutcome, first_step: int) -> dict[str, float]:
     start, end = outcome.step_wall[first_step], outcome.step_wall[last]
     train_s = sum(r["perf/train_s"] for r in outcome.records if first_step < r["step"] <= last)
     learner = outcome.cpu_between("learner", start, end)
-    return {"learner_cores": learner / (end - start), "generator_cores": outcome.cpu_between("generator", start, end)
-            / (end - start), "learner_cpu_per_train_s": learner / max(train_s, 1e-9)}  # fmt: skip
+    return {
+        "learner_cores": learner / (end - start),
+        "generator_cores": outcome.cpu_between("generator", start, end) / (end - start),
+        "learner_cpu_per_train_s": learner / max(train_s, 1e-9),
+    }

@@ -36,11 +36,16 @@ def run_one(root: Path, eta: int, correction: str, steps: int) -> dict[str, Any]
     outcome = launch_run(DEMO_CONFIG, root, f"eta{eta}-{correction}", overrides, timeout_s=900 + 150 * steps)
     records = outcome.records
     rewards = [r.get("reward/mean") for r in records]
-    tail = [reward for reward in rewards[len(rewards) // 2:] if reward is not None]
+    tail = [reward for reward in rewards[len(rewards) // 2 :] if reward is not None]
     return {
-        "eta": eta, "correction": correction, "steps": len(records), "wall_s": outcome.wall_s,
-        "load_avg": outcome.load_avg, "samples_per_s": trained_rate(records, 1)["samples_per_s"],
-        "reward": rewards, "time": [r["time"] for r in records],
+        "eta": eta,
+        "correction": correction,
+        "steps": len(records),
+        "wall_s": outcome.wall_s,
+        "load_avg": outcome.load_avg,
+        "samples_per_s": trained_rate(records, 1)["samples_per_s"],
+        "reward": rewards,
+        "time": [r["time"] for r in records],
         # the policy version that sampled step k's batch, on average: k - 1 - staleness (k - 1 = the version trained)
         "sampled_by": [r["step"] - 1 - r["staleness/mean"] for r in records],
         "reward_last_half": statistics.fmean(tail) if tail else None,
@@ -50,7 +55,7 @@ def run_one(root: Path, eta: int, correction: str, steps: int) -> dict[str, Any]
         "kl_mean": mean_of(records, "policy/kl"),
         **cpu_use(outcome, 1),
         "reward_stderr": statistics.fmean(r["reward/std"] / r["perf/samples"] ** 0.5 for r in records),
-    }  # fmt: skip
+    }
 
 
 def plot(runs: list[dict[str, Any]]):
@@ -63,10 +68,18 @@ def plot(runs: list[dict[str, Any]]):
             label = f"η = {run['eta']}, {run['correction']}"
             steps = list(range(1, len(run["reward"]) + 1))
             by_step.plot(steps, run["reward"], style, marker="o", markersize=3, color=colors[run["eta"]], label=label)
-            by_version.plot(run["sampled_by"], run["reward"], style, marker="o", markersize=3, color=colors[run["eta"]],
-                            label=label)  # fmt: skip
-            by_time.plot(run["time"], run["reward"], style, marker="o", markersize=3, color=colors[run["eta"]],
-                         label=f"{label}: {run['samples_per_s']:.2f} samples/s")  # fmt: skip
+            by_version.plot(
+                run["sampled_by"], run["reward"], style, marker="o", markersize=3, color=colors[run["eta"]], label=label
+            )
+            by_time.plot(
+                run["time"],
+                run["reward"],
+                style,
+                marker="o",
+                markersize=3,
+                color=colors[run["eta"]],
+                label=f"{label}: {run['samples_per_s']:.2f} samples/s",
+            )
         by_step.set_xlabel("learner step")
         by_version.set_xlabel("policy version that sampled the batch (mean)")
         by_time.set_xlabel("seconds since the learner started")
@@ -84,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="η in 0 2 8, tis only, 6 steps")
     parser.add_argument("--etas", type=int, nargs="+", default=None, help="default 0 1 2 4 8")
-    parser.add_argument("--corrections", nargs="+", choices=["tis", "none", "decoupled"], default=None,
-                        help="default tis none")  # fmt: skip
+    parser.add_argument(
+        "--corrections", nargs="+", choices=["tis", "none", "decoupled"], default=None, help="default tis none"
+    )
     parser.add_argument("--steps", type=int, default=None, help="learner steps per run (default 10)")
     parser.add_argument("--runs-dir", type=Path, default=None, help="keep the runs here (default: a temp folder)")
     args = parser.parse_args(argv)
@@ -105,20 +119,37 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(run)
                 last_half = float("nan") if run["reward_last_half"] is None else run["reward_last_half"]
                 rewards = " ".join("-" if r is None else f"{r:.2f}" for r in run["reward"])
-                print(f"η={eta} {correction:>4}: reward by step [{rewards}]  last half {last_half:.3f}  "
-                      f"{run['samples_per_s']:.2f} samples/s  staleness mean {run['staleness_mean']:.2f} max "
-                      f"{run['staleness_max']:.0f}  dropped {run['dropped_stale']}  learner {run['learner_cpu_per_train_s']:.2f} "
-                      f"CPU s per train s  ({run['wall_s']:.0f} s, load {run['load_avg']:.1f})",
-                      flush=True)  # fmt: skip
+                print(
+                    f"η={eta} {correction:>4}: reward by step [{rewards}]  last half {last_half:.3f}  "
+                    f"{run['samples_per_s']:.2f} samples/s  staleness mean {run['staleness_mean']:.2f} max "
+                    f"{run['staleness_max']:.0f}  dropped {run['dropped_stale']}  learner {run['learner_cpu_per_train_s']:.2f} "
+                    f"CPU s per train s  ({run['wall_s']:.0f} s, load {run['load_avg']:.1f})",
+                    flush=True,
+                )
     noise = statistics.fmean(run["reward_stderr"] for run in runs)
     best = max(runs, key=lambda run: float("-inf") if run["reward_last_half"] is None else run["reward_last_half"])
-    print(f"standard error of one step's reward/mean (noise floor): {noise:.3f}; highest "
-          f"last-half reward: η = {best['eta']} ({best['correction']}); {time.time() - started:.0f} s in all")
-    headline = {"step_reward_stderr": noise, "best_eta": best["eta"], "best_correction": best["correction"],
-                "reward_last_half": {f"eta{run['eta']}_{run['correction']}": run["reward_last_half"] for run in runs},
-                "samples_per_s": {f"eta{run['eta']}_{run['correction']}": run["samples_per_s"] for run in runs}}
-    save("staleness_effect", {"headline": headline, "steps": steps, "config": str(DEMO_CONFIG), "demo_config": DEMO_CONFIG.read_text(), "runs": runs},
-         plot(runs))  # fmt: skip
+    print(
+        f"standard error of one step's reward/mean (noise floor): {noise:.3f}; highest "
+        f"last-half reward: η = {best['eta']} ({best['correction']}); {time.time() - started:.0f} s in all"
+    )
+    headline = {
+        "step_reward_stderr": noise,
+        "best_eta": best["eta"],
+        "best_correction": best["correction"],
+        "reward_last_half": {f"eta{run['eta']}_{run['correction']}": run["reward_last_half"] for run in runs},
+        "samples_per_s": {f"eta{run['eta']}_{run['correction']}": run["samples_per_s"] for run in runs},
+    }
+    save(
+        "staleness_effect",
+        {
+            "headline": headline,
+            "steps": steps,
+            "config": str(DEMO_CONFIG),
+            "demo_config": DEMO_CONFIG.read_text(),
+            "runs": runs,
+        },
+        plot(runs),
+    )
     return 0
 
 

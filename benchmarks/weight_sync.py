@@ -80,7 +80,10 @@ def measure_updates(model_dir: Path, updates: int) -> tuple[list[dict[str, float
     publisher.start()
     tmp = Path(tempfile.mkdtemp(prefix="bench-sync-"))
     config = write_config(
-        tmp / "gen.toml", tmp / "runs", buffer.port, publisher.port,
+        tmp / "gen.toml",
+        tmp / "runs",
+        buffer.port,
+        publisher.port,
         model={"path": str(model_dir), "max_model_len": 1024},
         algo={"group_size": 2},
         generator={"max_tokens": 1, "prompts_in_flight": 1},
@@ -102,12 +105,14 @@ def measure_updates(model_dir: Path, updates: int) -> tuple[list[dict[str, float
                 published = publisher.published_at[version]
                 requests = zip(buffer.lease_times, buffer.lease_requests)
                 leased = next(t for t, r in requests if r.policy_version >= version)
-                rows.append({
-                    "version": version,
-                    "sent_s": publisher.sent_at[version] - published,
-                    "leased_s": leased - published,
-                    "sampled_s": buffer.group_times[group.group_id] - published,
-                })
+                rows.append(
+                    {
+                        "version": version,
+                        "sent_s": publisher.sent_at[version] - published,
+                        "leased_s": leased - published,
+                        "sampled_s": buffer.group_times[group.group_id] - published,
+                    }
+                )
                 print(f"v{version}: {rows[-1]}", flush=True)
         log = (tmp / "generator.log").read_text()
     finally:
@@ -130,10 +135,14 @@ def main() -> None:
     baselines = memcpy_baselines(nbytes)
     latency = float(np.median([r["sampled_s"] for r in rows]))
     ratio = latency / baselines["fresh_copy_s"]
-    print(f"model: {model_name}, {nbytes / 1e6:.0f} MB; memcpy fresh {baselines['fresh_copy_s']:.3f}s, "
-          f"warm {baselines['warm_copy_s']:.3f}s")
-    print(f"publish -> sampled with the new version: median {latency:.3f}s = {ratio:.2f}x a fresh memcpy "
-          f"(target <= 3x), {latency / baselines['warm_copy_s']:.1f}x a warm one")
+    print(
+        f"model: {model_name}, {nbytes / 1e6:.0f} MB; memcpy fresh {baselines['fresh_copy_s']:.3f}s, "
+        f"warm {baselines['warm_copy_s']:.3f}s"
+    )
+    print(
+        f"publish -> sampled with the new version: median {latency:.3f}s = {ratio:.2f}x a fresh memcpy "
+        f"(target <= 3x), {latency / baselines['warm_copy_s']:.1f}x a warm one"
+    )
 
     def plot(axes: Any) -> None:
         stages = ["sent_s", "leased_s", "sampled_s"]

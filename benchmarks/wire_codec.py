@@ -87,26 +87,42 @@ def main() -> None:
     joined_s = best_seconds(lambda: decode([bytes(f) for f in encode(group)]))
     socket_s = socket_round(group, rounds=200)
 
-    rows = {"memcpy": memcpy_s, "encode+decode (zero-copy)": zero_copy_s,
-            "encode+copy+decode": joined_s, "zmq loopback + decode": socket_s}
+    rows = {
+        "memcpy": memcpy_s,
+        "encode+decode (zero-copy)": zero_copy_s,
+        "encode+copy+decode": joined_s,
+        "zmq loopback + decode": socket_s,
+    }
     print(f"group: {args.samples} samples x {args.tokens} tokens = {nbytes / 1e6:.2f} MB on the wire")
     print(f"{'path':28s} {'ms/group':>9s} {'MB/s':>9s} {'groups/s':>9s} {'x memcpy':>9s}")
     for name, seconds in rows.items():
-        print(f"{name:28s} {seconds * 1e3:9.3f} {nbytes / seconds / 1e6:9.0f} {1 / seconds:9.0f} {seconds / memcpy_s:9.2f}")
+        print(
+            f"{name:28s} {seconds * 1e3:9.3f} {nbytes / seconds / 1e6:9.0f} {1 / seconds:9.0f} {seconds / memcpy_s:9.2f}"
+        )
     copy_path_ratio = joined_s / memcpy_s
-    print(f"target: encode+copy+decode within 3x of memcpy -> {copy_path_ratio:.2f}x "
-          f"({'met' if copy_path_ratio <= 3 else 'MISSED'})")
+    print(
+        f"target: encode+copy+decode within 3x of memcpy -> {copy_path_ratio:.2f}x "
+        f"({'met' if copy_path_ratio <= 3 else 'MISSED'})"
+    )
 
     def plot(ax) -> None:
         ax.barh(list(rows), [nbytes / s / 1e9 for s in rows.values()], color=["grey", "C0", "C1", "C2"])
         ax.set_xlabel("GB/s (higher is better)")
         ax.set_title(f"Wire codec: {args.samples}x{args.tokens}-token group ({nbytes / 1e6:.1f} MB)")
 
-    save("wire_codec", {
-        "samples": args.samples, "tokens": args.tokens, "bytes": nbytes,
-        "seconds": rows, "mb_per_s": {k: nbytes / s / 1e6 for k, s in rows.items()},
-        "ratio_to_memcpy": {k: s / memcpy_s for k, s in rows.items()}, "target_ratio": 3.0,
-    }, plot)
+    save(
+        "wire_codec",
+        {
+            "samples": args.samples,
+            "tokens": args.tokens,
+            "bytes": nbytes,
+            "seconds": rows,
+            "mb_per_s": {k: nbytes / s / 1e6 for k, s in rows.items()},
+            "ratio_to_memcpy": {k: s / memcpy_s for k, s in rows.items()},
+            "target_ratio": 3.0,
+        },
+        plot,
+    )
 
 
 if __name__ == "__main__":

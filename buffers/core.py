@@ -64,8 +64,16 @@ class RequestRejected(Exception):
 
 def group_nbytes(group: RolloutGroup) -> int:
     """Bytes of a group's arrays (what it costs on the wire, within a few hundred bytes of header)."""
-    arrays = (group.prompt_tokens, group.offsets, group.completion_tokens, group.behaviour_logprobs,
-              group.loss_mask, group.token_versions, group.versions, group.rewards)  # fmt: skip
+    arrays = (
+        group.prompt_tokens,
+        group.offsets,
+        group.completion_tokens,
+        group.behaviour_logprobs,
+        group.loss_mask,
+        group.token_versions,
+        group.versions,
+        group.rewards,
+    )
     return sum(a.nbytes for a in arrays) + sum(a.nbytes for a in group.reward_components.values())
 
 
@@ -80,10 +88,14 @@ class BufferCore:
         self.bytes_in = self.bytes_out = 0
         self.staleness_sum = self.staleness_count = self.staleness_max = 0  # of served samples
         self._handlers = {
-            LeaseRequest: self._lease_request, RolloutGroup: self._group, Heartbeat: self._heartbeat,
-            LeaseReturn: self._lease_return, BatchRequest: self._batch_request,
-            VersionReport: self._version_report, StatsRequest: self._stats,
-        }  # fmt: skip
+            LeaseRequest: self._lease_request,
+            RolloutGroup: self._group,
+            Heartbeat: self._heartbeat,
+            LeaseReturn: self._lease_return,
+            BatchRequest: self._batch_request,
+            VersionReport: self._version_report,
+            StatsRequest: self._stats,
+        }
 
     def handle(self, message: Any, reply_to: Any, sender: str, now: float) -> list[Reply]:
         """The replies to send now (to this request and to held ones it made answerable); may raise
@@ -101,8 +113,14 @@ class BufferCore:
         dispenser.seen(request.generator_id, now)
         if dispenser.finished:
             return [(reply_to, LeaseRefused("exhausted", 0, RETRY_EXHAUSTED_S))]
-        admission = admit(request.max_prompts, request.policy_version, self.state.learner_version,
-                          self.settings.max_staleness, self.settings.groups_per_step, self._admitted())  # fmt: skip
+        admission = admit(
+            request.max_prompts,
+            request.policy_version,
+            self.state.learner_version,
+            self.settings.max_staleness,
+            self.settings.groups_per_step,
+            self._admitted(),
+        )
         if admission.refusal:
             retry = RETRY_STALE_S if admission.refusal == "stale" else RETRY_FULL_S
             return [(reply_to, LeaseRefused(admission.refusal, admission.min_version, retry))]
@@ -157,9 +175,11 @@ class BufferCore:
 
     def _lease_return(self, returned: LeaseReturn, reply_to: Any, sender: str, now: float) -> list[Reply]:
         lease = self.state.dispenser.leases.get(returned.lease_id)
-        self._check(lease_return_problem(
-            returned, None if lease is None else lease.generator_id, set() if lease is None else set(lease.prompts)
-        ))  # fmt: skip
+        self._check(
+            lease_return_problem(
+                returned, None if lease is None else lease.generator_id, set() if lease is None else set(lease.prompts)
+            )
+        )
         self.state.dispenser.seen(returned.generator_id, now)
         back = [pid for pid in returned.prompt_ids if pid in lease.pending]
         if back:
@@ -169,8 +189,9 @@ class BufferCore:
 
     # ------------------------------------------------------------------------------------------ learners
     def _batch_request(self, request: BatchRequest, reply_to: Any, sender: str, now: float) -> list[Reply]:
-        self._check(batch_request_problem(request, self.capacity_groups, self.state.learner_version,
-                                          self.settings.sync_every))  # fmt: skip
+        self._check(
+            batch_request_problem(request, self.capacity_groups, self.state.learner_version, self.settings.sync_every)
+        )
         conflict = self.state.book.conflict(request)
         if conflict:
             raise RequestRejected("batch_mismatch", conflict)
@@ -202,8 +223,13 @@ class BufferCore:
     def _draw(self, step: int, world_size: int, num_groups: int) -> DrawnBatch | None:
         dropped = self.state.drop_stale(step)
         if dropped:
-            log.warning("step %d: dropped %d samples older than %d versions (total %d)", step, dropped,
-                        self.settings.max_staleness, self.state.ledger.counts["dropped_stale"])  # fmt: skip
+            log.warning(
+                "step %d: dropped %d samples older than %d versions (total %d)",
+                step,
+                dropped,
+                self.settings.max_staleness,
+                self.state.ledger.counts["dropped_stale"],
+            )
         return self.state.draw(step, world_size, num_groups)
 
     def _serve_held(self, now: float) -> list[Reply]:
@@ -222,8 +248,11 @@ class BufferCore:
     def _version_report(self, report: VersionReport, reply_to: Any, sender: str, now: float) -> list[Reply]:
         self._check(version_report_problem(report))
         if report.step < self.state.learner_version:
-            log.warning("learner reported step %d < %d: resumed from an older checkpoint?", report.step,
-                        self.state.learner_version)  # fmt: skip
+            log.warning(
+                "learner reported step %d < %d: resumed from an older checkpoint?",
+                report.step,
+                self.state.learner_version,
+            )
         self.state.report_version(report.step, report.policy_version)
         return [(reply_to, Ok(self.state.learner_version))]
 

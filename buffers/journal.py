@@ -134,8 +134,13 @@ class Journal:
         data = self.path.read_bytes()
         records, good, problem = read_records(data)
         if problem:
-            log.error("journal %s: %s; dropping the last %d bytes and resuming after record %d",
-                      self.path, problem, len(data) - good, len(records))  # fmt: skip
+            log.error(
+                "journal %s: %s; dropping the last %d bytes and resuming after record %d",
+                self.path,
+                problem,
+                len(data) - good,
+                len(records),
+            )
             os.truncate(self.path, good)
         self._open()
         return records

@@ -55,9 +55,16 @@ class Lease:
     ended_at: float = 0.0
 
     def to_record(self) -> list[Any]:
-        return [self.lease_id, self.generator_id, self.policy_version, self.deadline,
-                [[pid, epoch] for pid, epoch in self.prompts.items()], sorted(self.pending),
-                self.state, self.ended_at]  # fmt: skip
+        return [
+            self.lease_id,
+            self.generator_id,
+            self.policy_version,
+            self.deadline,
+            [[pid, epoch] for pid, epoch in self.prompts.items()],
+            sorted(self.pending),
+            self.state,
+            self.ended_at,
+        ]
 
     @classmethod
     def from_record(cls, record: list[Any]) -> Lease:
@@ -153,15 +160,21 @@ class PromptDispenser:
                 epoch, position = epoch + 1, 0
         if not chosen:
             return None
-        return {"lease_id": self.next_lease_id, "generator_id": generator_id, "policy_version": policy_version,
-                "deadline": now + self.lease_timeout_s, "prompts": [[pid, e] for e, pid in chosen],
-                "cursor": [epoch, position]}  # fmt: skip
+        return {
+            "lease_id": self.next_lease_id,
+            "generator_id": generator_id,
+            "policy_version": policy_version,
+            "deadline": now + self.lease_timeout_s,
+            "prompts": [[pid, e] for e, pid in chosen],
+            "cursor": [epoch, position],
+        }
 
     def open(self, grant: dict[str, Any]) -> Lease:
         """Make a grant outstanding: its instances become live in this lease, the cursor moves past them."""
         prompts = {pid: epoch for pid, epoch in grant["prompts"]}
-        lease = Lease(grant["lease_id"], grant["generator_id"], grant["policy_version"], grant["deadline"],
-                      prompts, set(prompts))  # fmt: skip
+        lease = Lease(
+            grant["lease_id"], grant["generator_id"], grant["policy_version"], grant["deadline"], prompts, set(prompts)
+        )
         for pid, epoch in prompts.items():
             self.live[(epoch, pid)] = lease.lease_id
         self.leases[lease.lease_id] = lease
@@ -273,9 +286,15 @@ class PromptDispenser:
             if self.live.get(key, -1) is None and key not in seen:
                 queued.append(list(key))
                 seen.add(key)
-        return {"num_prompts": len(self.prompt_ids), "seed": self.seed, "epoch": self.epoch,
-                "position": self.position, "next_lease_id": self.next_lease_id, "queued": queued,
-                "leases": [lease.to_record() for lease in self.leases.values()]}  # fmt: skip
+        return {
+            "num_prompts": len(self.prompt_ids),
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "position": self.position,
+            "next_lease_id": self.next_lease_id,
+            "queued": queued,
+            "leases": [lease.to_record() for lease in self.leases.values()],
+        }
 
     def restore(self, snapshot: dict[str, Any], now: float) -> None:
         """Replace the state by a snapshot; every generator holding a lease gets a fresh heartbeat window."""

@@ -54,14 +54,26 @@ def run(config: TandemConfig) -> int:
     state = BufferState(BufferSettings.from_config(config), prompts, journal)
     restored = state.restore(time.time())
     if restored:
-        log.info("resumed from %s: %d events, %d groups buffered, epoch %d, learner step %d", journal.path, restored,
-                 len(state.replay), state.dispenser.epoch, state.learner_version)  # fmt: skip
+        log.info(
+            "resumed from %s: %d events, %d groups buffered, epoch %d, learner step %d",
+            journal.path,
+            restored,
+            len(state.replay),
+            state.dispenser.epoch,
+            state.learner_version,
+        )
     server = Server(config.buffer.host, config.buffer.port, SocketSecurity.from_run(config.run), name="buffer")
     core = BufferCore(state, wire_rejections=server.rejected)
     sink = MetricsSink(run_dir, "buffer")
-    log.info("buffer on %s:%d: %d prompts, capacity %d samples, η = %d, B = %d", config.buffer.host,
-             config.buffer.port, len(prompts), config.buffer.capacity, config.algo.max_staleness,
-             config.learner.groups_per_step)  # fmt: skip
+    log.info(
+        "buffer on %s:%d: %d prompts, capacity %d samples, η = %d, B = %d",
+        config.buffer.host,
+        config.buffer.port,
+        len(prompts),
+        config.buffer.capacity,
+        config.algo.max_staleness,
+        config.learner.groups_per_step,
+    )
     next_housekeeping = next_metrics = time.monotonic()
     try:
         while not stop:

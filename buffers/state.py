@@ -52,9 +52,19 @@ class BufferSettings:
     @classmethod
     def from_config(cls, config: TandemConfig) -> BufferSettings:
         b = config.buffer
-        return cls(b.capacity, b.max_reuse, b.sampling, b.lease_timeout_s, b.heartbeat_timeout_s, b.epochs,
-                   config.algo.group_size, config.algo.max_staleness, config.learner.groups_per_step,
-                   config.learner.sync_every, config.run.seed)  # fmt: skip
+        return cls(
+            b.capacity,
+            b.max_reuse,
+            b.sampling,
+            b.lease_timeout_s,
+            b.heartbeat_timeout_s,
+            b.epochs,
+            config.algo.group_size,
+            config.algo.max_staleness,
+            config.learner.groups_per_step,
+            config.learner.sync_every,
+            config.run.seed,
+        )
 
 
 class BufferState:
@@ -78,11 +88,19 @@ class BufferState:
         self._held: dict[int, RolloutGroup] = {}  # during restore: groups only a pending draw still holds
         self._saved_counts: dict[str, int] = {}
         self._appliers = {
-            "grant": self._apply_grant, "group": self._apply_group, "evict": self._apply_evict,
-            "drop": self._apply_drop, "draw": self._apply_draw, "deliver": self._apply_deliver,
-            "expire": self._apply_expire, "requeue": self._apply_requeue, "version": self._apply_version,
-            "counters": self._apply_counters, "leases": self._apply_leases, "pending_draw": self._apply_pending_draw,
-        }  # fmt: skip
+            "grant": self._apply_grant,
+            "group": self._apply_group,
+            "evict": self._apply_evict,
+            "drop": self._apply_drop,
+            "draw": self._apply_draw,
+            "deliver": self._apply_deliver,
+            "expire": self._apply_expire,
+            "requeue": self._apply_requeue,
+            "version": self._apply_version,
+            "counters": self._apply_counters,
+            "leases": self._apply_leases,
+            "pending_draw": self._apply_pending_draw,
+        }
 
     # ------------------------------------------------------------------------------------------ events
     def commit(self, kind: str, meta: dict[str, Any], group: RolloutGroup | None = None) -> Any:
@@ -98,8 +116,10 @@ class BufferState:
         records = self.journal.replay()
         for record in records:
             if record.kind not in self._appliers:
-                raise ValueError(f"{self.journal.path}: unknown record kind {record.kind!r} (written by a newer "
-                                 "version?): run that version, or start a new run.name")  # fmt: skip
+                raise ValueError(
+                    f"{self.journal.path}: unknown record kind {record.kind!r} (written by a newer "
+                    "version?): run that version, or start a new run.name"
+                )
             group = None
             if record.kind == "group":
                 group, _ = decode(record.frames)
@@ -170,8 +190,15 @@ class BufferState:
         """The events that rebuild the current state from nothing: version, leases, the groups still buffered
         or held by a drawn batch (undelivered, or the last completed one, kept for a retry), those batches,
         and the ledger last (it overwrites every counter)."""
-        yield "version", {"step": self.learner_version, "policy_version": self.policy_version,
-                          "trained_offset": self.trained_offset}, []  # fmt: skip
+        yield (
+            "version",
+            {
+                "step": self.learner_version,
+                "policy_version": self.policy_version,
+                "trained_offset": self.trained_offset,
+            },
+            [],
+        )
         yield "leases", {"snapshot": self.dispenser.snapshot(), "t": now}, []
         batches = [*self.book.drawn.values(), *([self.book.completed] if self.book.completed else [])]
         written: set[int] = set()
@@ -183,8 +210,16 @@ class BufferState:
         for entry in self.replay.entries.values():
             yield "group", {"seq": entry.seq, "complete": False, "uses": entry.uses}, encode(entry.group)
         for batch in batches:
-            yield "pending_draw", {"step": batch.step, "world_size": batch.world_size, "seqs": batch.seqs,
-                                   "delivered": sorted(batch.delivered)}, []  # fmt: skip
+            yield (
+                "pending_draw",
+                {
+                    "step": batch.step,
+                    "world_size": batch.world_size,
+                    "seqs": batch.seqs,
+                    "delivered": sorted(batch.delivered),
+                },
+                [],
+            )
         yield "counters", {"counts": dict(self.ledger.counts), "next_seq": self.next_seq}, []
 
     # ------------------------------------------------------------------------------------------ appliers

@@ -287,7 +287,8 @@ class RayConfig(_Section):
     )
     dashboard: bool = Field(True, description="Start the Ray dashboard with a local Ray (started by `tandem ray`).")
     object_store_mb: int = Field(
-        0, description="Object store of a local Ray, in MiB (0 = Ray's default); Tandem moves no data through it.",
+        0,
+        description="Object store of a local Ray, in MiB (0 = Ray's default); Tandem moves no data through it.",
         ge=0,
     )
 
@@ -344,8 +345,10 @@ class TandemConfig(_Section):
                 f"{self.generator.tensor_parallel_size} (got {self.ray.generator_gpus})"
             )
         if self.ray.max_learner_restarts and not self.learner.save_every:
-            problems.append("ray.max_learner_restarts: needs learner.save_every > 0 (a restarted learner resumes "
-                            "from the latest complete checkpoint)")
+            problems.append(
+                "ray.max_learner_restarts: needs learner.save_every > 0 (a restarted learner resumes "
+                "from the latest complete checkpoint)"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         return self

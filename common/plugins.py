@@ -25,8 +25,10 @@ def resolve_callable(spec: str, what: str, shape: str, kind: str) -> Any:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
         if error.name is not None and module_name.startswith(error.name):
-            raise ImportError(f"{what} {spec!r}: cannot import {module_name!r}: no module named {error.name!r} "
-                              "(put it on PYTHONPATH or install it)") from error  # fmt: skip
+            raise ImportError(
+                f"{what} {spec!r}: cannot import {module_name!r}: no module named {error.name!r} "
+                "(put it on PYTHONPATH or install it)"
+            ) from error
         raise ImportError(f"{what} {spec!r}: importing {module_name!r} failed: {error}") from error
     target: Any = module
     for part in attr_path.split("."):

@@ -85,7 +85,9 @@ def _load_keys(keys_dir: Path, name: str) -> tuple[bytes, bytes]:
 
     secret_file = keys_dir / f"{name}.key_secret"
     if not secret_file.is_file():
-        raise SecurityError(f"{secret_file}: missing; create keys with zmq.auth.create_certificates('{keys_dir}', '{name}')")
+        raise SecurityError(
+            f"{secret_file}: missing; create keys with zmq.auth.create_certificates('{keys_dir}', '{name}')"
+        )
     public, secret = load_certificate(str(secret_file))
     return public, secret
 

@@ -348,7 +348,9 @@ def _build_checker(annotation: Any, meta: dict) -> Checker:
             )
         item = _checker(item_type)
         return lambda value, path: (
-            [item(v, f"{path}[{i}]") for i, v in enumerate(value)] if type(value) is list else _fail(path, "a list", value)
+            [item(v, f"{path}[{i}]") for i, v in enumerate(value)]
+            if type(value) is list
+            else _fail(path, "a list", value)
         )
     if origin is dict:
         key_type, value_type = typing.get_args(annotation)

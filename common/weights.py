@@ -45,8 +45,10 @@ DEFAULT_BUCKET_MB = 128.0
 
 # dtype name -> numpy dtype that holds the same bytes (bfloat16 has no numpy dtype: uint16 words).
 STORAGE_DTYPES: dict[str, np.dtype] = {
-    **{name: np.dtype(name) for name in ("float64", "float32", "float16", "int64", "int32", "int16", "int8",
-                                         "uint8", "bool")},
+    **{
+        name: np.dtype(name)
+        for name in ("float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool")
+    },
     "bfloat16": np.dtype("uint16"),
 }
 

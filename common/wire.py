@@ -26,8 +26,21 @@ ARRAY_EXT = 1
 DEFAULT_MAX_BYTES = 1 << 30
 # Little-endian (or byte-order-free) numeric dtypes only: no object arrays, no structured dtypes.
 ALLOWED_DTYPES = {
-    np.dtype(name).str: np.dtype(name) for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
-                                    "uint64", "float16", "float32", "float64")
+    np.dtype(name).str: np.dtype(name)
+    for name in (
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+    )
 }
 
 
@@ -64,12 +77,16 @@ def encode(message: Any, payload: Sequence[memoryview | bytes] = ()) -> list[mem
     header = b"".join(
         [
             packer.pack_map_header(4),
-            packer.pack("p"), packer.pack(PROTOCOL_VERSION),
-            packer.pack("t"), packer.pack(name),
-            packer.pack("f"), packer.pack(to_fields(message)),
-            packer.pack("a"), packer.pack(len(arrays)),
+            packer.pack("p"),
+            packer.pack(PROTOCOL_VERSION),
+            packer.pack("t"),
+            packer.pack(name),
+            packer.pack("f"),
+            packer.pack(to_fields(message)),
+            packer.pack("a"),
+            packer.pack(len(arrays)),
         ]
-    )  # fmt: skip
+    )
     return [header, *arrays, *payload]
 
 
@@ -109,7 +126,9 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[A
     if type(header) is not dict or header.keys() != {"p", "t", "a", "f"}:
         raise WireError("header must be a map with exactly the keys p, t, a, f", "garbage")
     if header["p"] != PROTOCOL_VERSION:
-        raise WireError(f"protocol version {header['p']!r} != {PROTOCOL_VERSION} (upgrade the older peer)", "wrong_version")
+        raise WireError(
+            f"protocol version {header['p']!r} != {PROTOCOL_VERSION} (upgrade the older peer)", "wrong_version"
+        )
     cls = MESSAGE_TYPES.get(header["t"]) if isinstance(header["t"], str) else None
     if cls is None:
         raise WireError(f"unknown message type {header['t']!r}", "unknown_type")
@@ -148,5 +167,3 @@ def _array_from_frame(code: int, data: bytes, views: list[memoryview], highest_f
     array.flags.writeable = False
     highest_frame[0] = max(highest_frame[0], index)
     return array
-
-

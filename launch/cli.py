@@ -47,8 +47,11 @@ def _parser() -> argparse.ArgumentParser:
         ("buffer", "start the buffer service alone"),
         ("generator", "start one generator alone (--generator.index I)"),
         ("learner", "start one learner rank alone"),
-        ("ray", "place the fleets on a Ray cluster (RAY_ADDRESS, or a local one); then "
-                "`tandem ray scale RUN --generators N`, `tandem ray status RUN`, `tandem ray stop RUN`"),
+        (
+            "ray",
+            "place the fleets on a Ray cluster (RAY_ADDRESS, or a local one); then "
+            "`tandem ray scale RUN --generators N`, `tandem ray status RUN`, `tandem ray stop RUN`",
+        ),
         ("config", "print the resolved config"),
     ]:
         cmd = sub.add_parser(role, help=text)

@@ -1,6 +1,6 @@
 """Generate docs/config.md from the pydantic models: every section, key, type, default and description.
 
-    .venv/bin/python -m launch.config_docs > docs/config.md
+.venv/bin/python -m launch.config_docs > docs/config.md
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def render() -> str:
         "",
         "Generated from `common/config.py` by `python -m launch.config_docs`; do not edit by hand.",
         "One TOML file describes a run; each role reads its own section. Any key can be overridden on the",
-        "command line as `--section.key VALUE` (values parse as TOML: `1e-6`, `true`, `\"text\"`).",
+        'command line as `--section.key VALUE` (values parse as TOML: `1e-6`, `true`, `"text"`).',
         "",
     ]
     for section_name, section_field in TandemConfig.model_fields.items():

@@ -37,8 +37,16 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 # torch.distributed rendezvous variables: a role must not inherit them from whatever started the launcher (a
 # torchrun-managed process, or a test process that initialised its own group), or its learner would join that group.
-RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                        "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
+RENDEZVOUS_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 def role_environment() -> dict[str, str]:
@@ -129,8 +137,10 @@ def plan_cores(config: TandemConfig) -> tuple[set[int] | None, set[int] | None]:
     (at least one core) and the learner the rest; on one core both share it.
     """
     available = sorted(os.sched_getaffinity(0))
-    explicit = (parse_cores(config.generator.cpu_cores, "generator.cpu_cores") or None,
-                parse_cores(config.learner.cpu_cores, "learner.cpu_cores") or None)
+    explicit = (
+        parse_cores(config.generator.cpu_cores, "generator.cpu_cores") or None,
+        parse_cores(config.learner.cpu_cores, "learner.cpu_cores") or None,
+    )
     if any(explicit) or len(available) < 2:
         return explicit
     half = max(1, len(available) // 2)
@@ -151,16 +161,25 @@ def build_roles(config: TandemConfig, config_path: Path) -> list[Role]:
     base = [sys.executable, "-m", "launch.cli"]
     roles = [Role("buffer-0", [*base, "buffer", str(config_path)], None)]
     roles.append(
-        Role("learner-0", [*base, "learner", str(config_path), "--learner.cpu_cores",
-                    string_override(cores_spec(learner_cores))],
-             learner_cores)
+        Role(
+            "learner-0",
+            [*base, "learner", str(config_path), "--learner.cpu_cores", string_override(cores_spec(learner_cores))],
+            learner_cores,
+        )
     )
     for index in range(config.generator.count):
         roles.append(
             Role(
                 f"generator-{index}",
-                [*base, "generator", str(config_path), "--generator.index", str(index),
-                 "--generator.cpu_cores", string_override(cores_spec(generator_cores))],
+                [
+                    *base,
+                    "generator",
+                    str(config_path),
+                    "--generator.index",
+                    str(index),
+                    "--generator.cpu_cores",
+                    string_override(cores_spec(generator_cores)),
+                ],
                 generator_cores,
             )
         )

@@ -33,13 +33,13 @@ def controller(run_name: str, address: str | None = None) -> Any:
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", namespace=NAMESPACE,
-                 log_to_driver=False)  # fmt: skip
+        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", namespace=NAMESPACE, log_to_driver=False)
     try:
         return ray.get_actor(controller_name(run_name), namespace=NAMESPACE)
     except ValueError:
-        raise LookupError(f"no run named '{run_name}' on this Ray cluster (its controller "
-                          f"'{controller_name(run_name)}' is not alive)") from None
+        raise LookupError(
+            f"no run named '{run_name}' on this Ray cluster (its controller '{controller_name(run_name)}' is not alive)"
+        ) from None
 
 
 def scale_generators(run_name: str, count: int, address: str | None = None) -> dict[str, Any]:
@@ -110,9 +110,14 @@ def _describe(reply: dict[str, Any]) -> str:
     if "generators" not in reply:  # an outcome
         return f"{reply['outcome']} (code {reply['code']})"
     members = [reply["buffer"], *reply["learners"], *reply["generators"], *reply["retiring"]]
-    lines = [f"run {reply['run']}: {reply['outcome']['outcome'] if reply['outcome'] else 'running'}",
-             f"  buffer {reply['buffer_address']}   weights {reply['weights_address']}",
-             f"  restarts {reply['restarts']}"]  # fmt: skip
-    lines += [f"  {m['name']:<14} node {m['node']:<15} pid {m['pid']}{'  (retiring)' if m['retiring'] else ''}"
-              for m in members if m]  # fmt: skip
+    lines = [
+        f"run {reply['run']}: {reply['outcome']['outcome'] if reply['outcome'] else 'running'}",
+        f"  buffer {reply['buffer_address']}   weights {reply['weights_address']}",
+        f"  restarts {reply['restarts']}",
+    ]
+    lines += [
+        f"  {m['name']:<14} node {m['node']:<15} pid {m['pid']}{'  (retiring)' if m['retiring'] else ''}"
+        for m in members
+        if m
+    ]
     return "\n".join(lines)

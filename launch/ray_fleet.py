@@ -87,11 +87,21 @@ class FleetController:
         timeout = ray_config.placement_timeout_s
         self.pools = {
             "buffer": BundlePool(self.run_name, "buffer", {"CPU": ray_config.buffer_cpus}, "PACK", timeout),
-            "learner": BundlePool(self.run_name, "learner", {"CPU": ray_config.learner_cpus,
-                                                             "GPU": ray_config.learner_gpus}, "PACK", timeout),
-            "generator": BundlePool(self.run_name, "generator", {"CPU": ray_config.generator_cpus,
-                                                                 "GPU": ray_config.generator_gpus}, "SPREAD", timeout),
-        }  # fmt: skip
+            "learner": BundlePool(
+                self.run_name,
+                "learner",
+                {"CPU": ray_config.learner_cpus, "GPU": ray_config.learner_gpus},
+                "PACK",
+                timeout,
+            ),
+            "generator": BundlePool(
+                self.run_name,
+                "generator",
+                {"CPU": ray_config.generator_cpus, "GPU": ray_config.generator_gpus},
+                "SPREAD",
+                timeout,
+            ),
+        }
         self.ticks = 0
         self.last_followed = 0.0
 
@@ -115,15 +125,18 @@ class FleetController:
         """The fleet now: members (name, index, node IP, pid), endpoints, restart counts, and the outcome."""
         with self.lock:
             return {
-                "run": self.run_name, "run_dir": str(self.config.run.run_dir), "outcome": self.outcome,
+                "run": self.run_name,
+                "run_dir": str(self.config.run.run_dir),
+                "outcome": self.outcome,
                 "buffer_address": self.config.generator.buffer_address,
                 "weights_address": self.config.generator.weights_address,
                 "buffer": self.buffer.describe() if self.buffer else None,
                 "learners": [m.describe() for m in self.learners],
                 "generators": [m.describe() for m in self.generators],
                 "retiring": [m.describe() for m in self.retiring],
-                "restarts": dict(self.restarts), "faults": dict(self.faults),
-            }  # fmt: skip
+                "restarts": dict(self.restarts),
+                "faults": dict(self.faults),
+            }
 
     def scale_generators(self, count: int) -> dict[str, Any]:
         """Run `count` generators: start new ones (new indices; they fetch the newest weights before leasing) or
@@ -179,14 +192,19 @@ class FleetController:
                 raise RunEnded(f"failed to start: {problem}", 2)
         rank0 = self.learners[0].actor
         buffer_port = call(self.buffer.actor.reserve_port.remote(buffer_host))
-        weights_port, master_port = call([rank0.reserve_port.remote(weights_host),
-                                          rank0.reserve_port.remote(weights_host)])  # fmt: skip
+        weights_port, master_port = call(
+            [rank0.reserve_port.remote(weights_host), rank0.reserve_port.remote(weights_host)]
+        )
         self.config = fleet_config(self.base, Endpoints(buffer_host, buffer_port, weights_host, weights_port))
         self.config_text = self.config.model_dump_json(indent=2)
         write_resolved(self.config, self.config.run.run_dir)
-        self.log.info("buffer %s, weights %s; %d learner process(es), %d generator(s)",
-                      self.config.generator.buffer_address, self.config.generator.weights_address, ranks,
-                      self.base.generator.count)  # fmt: skip
+        self.log.info(
+            "buffer %s, weights %s; %d learner process(es), %d generator(s)",
+            self.config.generator.buffer_address,
+            self.config.generator.weights_address,
+            ranks,
+            self.base.generator.count,
+        )
         self._start_buffer()
         self._start_learners(master_port, resume=False)
         self._add_generators(self.base.generator.count)
@@ -204,8 +222,10 @@ class FleetController:
         master = LOOPBACK if self.local_cluster else self.learners[0].node["ip"]
         own_device = self.base.ray.learner_gpus > 0
         argv = ["learner", *(["--learner.resume", "true"] if resume else [])]
-        envs = [{} if self.config.run.simulate else learner_env(rank, nodes, master, master_port, own_device)
-                for rank in range(len(self.learners))]  # fmt: skip
+        envs = [
+            {} if self.config.run.simulate else learner_env(rank, nodes, master, master_port, own_device)
+            for rank in range(len(self.learners))
+        ]
         members.start(self.learners, [argv] * len(self.learners), envs, self.config_text)
 
     def _add_generators(self, count: int) -> None:
@@ -213,16 +233,20 @@ class FleetController:
         indices = list(range(self.next_generator_index, self.next_generator_index + count))
         self.next_generator_index += count
         added = self._spawn("generator", indices, self.pools["generator"].acquire(count))
-        members.start(added, [["generator", "--generator.index", str(i)] for i in indices], [{}] * count,
-                      self.config_text)  # fmt: skip
+        members.start(
+            added, [["generator", "--generator.index", str(i)] for i in indices], [{}] * count, self.config_text
+        )
         self.generators += added
         for member in added:
             self.log.info("%s started on %s (pid %s)", member.name, member.node["ip"], member.pid)
 
     def _spawn(self, role: str, indices: list[int], slots: list[Slot]) -> list[Member]:
         ray_config = self.base.ray
-        cpus = {"buffer": ray_config.buffer_cpus, "learner": ray_config.learner_cpus,
-                "generator": ray_config.generator_cpus}[role]  # fmt: skip
+        cpus = {
+            "buffer": ray_config.buffer_cpus,
+            "learner": ray_config.learner_cpus,
+            "generator": ray_config.generator_cpus,
+        }[role]
         gpus = {"buffer": 0.0, "learner": ray_config.learner_gpus, "generator": ray_config.generator_gpus}[role]
         return members.spawn(self.run_name, role, indices, slots, cpus, gpus, self.run_dir)
 
@@ -264,11 +288,20 @@ class FleetController:
     def _replace_generator(self, member: Member, code: Any) -> None:
         self.restarts["generator"] += 1
         limit = self.base.ray.max_generator_restarts
-        self.log.warning("%s ended (%s); replacing it (%d/%d):\n%s", member.name, describe_code(code),
-                         self.restarts["generator"], limit, self._tail(member))  # fmt: skip
+        self.log.warning(
+            "%s ended (%s); replacing it (%d/%d):\n%s",
+            member.name,
+            describe_code(code),
+            self.restarts["generator"],
+            limit,
+            self._tail(member),
+        )
         if self.restarts["generator"] > limit:
-            raise RunEnded(f"{member.name} ended ({describe_code(code)}) and ray.max_generator_restarts = {limit} "
-                           "replacements are used up", 1)  # fmt: skip
+            raise RunEnded(
+                f"{member.name} ended ({describe_code(code)}) and ray.max_generator_restarts = {limit} "
+                "replacements are used up",
+                1,
+            )
         self._remove(member, grace_s=0)
         self._add_generators(1)
 
@@ -278,8 +311,11 @@ class FleetController:
         self.log.error("%s:\n%s", why, self._tail(member))
         limit = self.base.ray.max_learner_restarts
         if self.restarts["learner"] >= limit:
-            raise RunEnded(f"{why}; the latest complete checkpoint in {self.config.run.run_dir / 'checkpoints'} "
-                           "can be resumed with --learner.resume true", 1)  # fmt: skip
+            raise RunEnded(
+                f"{why}; the latest complete checkpoint in {self.config.run.run_dir / 'checkpoints'} "
+                "can be resumed with --learner.resume true",
+                1,
+            )
         self.restarts["learner"] += 1
         self.log.warning("restarting the run from the latest checkpoint (%d/%d)", self.restarts["learner"], limit)
         self._restart_from_checkpoint()
@@ -358,12 +394,18 @@ class FleetController:
     def _report(self, force: bool = False) -> None:
         self.ticks += 1
         if force or self.ticks % REPORT_EVERY == 0:
-            self.metrics.log(self.ticks, {
-                "ray/generators": len(self.generators), "ray/generators_retiring": len(self.retiring),
-                "ray/learner_processes": len(self.learners), "ray/generator_restarts": self.restarts["generator"],
-                "ray/learner_restarts": self.restarts["learner"], "ray/actors_died": self.faults["actors_died"],
-                "ray/stop_timeouts": self.faults["stop_timeouts"],
-            })  # fmt: skip
+            self.metrics.log(
+                self.ticks,
+                {
+                    "ray/generators": len(self.generators),
+                    "ray/generators_retiring": len(self.retiring),
+                    "ray/learner_processes": len(self.learners),
+                    "ray/generator_restarts": self.restarts["generator"],
+                    "ray/learner_restarts": self.restarts["learner"],
+                    "ray/actors_died": self.faults["actors_died"],
+                    "ray/stop_timeouts": self.faults["stop_timeouts"],
+                },
+            )
 
     def _tail(self, member: Member) -> str:
         return members.tail(member, self.run_dir)

@@ -49,8 +49,13 @@ def run(config: TandemConfig) -> int:
             return 2
         controller = create_controller(config, local_cluster)
         mode = "SIMULATION (no vLLM, no DeepSpeed)" if config.run.simulate else "real engines"
-        log.info("run %s on Ray (%s cluster, %s); run directory %s", config.run.name,
-                 "local" if local_cluster else "joined", mode, run_dir)  # fmt: skip
+        log.info(
+            "run %s on Ray (%s cluster, %s); run directory %s",
+            config.run.name,
+            "local" if local_cluster else "joined",
+            mode,
+            run_dir,
+        )
         return follow(controller, config, log)
     finally:
         ray.shutdown()
@@ -65,8 +70,9 @@ def connect(config: TandemConfig) -> bool:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
         return False
     object_store = config.ray.object_store_mb * (1 << 20) or None
-    ray.init(address="local", namespace=NAMESPACE, include_dashboard=config.ray.dashboard,
-             object_store_memory=object_store)  # always a new Ray of this machine alone, even if one runs
+    ray.init(
+        address="local", namespace=NAMESPACE, include_dashboard=config.ray.dashboard, object_store_memory=object_store
+    )  # always a new Ray of this machine alone, even if one runs
     return True
 
 
@@ -82,8 +88,10 @@ def fleet_problem(config: TandemConfig) -> str | None:
         ray.get_actor(controller_name(config.run.name), namespace=NAMESPACE)
     except ValueError:
         return None
-    return (f"a run named '{config.run.name}' is already on this cluster: choose another --run.name, "
-            f"or `tandem ray stop {config.run.name}`")
+    return (
+        f"a run named '{config.run.name}' is already on this cluster: choose another --run.name, "
+        f"or `tandem ray stop {config.run.name}`"
+    )
 
 
 def create_controller(config: TandemConfig, local_cluster: bool) -> Any:
@@ -94,10 +102,18 @@ def create_controller(config: TandemConfig, local_cluster: bool) -> Any:
 
     data = config.model_dump(mode="json")
     data["run"]["root"] = str(config.run.root.resolve())  # the controller and the roles run elsewhere
-    return ray.remote(FleetController).options(
-        name=controller_name(config.run.name), namespace=NAMESPACE, lifetime="detached", max_concurrency=8,
-        num_cpus=0, max_restarts=0,
-    ).remote(data, local_cluster)
+    return (
+        ray.remote(FleetController)
+        .options(
+            name=controller_name(config.run.name),
+            namespace=NAMESPACE,
+            lifetime="detached",
+            max_concurrency=8,
+            num_cpus=0,
+            max_restarts=0,
+        )
+        .remote(data, local_cluster)
+    )
 
 
 def follow(controller: Any, config: TandemConfig, log: Any) -> int:
@@ -106,17 +122,23 @@ def follow(controller: Any, config: TandemConfig, log: Any) -> int:
     from ray.exceptions import RayActorError
 
     interrupted: list[str] = []
-    previous = {sig: signal.signal(sig, lambda s, _f: interrupted.append(signal.Signals(s).name))
-                for sig in (signal.SIGINT, signal.SIGTERM)}  # fmt: skip
+    previous = {
+        sig: signal.signal(sig, lambda s, _f: interrupted.append(signal.Signals(s).name))
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     start = time.time()
     run_dir = config.run.run_dir.resolve()
     try:
         status = ray.get(controller.start.remote())
         outcome = status["outcome"]
         if outcome is None:
-            log.info("fleet up: buffer %s, weights %s, %d generator(s) on %s", status["buffer_address"],
-                     status["weights_address"], len(status["generators"]),
-                     sorted({g["node"] for g in status["generators"]}))  # fmt: skip
+            log.info(
+                "fleet up: buffer %s, weights %s, %d generator(s) on %s",
+                status["buffer_address"],
+                status["weights_address"],
+                len(status["generators"]),
+                sorted({g["node"] for g in status["generators"]}),
+            )
             with RunProgress(run_dir / "metrics.jsonl", config.learner.total_steps) as progress:
                 while outcome is None and not interrupted:
                     outcome = ray.get(controller.wait.remote(FOLLOW_S))

@@ -43,24 +43,40 @@ class Member:
     stopping: Any = None  # the ObjectRef of a stop() in progress (a retiring generator)
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "index": self.index, "node": self.node.get("ip"),
-                "node_id": self.node.get("node_id"), "pid": self.pid, "retiring": self.stopping is not None}
+        return {
+            "name": self.name,
+            "index": self.index,
+            "node": self.node.get("ip"),
+            "node_id": self.node.get("node_id"),
+            "pid": self.pid,
+            "retiring": self.stopping is not None,
+        }
 
 
-def spawn(run_name: str, role: str, indices: list[int], slots: list[Slot], cpus: float, gpus: float,
-          run_dir: Path) -> list[Member]:
+def spawn(
+    run_name: str, role: str, indices: list[int], slots: list[Slot], cpus: float, gpus: float, run_dir: Path
+) -> list[Member]:
     """Create one actor per index (named `tandem:<run>:<role>-<index>`) in its slot, all at once; returns once
     Ray has placed them all. Never restarted by Ray (max_restarts = 0): the controller decides what replaces one."""
     import ray
 
     actor_class = ray.remote(concurrency_groups=CONCURRENCY)(RoleProcess)
-    actors = [actor_class.options(
-        name=actor_name(run_name, f"{role}-{index}"), namespace=NAMESPACE, num_cpus=cpus, num_gpus=gpus,
-        scheduling_strategy=slot.strategy(), max_restarts=0,
-    ).remote(f"{role}-{index}", str(run_dir)) for index, slot in zip(indices, slots)]  # fmt: skip
+    actors = [
+        actor_class.options(
+            name=actor_name(run_name, f"{role}-{index}"),
+            namespace=NAMESPACE,
+            num_cpus=cpus,
+            num_gpus=gpus,
+            scheduling_strategy=slot.strategy(),
+            max_restarts=0,
+        ).remote(f"{role}-{index}", str(run_dir))
+        for index, slot in zip(indices, slots)
+    ]
     nodes = call([actor.node.remote() for actor in actors])
-    return [Member(f"{role}-{index}", role, index, actor, slot, node)
-            for index, slot, actor, node in zip(indices, slots, actors, nodes)]  # fmt: skip
+    return [
+        Member(f"{role}-{index}", role, index, actor, slot, node)
+        for index, slot, actor, node in zip(indices, slots, actors, nodes)
+    ]
 
 
 def call(refs: Any) -> Any:

@@ -34,8 +34,11 @@ class Slot:
     def strategy(self) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        return PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=self.index,
-                                                placement_group_capture_child_tasks=False)  # fmt: skip
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.group,
+            placement_group_bundle_index=self.index,
+            placement_group_capture_child_tasks=False,
+        )
 
 
 class BundlePool:
@@ -83,8 +86,11 @@ class BundlePool:
         import ray
         from ray.exceptions import GetTimeoutError
 
-        group = ray.util.placement_group([dict(self.bundle) for _ in range(count)], strategy=self.strategy,
-                                         name=f"tandem:{self.run_name}:{self.label}s-{self.serial}")  # fmt: skip
+        group = ray.util.placement_group(
+            [dict(self.bundle) for _ in range(count)],
+            strategy=self.strategy,
+            name=f"tandem:{self.run_name}:{self.label}s-{self.serial}",
+        )
         self.serial += 1
         try:
             ray.get(group.ready(), timeout=self.timeout_s)

@@ -52,9 +52,11 @@ def capacity_problem(demand: dict[str, float], total: dict[str, Any], generators
         have = float(total.get(resource, 0.0))
         if wanted > have + 1e-9:
             knob = resource.lower() + "s"
-            return (f"the Ray cluster has {have:g} {resource} in all, but this run reserves {wanted:g} for the "
-                    f"buffer, the learner and {generators} generator(s): lower ray.buffer_{knob}, "
-                    f"ray.learner_{knob}, ray.generator_{knob} or the generator count, or add nodes")
+            return (
+                f"the Ray cluster has {have:g} {resource} in all, but this run reserves {wanted:g} for the "
+                f"buffer, the learner and {generators} generator(s): lower ray.buffer_{knob}, "
+                f"ray.learner_{knob}, ray.generator_{knob} or the generator count, or add nodes"
+            )
     return None
 
 
@@ -83,15 +85,21 @@ def fleet_config(config: TandemConfig, endpoints: Endpoints) -> TandemConfig:
     data = config.model_dump(mode="json")
     data["run"]["root"] = str(Path(config.run.root).resolve())
     data["buffer"].update(host=endpoints.buffer_host, port=endpoints.buffer_port)
-    data["learner"].update(buffer_address=endpoints.buffer_address, weights_host=endpoints.weights_host,
-                           weights_port=endpoints.weights_port, cpu_cores="")  # fmt: skip
-    data["generator"].update(buffer_address=endpoints.buffer_address, weights_address=endpoints.weights_address,
-                             cpu_cores="")  # fmt: skip
+    data["learner"].update(
+        buffer_address=endpoints.buffer_address,
+        weights_host=endpoints.weights_host,
+        weights_port=endpoints.weights_port,
+        cpu_cores="",
+    )
+    data["generator"].update(
+        buffer_address=endpoints.buffer_address, weights_address=endpoints.weights_address, cpu_cores=""
+    )
     return build_config(data)
 
 
-def learner_env(rank: int, node_ids: list[str], master_addr: str, master_port: int,
-                own_device: bool = False) -> dict[str, str]:
+def learner_env(
+    rank: int, node_ids: list[str], master_addr: str, master_port: int, own_device: bool = False
+) -> dict[str, str]:
     """torchrun's environment for learner `rank` of `len(node_ids)` (node_ids[r] = the Ray node of rank r):
     RANK, WORLD_SIZE, LOCAL_RANK (its position among the ranks on its node), LOCAL_WORLD_SIZE, MASTER_*.
 
@@ -115,5 +123,7 @@ def bind_problem(host: str, config: TandemConfig) -> str | None:
 
     if is_loopback(host) or config.run.curve_keys_dir is not None or config.run.insecure:
         return None
-    return (f"on a Ray cluster the buffer and the weight publisher bind their node's address ({host}): set "
-            "run.curve_keys_dir (CurveZMQ keys, present on every node) or run.insecure = true on a trusted network")
+    return (
+        f"on a Ray cluster the buffer and the weight publisher bind their node's address ({host}): set "
+        "run.curve_keys_dir (CurveZMQ keys, present on every node) or run.insecure = true on a trusted network"
+    )

@@ -91,8 +91,11 @@ class RoleProcess:
         import ray
 
         context = ray.get_runtime_context()
-        return {"ip": ray.util.get_node_ip_address(), "node_id": context.get_node_id(),
-                "hostname": socket.gethostname()}  # fmt: skip
+        return {
+            "ip": ray.util.get_node_ip_address(),
+            "node_id": context.get_node_id(),
+            "hostname": socket.gethostname(),
+        }
 
     def reserve_port(self, host: str) -> int:
         return reserve_port(host)

@@ -62,9 +62,9 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
     shift_mean=False keeps the mean: x / sqrt(var + eps). x, mask: same shape; output: that shape.
     """
     m = action_mask(mask, x.shape)
-    x = torch.where(m, x, 0)                                     # garbage can't reach mu, var or gradients
-    mu = masked_mean(x, m)                                       # []
-    var = masked_mean((x - mu) ** 2, m)                          # []
+    x = torch.where(m, x, 0)  # garbage can't reach mu, var or gradients
+    mu = masked_mean(x, m)  # []
+    var = masked_mean((x - mu) ** 2, m)  # []
     out = (x - mu) if shift_mean else x
     return torch.where(m, out * torch.rsqrt(var + eps), 0)
 
@@ -104,10 +104,10 @@ def _group_index(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Te
 def _group_deviation(r: Tensor, inverse: Tensor, counts: Tensor) -> Tensor:
     """r_i - mean of r_i's group [B]; exactly 0 in a group whose rewards are all equal (no rounding residue)."""
     num_groups = counts.numel()
-    mean = r.new_zeros(num_groups).index_add_(0, inverse, r) / counts                         # [G]
+    mean = r.new_zeros(num_groups).index_add_(0, inverse, r) / counts  # [G]
     hi = r.new_zeros(num_groups).scatter_reduce_(0, inverse, r, "amax", include_self=False)  # [G]
     lo = r.new_zeros(num_groups).scatter_reduce_(0, inverse, r, "amin", include_self=False)  # [G]
-    return torch.where((hi == lo)[inverse], 0, r - mean[inverse])                             # [B]
+    return torch.where((hi == lo)[inverse], 0, r - mean[inverse])  # [B]
 
 
 @torch.no_grad()
@@ -122,11 +122,11 @@ def grpo_advantages(rewards: Tensor, group_ids: Tensor, scale_by_std: bool = Tru
     rewards: [B] float; group_ids: [B] integer, unsorted, groups may differ in size.
     """
     r, inverse, counts, _ = _group_index(rewards, group_ids)
-    dev = _group_deviation(r, inverse, counts)                                    # [B]
+    dev = _group_deviation(r, inverse, counts)  # [B]
     if not scale_by_std:
         return dev
-    sq = r.new_zeros(counts.numel()).index_add_(0, inverse, dev * dev)            # [G]
-    std = torch.sqrt(sq / (counts - 1).clamp(min=1))                              # [G]  unbiased
+    sq = r.new_zeros(counts.numel()).index_add_(0, inverse, dev * dev)  # [G]
+    std = torch.sqrt(sq / (counts - 1).clamp(min=1))  # [G]  unbiased
     return dev / (std[inverse] + eps)
 
 
@@ -140,9 +140,11 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     r, inverse, counts, ids = _group_index(rewards, group_ids)
     if bool((counts < 2).any()):
         lonely = ids[counts < 2][:10].tolist()
-        raise ValueError(f"RLOO needs >= 2 samples per group; groups {lonely} have 1. "
-                         "Sample n >= 2 completions per prompt, or use grpo_advantages.")
-    scale = counts / (counts - 1)                                                 # [G]
+        raise ValueError(
+            f"RLOO needs >= 2 samples per group; groups {lonely} have 1. "
+            "Sample n >= 2 completions per prompt, or use grpo_advantages."
+        )
+    scale = counts / (counts - 1)  # [G]
     return _group_deviation(r, inverse, counts) * scale[inverse]
 
 
@@ -158,10 +160,10 @@ def reinforce_pp_advantages(rewards: Tensor, group_ids: Tensor | None = None, ep
     """
     if group_ids is None:
         r = _checked_rewards(rewards)
-        dev = torch.where(r.max() == r.min(), 0, r - r.mean())                     # [B]
+        dev = torch.where(r.max() == r.min(), 0, r - r.mean())  # [B]
     else:
         r, inverse, counts, _ = _group_index(rewards, group_ids)
-        dev = _group_deviation(r, inverse, counts)                                 # [B]
+        dev = _group_deviation(r, inverse, counts)  # [B]
     return (dev - dev.mean()) / (dev.std(correction=0) + eps)
 
 
@@ -187,17 +189,18 @@ def token_returns_with_kl(rewards: Tensor, kl: Tensor, mask: Tensor, kl_coef: fl
     m = action_mask(mask, kl.shape)
     if rewards.shape != kl.shape[:1]:
         raise ValueError(f"rewards has shape {tuple(rewards.shape)}, expected [{kl.shape[0]}]")
-    token_rewards = torch.where(m, -kl_coef * kl, 0)                               # [B, T]
-    last = kl.shape[1] - 1 - m.flip(1).to(torch.uint8).argmax(dim=1)               # [B]  last action token
-    terminal = torch.where(m.any(dim=1), rewards.to(token_rewards.dtype), 0)       # [B]
+    token_rewards = torch.where(m, -kl_coef * kl, 0)  # [B, T]
+    last = kl.shape[1] - 1 - m.flip(1).to(torch.uint8).argmax(dim=1)  # [B]  last action token
+    terminal = torch.where(m.any(dim=1), rewards.to(token_rewards.dtype), 0)  # [B]
     token_rewards = token_rewards.scatter_add(1, last[:, None], terminal[:, None])  # [B, T]
-    returns = token_rewards.flip(1).cumsum(1).flip(1)                              # [B, T]  reward-to-go
+    returns = token_rewards.flip(1).cumsum(1).flip(1)  # [B, T]  reward-to-go
     return torch.where(m, returns, 0)
 
 
 @torch.no_grad()
-def gae_advantages(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
-                   lam: float) -> tuple[Tensor, Tensor]:
+def gae_advantages(
+    token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation over the action tokens only: (advantages [B, T], returns [B, T]).
 
     Let t_1 < ... < t_K be the action positions of a row (mask = 1). For k = K..1:
@@ -212,14 +215,14 @@ def gae_advantages(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: f
     m = action_mask(mask, token_rewards.shape)
     if values.shape != token_rewards.shape:
         raise ValueError(f"values has shape {tuple(values.shape)}, rewards {tuple(token_rewards.shape)}")
-    r = torch.where(m, token_rewards, 0)                          # [B, T]
-    v = torch.where(m, values, 0).to(r.dtype)                     # [B, T]
-    adv = torch.zeros_like(r)                                     # [B, T]
-    next_value = r.new_zeros(r.shape[0])                          # [B]  value of the next action token
-    next_adv = r.new_zeros(r.shape[0])                            # [B]
+    r = torch.where(m, token_rewards, 0)  # [B, T]
+    v = torch.where(m, values, 0).to(r.dtype)  # [B, T]
+    adv = torch.zeros_like(r)  # [B, T]
+    next_value = r.new_zeros(r.shape[0])  # [B]  value of the next action token
+    next_adv = r.new_zeros(r.shape[0])  # [B]
     for t in reversed(range(r.shape[1])):
-        a_t = r[:, t] + gamma * next_value - v[:, t] + gamma * lam * next_adv   # [B]
-        act = m[:, t]                                                           # [B]
+        a_t = r[:, t] + gamma * next_value - v[:, t] + gamma * lam * next_adv  # [B]
+        act = m[:, t]  # [B]
         adv[:, t] = torch.where(act, a_t, 0)
         next_value = torch.where(act, v[:, t], next_value)
         next_adv = torch.where(act, a_t, next_adv)

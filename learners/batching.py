@@ -100,8 +100,9 @@ class ModelInputs:
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "position_ids": self.position_ids}
 
 
-def pad_groups(groups: Sequence[RolloutGroup], staleness: Sequence[np.ndarray], pad_id: int,
-               first_group_id: int = 0) -> PaddedBatch:
+def pad_groups(
+    groups: Sequence[RolloutGroup], staleness: Sequence[np.ndarray], pad_id: int, first_group_id: int = 0
+) -> PaddedBatch:
     """Pad whole groups into a `PaddedBatch`; `staleness[g]` is int [n_g] for group g (from `Batch.staleness`).
 
     Raises ValueError when there are no samples, or when staleness does not match the groups.

@@ -26,8 +26,17 @@ log = logging.getLogger("tandem.learner.buffer")
 class BufferLink:
     """One rank's client of the buffer service. Not thread-safe (one loop uses it)."""
 
-    def __init__(self, address: str, security: SocketSecurity, rank: int, world_size: int, num_groups: int,
-                 hold_s: float = 5.0, reply_margin_s: float = 5.0, reconnect_max_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        security: SocketSecurity,
+        rank: int,
+        world_size: int,
+        num_groups: int,
+        hold_s: float = 5.0,
+        reply_margin_s: float = 5.0,
+        reconnect_max_s: float = 10.0,
+    ) -> None:
         """`hold_s`: how long the buffer may hold a batch request; a reply later than hold_s + reply_margin_s
         means the buffer is unavailable."""
         self.client = Client(address, security, identity=f"learner-{rank}")
@@ -54,8 +63,9 @@ class BufferLink:
     def fetch_batch(self, step: int) -> tuple[Batch, float]:
         """(this rank's `Batch` for `step`, seconds spent waiting for it)."""
         start = time.perf_counter()
-        request = BatchRequest(step=step, rank=self.rank, world_size=self.world_size, num_groups=self.num_groups,
-                               timeout_s=self.hold_s)
+        request = BatchRequest(
+            step=step, rank=self.rank, world_size=self.world_size, num_groups=self.num_groups, timeout_s=self.hold_s
+        )
         while True:
             reply = self._request(request, f"batch for step {step}")
             if isinstance(reply, BatchNotReady):
@@ -64,8 +74,9 @@ class BufferLink:
             if not isinstance(reply, Batch):
                 raise RuntimeError(f"the buffer answered a batch_request with {type(reply).WIRE_NAME}")
             if reply.step != step or reply.rank != self.rank:
-                raise RuntimeError(f"the buffer sent the batch of step {reply.step} rank {reply.rank} "
-                                   f"for step {step} rank {self.rank}")
+                raise RuntimeError(
+                    f"the buffer sent the batch of step {reply.step} rank {reply.rank} for step {step} rank {self.rank}"
+                )
             if not reply.groups:
                 raise RuntimeError(f"the buffer sent an empty batch for step {step}")
             return reply, time.perf_counter() - start

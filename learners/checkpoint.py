@@ -38,8 +38,15 @@ log = logging.getLogger("tandem.learner.checkpoint")
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 STATE_FILE = "learner_state.json"
-HF_COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json", "vocab.json", "merges.txt")
+HF_COPIED_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 @dataclass
@@ -83,8 +90,11 @@ class CheckpointManager:
         """Complete checkpoints, oldest first."""
         if not self.root.is_dir():
             return []
-        found = [(int(m.group(1)), p) for p in self.root.iterdir()
-                 if (m := STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]
+        found = [
+            (int(m.group(1)), p)
+            for p in self.root.iterdir()
+            if (m := STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()
+        ]
         return [path for _, path in sorted(found)]
 
     def latest(self) -> Path | None:
@@ -167,11 +177,13 @@ def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(
-            [torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8) for s in state["cuda"]])
+            [torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8) for s in state["cuda"]]
+        )
 
 
-def export_hf_model(directory: Path, model_config: Any, source_dir: Path, weights: Iterable[tuple[str, Any]],
-                    write: bool) -> None:
+def export_hf_model(
+    directory: Path, model_config: Any, source_dir: Path, weights: Iterable[tuple[str, Any]], write: bool
+) -> None:
     """A Hugging Face directory of the current weights: config.json, model.safetensors (HF names, the training
     dtype), and the tokenizer and generation config copied from `source_dir`. Loadable by transformers and vLLM.
 

@@ -34,16 +34,19 @@ KL_IN_REWARD_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")
 def check_kl_in_reward(algo: AlgoConfig) -> None:
     """Raise ValueError, saying what to change, when the KL is to go into the reward of a group estimator."""
     if algo.estimator not in KL_IN_REWARD_ESTIMATORS:
-        raise ValueError(f"algo.kl_in_reward: only with estimator in {KL_IN_REWARD_ESTIMATORS} "
-                         f"(got '{algo.estimator}'); set algo.kl_in_reward = false to put the KL in the loss")
+        raise ValueError(
+            f"algo.kl_in_reward: only with estimator in {KL_IN_REWARD_ESTIMATORS} "
+            f"(got '{algo.estimator}'); set algo.kl_in_reward = false to put the KL in the loss"
+        )
 
 
 def _alone(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def whiten_across_ranks(x: torch.Tensor, mask: torch.Tensor, sum_ranks: SumRanks = _alone,
-                        eps: float = 1e-8) -> torch.Tensor:
+def whiten_across_ranks(
+    x: torch.Tensor, mask: torch.Tensor, sum_ranks: SumRanks = _alone, eps: float = 1e-8
+) -> torch.Tensor:
     """`advantages.masked_whiten(x, mask)` over the union of every rank's `x` (a collective when ranks > 1).
 
     (x - mu) / sqrt(var + eps) on unmasked positions, 0 elsewhere; mu and the population var are over all
@@ -60,15 +63,22 @@ def whiten_across_ranks(x: torch.Tensor, mask: torch.Tensor, sum_ranks: SumRanks
 
 def terminal_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Token rewards [B, T]: each sample's reward on its last action token, 0 elsewhere (and in empty rows)."""
-    last = mask.shape[1] - 1 - mask.flip(1).to(torch.uint8).argmax(dim=1)           # [B]
-    terminal = torch.where(mask.any(dim=1), rewards, 0)[:, None]                     # [B, 1]
+    last = mask.shape[1] - 1 - mask.flip(1).to(torch.uint8).argmax(dim=1)  # [B]
+    terminal = torch.where(mask.any(dim=1), rewards, 0)[:, None]  # [B, 1]
     return torch.zeros(mask.shape, dtype=rewards.dtype).scatter(1, last[:, None], terminal)
 
 
 @torch.no_grad()
-def batch_advantages(algo: AlgoConfig, rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, *,
-                     old_values: torch.Tensor | None = None, kl: torch.Tensor | None = None,
-                     sum_ranks: SumRanks = _alone) -> tuple[torch.Tensor, torch.Tensor | None]:
+def batch_advantages(
+    algo: AlgoConfig,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    old_values: torch.Tensor | None = None,
+    kl: torch.Tensor | None = None,
+    sum_ranks: SumRanks = _alone,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(advantages [B, T], returns [B, T] or None) for `algo.estimator` (see the module docstring).
 
     `kl` (already an estimate per token) goes into the reward, scaled by `algo.kl_coef`: as REINFORCE++'s
@@ -85,11 +95,11 @@ def batch_advantages(algo: AlgoConfig, rewards: torch.Tensor, group_ids: torch.T
         base = rewards if algo.estimator == "reinforce_pp" else grpo_advantages(rewards, group_ids, False)  # [B]
         if kl is not None:
             return whiten_across_ranks(token_returns_with_kl(base, kl, mask, algo.kl_coef), mask, sum_ranks), None
-        sample = whiten_across_ranks(base, torch.ones_like(base, dtype=torch.bool), sum_ranks)           # [B]
+        sample = whiten_across_ranks(base, torch.ones_like(base, dtype=torch.bool), sum_ranks)  # [B]
         return broadcast_to_tokens(sample, mask), None
     if old_values is None:
         raise ValueError("estimator 'gae' needs the critic's values (old_values)")
-    token_rewards = terminal_rewards(rewards, mask)                                                     # [B, T]
+    token_rewards = terminal_rewards(rewards, mask)  # [B, T]
     if kl is not None:
         token_rewards = token_rewards - algo.kl_coef * kl
     advantages, returns = gae_advantages(token_rewards, old_values, mask, algo.gamma, algo.lam)

@@ -72,8 +72,7 @@ def run(config: TandemConfig) -> int:
     publisher = None
     if dist.rank == 0:
         publisher = open_weights_publisher("zmq", learner.weights_host, learner.weights_port, security)
-    buffer = BufferLink(learner.buffer_address, security, dist.rank, dist.world_size,
-                        learner.groups_per_step)
+    buffer = BufferLink(learner.buffer_address, security, dist.rank, dist.world_size, learner.groups_per_step)
     reporter = None
     try:
         _publish(trainer, publisher, state.step)
@@ -94,8 +93,12 @@ def run(config: TandemConfig) -> int:
                 state.policy_version = state.step
                 if dist.rank == 0:
                     buffer.report_version(state.policy_version, state.step)
-            timings = {"perf/wait_s": wait_s, "perf/train_s": train_s, "perf/publish_s": publish_s,
-                       "perf/step_s": time.perf_counter() - step_start}
+            timings = {
+                "perf/wait_s": wait_s,
+                "perf/train_s": train_s,
+                "perf/publish_s": publish_s,
+                "perf/step_s": time.perf_counter() - step_start,
+            }
             if reporter is not None:
                 reporter.report(state.step, _record(stats, timings, state, batch.dropped_stale))
             if learner.save_every and state.step % learner.save_every == 0:
@@ -103,8 +106,12 @@ def run(config: TandemConfig) -> int:
                 saved_step = state.step
         if saved_step != state.step:
             checkpoints.save(trainer, state)
-        log.info("done: %d steps, policy_version %d, %d samples trained", state.step, state.policy_version,
-                 state.samples_trained)
+        log.info(
+            "done: %d steps, policy_version %d, %d samples trained",
+            state.step,
+            state.policy_version,
+            state.samples_trained,
+        )
     finally:
         buffer.close()
         if publisher is not None:
@@ -127,9 +134,11 @@ def _start_trainer(config: TandemConfig) -> tuple[StepTrainer, Any]:
 
     dist = init_distributed()
     if dist.world_size != config.learner.world_size:
-        raise ValueError(f"learner.world_size = {config.learner.world_size}, but this process group has "
-                         f"{dist.world_size} ranks (WORLD_SIZE); launch with `tandem learner` and no RANK set, "
-                         "or make them agree")
+        raise ValueError(
+            f"learner.world_size = {config.learner.world_size}, but this process group has "
+            f"{dist.world_size} ranks (WORLD_SIZE); launch with `tandem learner` and no RANK set, "
+            "or make them agree"
+        )
     pin_cores(config.learner.cpu_cores, dist.local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size)))
     return Trainer.from_config(config, dist), dist
 
@@ -142,8 +151,7 @@ def _barrier(config: TandemConfig) -> Callable[[], None]:
     return barrier
 
 
-def _resume(checkpoints: CheckpointManager, trainer: StepTrainer, resume: bool,
-            log: logging.Logger) -> LearnerState:
+def _resume(checkpoints: CheckpointManager, trainer: StepTrainer, resume: bool, log: logging.Logger) -> LearnerState:
     if not resume:
         return LearnerState()
     latest = checkpoints.latest()
@@ -179,8 +187,9 @@ def _count_consumed(state: LearnerState, stats: dict[str, float]) -> None:
     state.groups_trained += int(stats["perf/groups"])
 
 
-def _record(stats: dict[str, float], timings: dict[str, float], state: LearnerState,
-            dropped_stale: int) -> dict[str, Any]:
+def _record(
+    stats: dict[str, float], timings: dict[str, float], state: LearnerState, dropped_stale: int
+) -> dict[str, Any]:
     return {
         "policy_version": state.policy_version,
         **stats,

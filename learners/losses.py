@@ -49,7 +49,7 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str, mask: Tensor)
     logprobs, ref_logprobs, mask: [B, T]. Differentiable in both log-prob inputs.
     """
     m = action_mask(mask, logprobs.shape)
-    log_r = torch.where(m, ref_logprobs - logprobs, 0)            # [B, T]  log pi_ref/pi_theta
+    log_r = torch.where(m, ref_logprobs - logprobs, 0)  # [B, T]  log pi_ref/pi_theta
     if kind == "k1":
         kl = -log_r
     elif kind == "k2":
@@ -66,33 +66,45 @@ def _aggregate(per_token: Tensor, m: Tensor, aggregation: str) -> Tensor:
     then mean over the rows that have at least one (empty rows are left out). No action token at all: 0."""
     if aggregation == "token_mean":
         return per_token.sum() / m.sum().clamp(min=1)
-    counts = m.sum(dim=1)                                                   # [B]
-    row_means = per_token.sum(dim=1) / counts.clamp(min=1)                  # [B]  0 for empty rows
+    counts = m.sum(dim=1)  # [B]
+    row_means = per_token.sum(dim=1) / counts.clamp(min=1)  # [B]  0 for empty rows
     return row_means.sum() / (counts > 0).sum().clamp(min=1)
 
 
-def _importance_weight(proximal: Tensor, behaviour: Tensor | None, m: Tensor, correction: str,
-                       tis_level: str, tis_cap: float) -> tuple[Tensor, Tensor]:
+def _importance_weight(
+    proximal: Tensor, behaviour: Tensor | None, m: Tensor, correction: str, tis_level: str, tis_cap: float
+) -> tuple[Tensor, Tensor]:
     """Detached weights w = min(pi_prox/pi_behaviour, tis_cap) [B, T] and where they were truncated [B, T]."""
     if correction == "none" or behaviour is None:  # behaviour is not None otherwise (_check_policy_args)
         return m.to(proximal.dtype), torch.zeros_like(m)
-    log_w = torch.where(m, proximal - behaviour, 0).detach()                # [B, T]
+    log_w = torch.where(m, proximal - behaviour, 0).detach()  # [B, T]
     if tis_level == "sequence":
-        log_w = torch.where(m, log_w.sum(dim=1, keepdim=True), 0)           # [B, T]  product over the row
+        log_w = torch.where(m, log_w.sum(dim=1, keepdim=True), 0)  # [B, T]  product over the row
     log_cap = math.log(tis_cap)
-    w = torch.exp(log_w.clamp(max=log_cap))                                 # [B, T]  never inf
+    w = torch.exp(log_w.clamp(max=log_cap))  # [B, T]  never inf
     return torch.where(m, w, 0), m & (log_w > log_cap)
 
 
-def _check_policy_args(clip_low: float, clip_high: float, dual_clip: float | None, correction: str,
-                       tis_level: str, tis_cap: float, aggregation: str, has_behaviour: bool) -> None:
+def _check_policy_args(
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    correction: str,
+    tis_level: str,
+    tis_cap: float,
+    aggregation: str,
+    has_behaviour: bool,
+) -> None:
     """Raises ValueError naming the argument to change."""
     if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
-    for name, value, allowed in (("correction", correction, _CORRECTIONS), ("tis_level", tis_level, _TIS_LEVELS),
-                                 ("aggregation", aggregation, _AGGREGATIONS)):
+    for name, value, allowed in (
+        ("correction", correction, _CORRECTIONS),
+        ("tis_level", tis_level, _TIS_LEVELS),
+        ("aggregation", aggregation, _AGGREGATIONS),
+    ):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
     if correction == "decoupled" and tis_level != "token":
@@ -103,10 +115,21 @@ def _check_policy_args(clip_low: float, clip_high: float, dual_clip: float | Non
         raise ValueError(f"tis_cap must be > 0 (math.inf for no truncation), got {tis_cap}")
 
 
-def policy_loss(logprobs: Tensor, proximal_logprobs: Tensor, behaviour_logprobs: Tensor | None,
-                advantages: Tensor, mask: Tensor, *, clip_low: float = 0.2, clip_high: float = 0.2,
-                dual_clip: float | None = None, correction: str = "none", tis_level: str = "token",
-                tis_cap: float = 2.0, aggregation: str = "token_mean") -> tuple[Tensor, dict[str, Tensor]]:
+def policy_loss(
+    logprobs: Tensor,
+    proximal_logprobs: Tensor,
+    behaviour_logprobs: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    correction: str = "none",
+    tis_level: str = "token",
+    tis_cap: float = 2.0,
+    aggregation: str = "token_mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped policy-gradient loss (scalar, differentiable in `logprobs`) and its statistics.
 
     Per action token, with r = pi_theta/pi_prox = exp(logprobs - proximal_logprobs) and advantage A:
@@ -135,36 +158,48 @@ def policy_loss(logprobs: Tensor, proximal_logprobs: Tensor, behaviour_logprobs:
         approx_kl                       mean of k3 between pi_theta and pi_prox: (pi_prox/pi_theta - 1) - log(...)
         ratio_mean                      mean of r
     """
-    _check_policy_args(clip_low, clip_high, dual_clip, correction, tis_level, tis_cap, aggregation,
-                       behaviour_logprobs is not None)
+    _check_policy_args(
+        clip_low, clip_high, dual_clip, correction, tis_level, tis_cap, aggregation, behaviour_logprobs is not None
+    )
     m = action_mask(mask, logprobs.shape)
-    for name, x in (("proximal_logprobs", proximal_logprobs), ("behaviour_logprobs", behaviour_logprobs),
-                    ("advantages", advantages)):
+    for name, x in (
+        ("proximal_logprobs", proximal_logprobs),
+        ("behaviour_logprobs", behaviour_logprobs),
+        ("advantages", advantages),
+    ):
         if x is not None and x.shape != logprobs.shape:
             raise ValueError(f"{name} has shape {tuple(x.shape)}, logprobs {tuple(logprobs.shape)}")
-    adv = torch.where(m, advantages, 0).detach()                                  # [B, T]
-    log_ratio = torch.where(m, logprobs - proximal_logprobs.detach(), 0)          # [B, T]
+    adv = torch.where(m, advantages, 0).detach()  # [B, T]
+    log_ratio = torch.where(m, logprobs - proximal_logprobs.detach(), 0)  # [B, T]
     log_ratio = log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    ratio = torch.exp(log_ratio)                                                  # [B, T]
-    pg_unclipped = -adv * ratio                                                   # [B, T]
-    pg_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)              # [B, T]
-    pg = torch.maximum(pg_unclipped, pg_clipped)                                  # [B, T]
+    ratio = torch.exp(log_ratio)  # [B, T]
+    pg_unclipped = -adv * ratio  # [B, T]
+    pg_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, T]
+    pg = torch.maximum(pg_unclipped, pg_clipped)  # [B, T]
     dual_active = torch.zeros_like(m)
     if dual_clip is not None:
         dual_active = m & (adv < 0) & (pg > -dual_clip * adv)
         pg = torch.where(dual_active, -dual_clip * adv, pg)
     w, truncated = _importance_weight(proximal_logprobs, behaviour_logprobs, m, correction, tis_level, tis_cap)
-    per_token = torch.where(m, w * pg, 0)                                         # [B, T]
+    per_token = torch.where(m, w * pg, 0)  # [B, T]
     loss = _aggregate(per_token, m, aggregation)
     return loss, _policy_stats(m, adv, log_ratio, w, truncated, dual_active, clip_low, clip_high)
 
 
 @torch.no_grad()
-def _policy_stats(m: Tensor, adv: Tensor, log_ratio: Tensor, w: Tensor, truncated: Tensor, dual_active: Tensor,
-                  clip_low: float, clip_high: float) -> dict[str, Tensor]:
+def _policy_stats(
+    m: Tensor,
+    adv: Tensor,
+    log_ratio: Tensor,
+    w: Tensor,
+    truncated: Tensor,
+    dual_active: Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> dict[str, Tensor]:
     """The statistics documented in `policy_loss`; all inputs [B, T], already zero where m is False."""
     n = m.sum().clamp(min=1)
-    ratio = torch.exp(log_ratio)                                                  # [B, T]
+    ratio = torch.exp(log_ratio)  # [B, T]
     clip_low_frac = (m & (adv < 0) & (ratio < 1.0 - clip_low)).sum() / n
     clip_high_frac = (m & (adv > 0) & (ratio > 1.0 + clip_high)).sum() / n
     w_max = torch.where(m, w, -math.inf).max()
@@ -184,8 +219,15 @@ def _policy_stats(m: Tensor, adv: Tensor, log_ratio: Tensor, w: Tensor, truncate
     return {k: v.detach() for k, v in stats.items()}
 
 
-def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float | None = 0.2,
-               aggregation: str = "token_mean") -> tuple[Tensor, dict[str, Tensor]]:
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    *,
+    clip: float | None = 0.2,
+    aggregation: str = "token_mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped value loss (scalar, differentiable in `values`) and {"clip_frac"}.
 
     Per action token: v_c = old + clip(v - old, -clip, clip);  l = 1/2 max((v - R)^2, (v_c - R)^2),
@@ -196,13 +238,13 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     if aggregation not in _AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {_AGGREGATIONS}, got {aggregation!r}")
     m = action_mask(mask, values.shape)
-    v = torch.where(m, values, 0)                                   # [B, T]
-    old = torch.where(m, old_values, 0).detach()                    # [B, T]
-    ret = torch.where(m, returns, 0).detach()                       # [B, T]
-    err = (v - ret) ** 2                                            # [B, T]
+    v = torch.where(m, values, 0)  # [B, T]
+    old = torch.where(m, old_values, 0).detach()  # [B, T]
+    ret = torch.where(m, returns, 0).detach()  # [B, T]
+    err = (v - ret) ** 2  # [B, T]
     clipped_active = torch.zeros_like(m)
     if clip is not None:
-        err_clipped = (old + (v - old).clamp(-clip, clip) - ret) ** 2   # [B, T]
+        err_clipped = (old + (v - old).clamp(-clip, clip) - ret) ** 2  # [B, T]
         clipped_active = m & (err_clipped > err)
         err = torch.maximum(err, err_clipped)
     loss = 0.5 * _aggregate(torch.where(m, err, 0), m, aggregation)
@@ -221,12 +263,12 @@ def entropy_from_logits(logits: Tensor, chunk_size: int = 1024) -> Tensor:
     time so that a no-grad call holds one [chunk_size, V] float32 copy at most. Under autograd each chunk's
     working tensors are kept for backward. Every position is computed; mask the result (e.g. masked_mean).
     """
-    flat = logits.reshape(-1, logits.shape[-1])                                   # [B*T, V]
+    flat = logits.reshape(-1, logits.shape[-1])  # [B*T, V]
     chunks = []
     for start in range(0, flat.shape[0], chunk_size):
-        logp = torch.log_softmax(flat[start:start + chunk_size].to(_compute_dtype(logits)), dim=-1)  # [c, V]
-        p = logp.exp()                                                            # [c, V]
-        chunks.append(-(p * torch.where(p > 0, logp, 0)).sum(dim=-1))             # [c]
+        logp = torch.log_softmax(flat[start : start + chunk_size].to(_compute_dtype(logits)), dim=-1)  # [c, V]
+        p = logp.exp()  # [c, V]
+        chunks.append(-(p * torch.where(p > 0, logp, 0)).sum(dim=-1))  # [c]
     if not chunks:
         return logits.new_zeros(logits.shape[:-1], dtype=_compute_dtype(logits))
     return torch.cat(chunks).reshape(logits.shape[:-1])
@@ -238,12 +280,12 @@ class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, tokens: Tensor, chunk_size: int) -> Tensor:  # [N, V], [N] -> [N]
         dtype = _compute_dtype(logits)
-        lse = logits.new_empty(logits.shape[0], dtype=dtype)                      # [N]
-        out = logits.new_empty(logits.shape[0], dtype=dtype)                      # [N]
+        lse = logits.new_empty(logits.shape[0], dtype=dtype)  # [N]
+        out = logits.new_empty(logits.shape[0], dtype=dtype)  # [N]
         for s in range(0, logits.shape[0], chunk_size):
-            z = logits[s:s + chunk_size].to(dtype)                                # [c, V]
-            lse[s:s + chunk_size] = torch.logsumexp(z, dim=-1)
-            out[s:s + chunk_size] = z.gather(1, tokens[s:s + chunk_size, None]).squeeze(1) - lse[s:s + chunk_size]
+            z = logits[s : s + chunk_size].to(dtype)  # [c, V]
+            lse[s : s + chunk_size] = torch.logsumexp(z, dim=-1)
+            out[s : s + chunk_size] = z.gather(1, tokens[s : s + chunk_size, None]).squeeze(1) - lse[s : s + chunk_size]
         ctx.save_for_backward(logits, tokens, lse)
         ctx.chunk_size = chunk_size
         return out
@@ -251,12 +293,12 @@ class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None]:  # d/dz_v = g * (1[v = token] - p_v)
         logits, tokens, lse = ctx.saved_tensors
-        grad = torch.empty_like(logits)                                           # [N, V] in the logits dtype
+        grad = torch.empty_like(logits)  # [N, V] in the logits dtype
         c = ctx.chunk_size
         for s in range(0, logits.shape[0], c):
-            g = grad_out[s:s + c, None].to(lse.dtype)                             # [c, 1]
-            d = -torch.exp(logits[s:s + c].to(lse.dtype) - lse[s:s + c, None]) * g  # [c, V]
-            grad[s:s + c] = d.scatter_add_(1, tokens[s:s + c, None], g)
+            g = grad_out[s : s + c, None].to(lse.dtype)  # [c, 1]
+            d = -torch.exp(logits[s : s + c].to(lse.dtype) - lse[s : s + c, None]) * g  # [c, V]
+            grad[s : s + c] = d.scatter_add_(1, tokens[s : s + c, None], g)
         return grad, None, None
 
 
@@ -274,6 +316,6 @@ def logprobs_from_logits(logits: Tensor, tokens: Tensor, chunk_size: int = 1024)
         raise ValueError(f"tokens has shape {tuple(tokens.shape)}, logits {tuple(logits.shape)}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    flat = logits.reshape(-1, logits.shape[-1])                                   # [B*T, V]
-    out = _TokenLogprobs.apply(flat, tokens.reshape(-1).long(), chunk_size)       # [B*T]
+    flat = logits.reshape(-1, logits.shape[-1])  # [B*T, V]
+    out = _TokenLogprobs.apply(flat, tokens.reshape(-1).long(), chunk_size)  # [B*T]
     return out.reshape(tokens.shape)

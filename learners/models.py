@@ -90,8 +90,10 @@ class ValueModel(nn.Module):
         model.train()
         return model
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                values_to_keep: int) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=False).last_hidden_state          # [B, L, H]
-        return self.value_head(hidden[:, -values_to_keep:]).squeeze(-1).float()   # [B, k]
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, values_to_keep: int
+    ) -> torch.Tensor:
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state  # [B, L, H]
+        return self.value_head(hidden[:, -values_to_keep:]).squeeze(-1).float()  # [B, k]

@@ -85,8 +85,13 @@ def buckets_reusable(snapshot: Snapshot) -> bool:
     return snapshot.readers == 0 and all(c <= _IDLE_REFCOUNT for c in _bucket_refcounts(snapshot.buckets))
 
 
-def copy_into_snapshot(version: int, layout: Layout, weights: Iterable[tuple[str, Any]], bucket_bytes: int,
-                       buckets: list[np.ndarray] | None = None) -> Snapshot:
+def copy_into_snapshot(
+    version: int,
+    layout: Layout,
+    weights: Iterable[tuple[str, Any]],
+    bucket_bytes: int,
+    buckets: list[np.ndarray] | None = None,
+) -> Snapshot:
     """Copy every tensor into buckets laid out by `common.weights.plan_buckets`: `buckets` when given (their
     sizes must match the plan; nothing else may read them meanwhile), else freshly allocated ones.
 
@@ -134,8 +139,14 @@ class ZmqWeightsPublisher:
     Raises OSError from the constructor when the port cannot be bound.
     """
 
-    def __init__(self, host: str, port: int, security: SocketSecurity,
-                 bucket_bytes: int = int(DEFAULT_BUCKET_MB * (1 << 20)), poll_ms: int = 100) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        security: SocketSecurity,
+        bucket_bytes: int = int(DEFAULT_BUCKET_MB * (1 << 20)),
+        poll_ms: int = 100,
+    ) -> None:
         self.bucket_bytes = bucket_bytes
         self.counters: Counter[str] = Counter()
         self._latest: Snapshot | None = None
@@ -144,8 +155,9 @@ class ZmqWeightsPublisher:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._bind_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._serve, args=(host, port, security, poll_ms),
-                                        name="weights-publisher", daemon=True)
+        self._thread = threading.Thread(
+            target=self._serve, args=(host, port, security, poll_ms), name="weights-publisher", daemon=True
+        )
         self._thread.start()
         self._ready.wait()
         if self._bind_error is not None:
@@ -169,8 +181,13 @@ class ZmqWeightsPublisher:
             self._latest = snapshot
         self.counters["published"] += 1
         seconds = time.perf_counter() - start
-        log.debug("published v%d: %.1f MiB in %d buckets, %.3fs", version,
-                  sum(snapshot.header.bucket_sizes) / 2**20, len(snapshot.buckets), seconds)
+        log.debug(
+            "published v%d: %.1f MiB in %d buckets, %.3fs",
+            version,
+            sum(snapshot.header.bucket_sizes) / 2**20,
+            len(snapshot.buckets),
+            seconds,
+        )
         return seconds
 
     def _reusable_buckets(self) -> list[np.ndarray] | None:
@@ -206,8 +223,11 @@ class ZmqWeightsPublisher:
     def _answer(self, server: Server, request: Any) -> None:
         message = request.message
         if not isinstance(message, WeightsRequest):
-            server.reject(request, f"the weights publisher answers weights_request only, not "
-                                   f"{type(message).WIRE_NAME}", "unexpected_type")
+            server.reject(
+                request,
+                f"the weights publisher answers weights_request only, not {type(message).WIRE_NAME}",
+                "unexpected_type",
+            )
             return
         with self._lock:
             snapshot = self._latest
@@ -236,6 +256,8 @@ def open_weights_publisher(transport: str, host: str, port: int, security: Socke
     if transport == "zmq":
         return ZmqWeightsPublisher(host, port, security)
     if transport == "nccl":
-        raise ValueError("NCCL weight broadcast is not part of this build (it needs CUDA GPUs on both sides and "
-                         "vLLM's StatelessProcessGroup); use the 'zmq' transport, which works on CPU and GPU machines")
+        raise ValueError(
+            "NCCL weight broadcast is not part of this build (it needs CUDA GPUs on both sides and "
+            "vLLM's StatelessProcessGroup); use the 'zmq' transport, which works on CPU and GPU machines"
+        )
     raise ValueError(f"weights transport must be 'zmq' (got {transport!r})")

@@ -32,9 +32,23 @@ def _free_port() -> int:
 
 
 def torchrun_command(config_path: Path, world_size: int, master_port: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(world_size),
-            "--master_addr", "127.0.0.1", "--master_port", str(master_port),
-            "-m", "launch.cli", "learner", str(config_path)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        str(world_size),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(master_port),
+        "-m",
+        "launch.cli",
+        "learner",
+        str(config_path),
+    ]
 
 
 def launch_ranks(config: TandemConfig) -> int:
@@ -71,8 +85,10 @@ def pin_cores(spec: str, local_rank: int, local_world: int) -> list[int] | None:
     cores = sorted(parse_cores(spec, "learner.cpu_cores"))
     available = os.sched_getaffinity(0)
     if not set(cores) <= available:
-        raise ValueError(f"learner.cpu_cores: cores {sorted(set(cores) - available)} are not available "
-                         f"(this process may use {sorted(available)})")
+        raise ValueError(
+            f"learner.cpu_cores: cores {sorted(set(cores) - available)} are not available "
+            f"(this process may use {sorted(available)})"
+        )
     if len(cores) < local_world:
         raise ValueError(f"learner.cpu_cores: {len(cores)} cores for {local_world} ranks; give each rank >= 1")
     share = len(cores) // local_world

@@ -31,8 +31,13 @@ class StepReporter:
         self.total_steps = total_steps
         console = Console(stderr=True)
         self.progress = Progress(
-            TextColumn("[bold]learner"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-            TextColumn("{task.fields[info]}"), console=console, disable=not console.is_terminal,
+            TextColumn("[bold]learner"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+            console=console,
+            disable=not console.is_terminal,
         )
         self.task = self.progress.add_task("train", total=total_steps, completed=first_step, info="")
         self.progress.start()
@@ -42,11 +47,19 @@ class StepReporter:
         `values` holds at least policy_version, reward/mean, staleness/mean, perf/tokens_per_s, perf/wait_s and
         perf/step_s (KeyError otherwise)."""
         record = self.sink.log(step, values)
-        info = (f"v{values['policy_version']} reward {values['reward/mean']:.3f} "
-                f"staleness {values['staleness/mean']:.2f} {values['perf/tokens_per_s']:,.0f} tok/s")
+        info = (
+            f"v{values['policy_version']} reward {values['reward/mean']:.3f} "
+            f"staleness {values['staleness/mean']:.2f} {values['perf/tokens_per_s']:,.0f} tok/s"
+        )
         self.progress.update(self.task, completed=step, info=info)
-        self.log.info("step %d/%d %s wait %.2fs step %.2fs", step, self.total_steps, info,
-                      values["perf/wait_s"], values["perf/step_s"])
+        self.log.info(
+            "step %d/%d %s wait %.2fs step %.2fs",
+            step,
+            self.total_steps,
+            info,
+            values["perf/wait_s"],
+            values["perf/step_s"],
+        )
         return record
 
     def close(self) -> None:

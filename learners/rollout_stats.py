@@ -23,16 +23,23 @@ def _identity(values: np.ndarray) -> np.ndarray:
     return values
 
 
-def rollout_summary(groups: Sequence[RolloutGroup], staleness: Sequence[np.ndarray], max_staleness: int,
-                    sum_across_ranks: Reduce = _identity, max_across_ranks: Reduce = _identity) -> dict[str, float]:
+def rollout_summary(
+    groups: Sequence[RolloutGroup],
+    staleness: Sequence[np.ndarray],
+    max_staleness: int,
+    sum_across_ranks: Reduce = _identity,
+    max_across_ranks: Reduce = _identity,
+) -> dict[str, float]:
     """Statistics of the global batch (see the module docstring). Raises ValueError for an empty batch."""
     rewards = np.concatenate([g.rewards for g in groups]).astype(np.float64) if groups else np.zeros(0)
     stale = np.concatenate([np.asarray(s, dtype=np.int64) for s in staleness]) if groups else np.zeros(0, np.int64)
     hist = np.bincount(np.clip(stale, 0, max_staleness + 1), minlength=max_staleness + 2)[: max_staleness + 2]
     completion = float(sum(g.num_tokens for g in groups))
     prompt = float(sum(len(g.prompt_tokens) * g.size for g in groups))
-    local = np.array([len(rewards), rewards.sum(), (rewards**2).sum(), stale.sum(), completion, prompt, len(groups),
-                      *hist], dtype=np.float64)
+    local = np.array(
+        [len(rewards), rewards.sum(), (rewards**2).sum(), stale.sum(), completion, prompt, len(groups), *hist],
+        dtype=np.float64,
+    )
     total = sum_across_ranks(local)
     count = total[0]
     if count == 0:

@@ -48,8 +48,9 @@ class SimulatedTrainer:
         self.steps = 0
         total = int(learner.sim_weights_mb * (1 << 20)) // 4  # float32 elements
         sizes = [total // SIM_TENSORS + (1 if i < total % SIM_TENSORS else 0) for i in range(SIM_TENSORS)]
-        self.weights = {f"sim.layers.{i}.weight": np.zeros(size, dtype=np.float32)
-                        for i, size in enumerate(sizes) if size > 0}
+        self.weights = {
+            f"sim.layers.{i}.weight": np.zeros(size, dtype=np.float32) for i, size in enumerate(sizes) if size > 0
+        }
 
     def train_step(self, groups: Sequence[RolloutGroup], staleness: Sequence[np.ndarray]) -> dict[str, float]:
         """Wait sim_sample_s x samples / world_size, mark the weights with the new step; return the statistics."""

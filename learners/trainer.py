@@ -50,6 +50,7 @@ from learners.losses import entropy_from_logits, kl_estimate, logprobs_from_logi
 from learners.models import ValueModel, load_policy, load_reference, torch_dtype
 from learners.rollout_stats import Reduce, rollout_summary
 
+
 def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str) -> torch.Tensor:
     """Like `losses.policy_loss`'s aggregation: token_mean over action tokens, or seq_mean over non-empty rows."""
     per_token = torch.where(mask, per_token, 0)
@@ -99,21 +100,36 @@ class Trainer:
     """The policy (a DeepSpeed engine), the optional frozen reference and the optional critic; one update per
     `train_step`. Every method is collective across data-parallel ranks: call them on every rank, in order."""
 
-    def __init__(self, model_dir: Path, model: ModelConfig, algo: AlgoConfig, learner: LearnerConfig,
-                 temperature: float, dist: eng.DistInfo) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        model: ModelConfig,
+        algo: AlgoConfig,
+        learner: LearnerConfig,
+        temperature: float,
+        dist: eng.DistInfo,
+    ) -> None:
         if algo.kl_in_reward and algo.kl_coef > 0:
             check_kl_in_reward(algo)
         if learner.groups_per_step % dist.world_size:
-            raise ValueError(f"learner.groups_per_step ({learner.groups_per_step}) must be a multiple of the "
-                             f"world size ({dist.world_size})")
+            raise ValueError(
+                f"learner.groups_per_step ({learner.groups_per_step}) must be a multiple of the "
+                f"world size ({dist.world_size})"
+            )
         self.model_dir, self.algo, self.dist, self.temperature = Path(model_dir), algo, dist, temperature
         dtype = torch_dtype(model.dtype)
         rank_samples = learner.groups_per_step // dist.world_size * algo.group_size
         self.micro_steps = math.ceil(rank_samples / learner.micro_batch_size)
         settings = eng.EngineSettings(
-            lr=learner.lr, zero_stage=learner.zero_stage, bf16=model.dtype == "bfloat16",
-            micro_batch_size=learner.micro_batch_size, micro_steps=self.micro_steps,
-            weight_decay=learner.weight_decay, grad_clip=learner.grad_clip, warmup_steps=learner.warmup_steps)
+            lr=learner.lr,
+            zero_stage=learner.zero_stage,
+            bf16=model.dtype == "bfloat16",
+            micro_batch_size=learner.micro_batch_size,
+            micro_steps=self.micro_steps,
+            weight_decay=learner.weight_decay,
+            grad_clip=learner.grad_clip,
+            warmup_steps=learner.warmup_steps,
+        )
         self.device = eng.device()
         self.policy = eng.TrainEngine(load_policy(self.model_dir, dtype, learner.gradient_checkpointing), settings)
         self.pad_id = int(self.policy.module.config.pad_token_id or 0)
@@ -130,8 +146,14 @@ class Trainer:
         sampling temperature, so that log-probs match the behaviour log-probs the generator recorded."""
         from common.model_prep import resolve_model_path
 
-        return cls(resolve_model_path(config.model.path), config.model, config.algo, config.learner,
-                   config.generator.temperature, dist)
+        return cls(
+            resolve_model_path(config.model.path),
+            config.model,
+            config.algo,
+            config.learner,
+            config.generator.temperature,
+            dist,
+        )
 
     # ------------------------------------------------------------------------------------------------ the step
     def train_step(self, groups: Sequence[RolloutGroup], staleness: Sequence[np.ndarray]) -> dict[str, float]:
@@ -157,7 +179,7 @@ class Trainer:
     def _model_logprobs(self, model: object, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs [b, T'], logits [b, T', V] already divided by the temperature) of the completion tokens."""
         out = model(**inputs.forward_kwargs(), logits_to_keep=inputs.num_predicted, use_cache=False)
-        logits = out.logits[:, :-1] / self.temperature                                 # [b, T', V]
+        logits = out.logits[:, :-1] / self.temperature  # [b, T', V]
         return logprobs_from_logits(logits, inputs.completion_tokens), logits
 
     def _critic_values(self, inputs: ModelInputs) -> torch.Tensor:
@@ -194,12 +216,25 @@ class Trainer:
         kl = None
         if pre.logprobs is not None and pre.ref_logprobs is not None:
             kl = kl_estimate(pre.logprobs, pre.ref_logprobs, self.algo.kl_estimator, batch.loss_mask)  # [B, T]
-        return batch_advantages(self.algo, batch.rewards, batch.group_ids, batch.loss_mask,
-                                old_values=pre.old_values, kl=kl, sum_ranks=eng.all_reduce)
+        return batch_advantages(
+            self.algo,
+            batch.rewards,
+            batch.group_ids,
+            batch.loss_mask,
+            old_values=pre.old_values,
+            kl=kl,
+            sum_ranks=eng.all_reduce,
+        )
 
     # ------------------------------------------------------------------------------------------------ update
-    def _update(self, batch: PaddedBatch, rows: list[slice], pre: _PreUpdate, advantages: torch.Tensor,
-                returns: torch.Tensor | None) -> tuple[dict[str, float], float, float]:
+    def _update(
+        self,
+        batch: PaddedBatch,
+        rows: list[slice],
+        pre: _PreUpdate,
+        advantages: torch.Tensor,
+        returns: torch.Tensor | None,
+    ) -> tuple[dict[str, float], float, float]:
         """Forward/backward every micro-batch and step; returns (global stats, forward s, backward s)."""
         algo = self.algo
         units = self._sum_ranks_tensor(_loss_units(batch.loss_mask, algo.aggregation)).clamp(min=1)
@@ -210,16 +245,21 @@ class Trainer:
             start = time.perf_counter()
             inputs = batch.model_inputs(part, self.device)
             mask, width = inputs.loss_mask, inputs.width
-            loss_share = float(_loss_units(mask, algo.aggregation) / units)   # this micro-batch's part of the loss
-            token_share = float(mask.sum() / tokens)                           # ... of the action tokens
-            loss = self._policy_objective(inputs, pre, advantages[part, :width].to(self.device), part, stats,
-                                          loss_share, token_share)
+            loss_share = float(_loss_units(mask, algo.aggregation) / units)  # this micro-batch's part of the loss
+            token_share = float(mask.sum() / tokens)  # ... of the action tokens
+            loss = self._policy_objective(
+                inputs, pre, advantages[part, :width].to(self.device), part, stats, loss_share, token_share
+            )
             critic_loss = None
             if self.critic is not None:
                 critic_loss, value_stats = value_loss(
-                    self._critic_values(inputs), pre.old_values[part, :width].to(self.device),
-                    returns[part, :width].to(self.device), mask, clip=algo.value_clip or None,
-                    aggregation=algo.aggregation)
+                    self._critic_values(inputs),
+                    pre.old_values[part, :width].to(self.device),
+                    returns[part, :width].to(self.device),
+                    mask,
+                    clip=algo.value_clip or None,
+                    aggregation=algo.aggregation,
+                )
                 stats.add("loss/value", critic_loss, loss_share)
                 stats.add("critic/clip_frac", value_stats["clip_frac"], token_share)
             forward_s += time.perf_counter() - start
@@ -232,34 +272,55 @@ class Trainer:
             backward_s += time.perf_counter() - start
         return stats.across_ranks(self._sum_ranks, self._max_ranks), forward_s, backward_s
 
-    def _policy_objective(self, inputs: ModelInputs, pre: _PreUpdate, advantages: torch.Tensor, part: slice,
-                          stats: _GlobalAverages, loss_share: float, token_share: float) -> torch.Tensor:
+    def _policy_objective(
+        self,
+        inputs: ModelInputs,
+        pre: _PreUpdate,
+        advantages: torch.Tensor,
+        part: slice,
+        stats: _GlobalAverages,
+        loss_share: float,
+        token_share: float,
+    ) -> torch.Tensor:
         """The micro-batch's loss, aggregated over its own units: policy loss + KL term - entropy bonus.
         Records its terms (weighted by `loss_share`) and token statistics (by `token_share`) in `stats`."""
         algo, mask = self.algo, inputs.loss_mask
-        logprobs, logits = self._model_logprobs(self.policy, inputs)                        # [b, T'], [b, T', V]
+        logprobs, logits = self._model_logprobs(self.policy, inputs)  # [b, T'], [b, T', V]
         loss, parts = policy_loss(
-            logprobs, logprobs.detach(), inputs.behaviour_logprobs, advantages, mask,
-            clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip, correction=algo.correction,
-            tis_level=algo.tis_level, tis_cap=algo.tis_cap, aggregation=algo.aggregation)
+            logprobs,
+            logprobs.detach(),
+            inputs.behaviour_logprobs,
+            advantages,
+            mask,
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            dual_clip=algo.dual_clip,
+            correction=algo.correction,
+            tis_level=algo.tis_level,
+            tis_cap=algo.tis_cap,
+            aggregation=algo.aggregation,
+        )
         stats.add("loss/policy", loss, loss_share)
         kl_loss = torch.zeros(())
-        kl_behaviour = kl_estimate(inputs.behaviour_logprobs, logprobs.detach(), "k3", mask)   # KL(pi_b || pi)
+        kl_behaviour = kl_estimate(inputs.behaviour_logprobs, logprobs.detach(), "k3", mask)  # KL(pi_b || pi)
         kl_metric = kl_behaviour
         if pre.ref_logprobs is not None:
             ref = pre.ref_logprobs[part, : inputs.width].to(self.device)
-            kl_metric = kl_estimate(logprobs.detach(), ref, "k3", mask)                        # KL(pi || pi_ref)
+            kl_metric = kl_estimate(logprobs.detach(), ref, "k3", mask)  # KL(pi || pi_ref)
             if not algo.kl_in_reward:
                 kl_loss = _aggregate(kl_estimate(logprobs, ref, algo.kl_estimator, mask), mask, algo.aggregation)
                 loss = loss + algo.kl_coef * kl_loss
         with torch.set_grad_enabled(algo.entropy_coef > 0 and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits)                                            # [b, T']
+            entropy = entropy_from_logits(logits)  # [b, T']
         if algo.entropy_coef > 0:
             loss = loss - algo.entropy_coef * _aggregate(entropy, mask, algo.aggregation)
         stats.add("loss/kl", kl_loss, loss_share)
         stats.add("loss/total", loss, loss_share)
-        for name, per_token in (("policy/kl", kl_metric), ("policy/kl_behaviour", kl_behaviour),
-                                ("policy/entropy", entropy)):
+        for name, per_token in (
+            ("policy/kl", kl_metric),
+            ("policy/kl_behaviour", kl_behaviour),
+            ("policy/entropy", entropy),
+        ):
             stats.add(name, _aggregate(per_token.detach(), mask, "token_mean"), token_share)
         stats.add("policy/clip_frac", parts["clip_frac"], token_share)
         stats.add("policy/iw_mean", parts["is_weight_mean"], token_share)
@@ -280,8 +341,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ weights
     def weight_layout(self) -> list[tuple[str, str, list[int]]]:
         """(HF name, dtype name, full shape) of every published tensor, in `full_weights` order (no gather)."""
-        return [(name, str(p.dtype).removeprefix("torch."), list(getattr(p, "ds_shape", p.shape)))
-                for name, p in self.policy.module.named_parameters()]
+        return [
+            (name, str(p.dtype).removeprefix("torch."), list(getattr(p, "ds_shape", p.shape)))
+            for name, p in self.policy.module.named_parameters()
+        ]
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's full weights by HF name (see `TrainEngine.full_weights`; collective under ZeRO-3)."""
@@ -294,8 +357,9 @@ class Trainer:
         self.policy.save(directory / "deepspeed", tag="policy")
         if self.critic is not None:
             self.critic.save(directory / "deepspeed", tag="critic")
-        export_hf_model(directory / "hf", self.policy.module.config, self.model_dir, self.full_weights(),
-                        write=self.dist.rank == 0)
+        export_hf_model(
+            directory / "hf", self.policy.module.config, self.model_dir, self.full_weights(), write=self.dist.rank == 0
+        )
 
     def load_state(self, directory: Path) -> None:
         """Restore what `save_state` wrote (same world size and ZeRO stage). Collective."""

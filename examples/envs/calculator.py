@@ -130,13 +130,19 @@ def calculator_prompts(num_prompts: int, seed: int = 0) -> list[PromptRecord]:
     metadata: `answer` (int) and `expression`. Reproducible for a seed; prompt_id = index."""
     rng = random.Random(f"tandem-calculator:{seed}")
     templates = [
-        ("A shop sells {a} boxes with {b} pencils each and {c} loose pencils. How many pencils are there?",
-         "{a} * {b} + {c}"),
-        ("A train travels {a} km every day for {b} days, then {c} km more. How far does it travel in total?",
-         "{a} * {b} + {c}"),
+        (
+            "A shop sells {a} boxes with {b} pencils each and {c} loose pencils. How many pencils are there?",
+            "{a} * {b} + {c}",
+        ),
+        (
+            "A train travels {a} km every day for {b} days, then {c} km more. How far does it travel in total?",
+            "{a} * {b} + {c}",
+        ),
         ("A farm has {a} rows of {b} trees; {c} trees are cut down. How many trees are left?", "{a} * {b} - {c}"),
-        ("{a} people each pay {b} dollars, and {c} dollars of it go to fees. How much money is left?",
-         "{a} * {b} - {c}"),
+        (
+            "{a} people each pay {b} dollars, and {c} dollars of it go to fees. How much money is left?",
+            "{a} * {b} - {c}",
+        ),
         ("A printer prints {a} pages a minute for {b} minutes, twice. How many pages in total?", "{a} * {b} * 2"),
     ]
     records = []
@@ -144,11 +150,13 @@ def calculator_prompts(num_prompts: int, seed: int = 0) -> list[PromptRecord]:
         text, expression = rng.choice(templates)
         values = {"a": rng.randint(12, 999), "b": rng.randint(12, 99), "c": rng.randint(1, 999)}
         expression = expression.format(**values)
-        records.append(PromptRecord(
-            prompt_id=prompt_id,
-            messages=[{"role": "user", "content": text.format(**values)}],
-            metadata={"answer": int(evaluate(expression)), "expression": expression},
-        ))
+        records.append(
+            PromptRecord(
+                prompt_id=prompt_id,
+                messages=[{"role": "user", "content": text.format(**values)}],
+                metadata={"answer": int(evaluate(expression)), "expression": expression},
+            )
+        )
     return records
 
 

@@ -33,7 +33,7 @@ from common.envs import StepResult
 from common.tasks import PromptRecord
 
 CODE_BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
-HARNESS = '''
+HARNESS = """
 import json, sys
 MARKER = {marker!r}
 cases = json.load(open("cases.json"))
@@ -50,7 +50,7 @@ for arguments in cases:
     except BaseException as error:
         outputs.append({{"error": (type(error).__name__ + ": " + str(error))[:200]}})
 sys.stdout.write("\\n" + MARKER + json.dumps({{"outputs": outputs}}) + "\\n")
-'''
+"""
 
 
 def _canonical(value: Any) -> str:
@@ -69,16 +69,18 @@ def extract_code(text: str) -> str | None:
 def run_cases(code: str, function: str, cases: list[list[Any]], limits: SandboxLimits) -> list[dict[str, Any]]:
     """Call `function` of `code` on every case's arguments in the sandbox: one {"value"} or {"error"} per case."""
     marker = f"<<tandem-{secrets.token_hex(8)}>>"
-    result = run_python(HARNESS.format(marker=marker, function=function),
-                        files={"solution.py": code, "cases.json": json.dumps([args for args, _ in cases])},
-                        limits=limits)
+    result = run_python(
+        HARNESS.format(marker=marker, function=function),
+        files={"solution.py": code, "cases.json": json.dumps([args for args, _ in cases])},
+        limits=limits,
+    )
     if result.timed_out:
         return [{"error": f"timed out after {limits.time_s:g}s"}] * len(cases)
     lines = [line for line in result.stdout.splitlines() if line.startswith(marker)]
     if not lines:
         last = result.stderr.strip().splitlines()[-1:] or ["no output"]
         return [{"error": f"the program crashed: {last[0][:200]}"}] * len(cases)
-    report = json.loads(lines[-1][len(marker):])
+    report = json.loads(lines[-1][len(marker) :])
     if "load_error" in report:
         return [{"error": report["load_error"]}] * len(cases)
     return report["outputs"]
@@ -87,8 +89,9 @@ def run_cases(code: str, function: str, cases: list[list[Any]], limits: SandboxL
 class CodeEnv:
     """One coding episode (see the module docstring)."""
 
-    def __init__(self, max_attempts: int = 3, time_limit_s: float = 5.0, memory_mb: int = 512,
-                 failures_shown: int = 3) -> None:
+    def __init__(
+        self, max_attempts: int = 3, time_limit_s: float = 5.0, memory_mb: int = 512, failures_shown: int = 3
+    ) -> None:
         self.max_attempts = max_attempts
         self.limits = SandboxLimits(time_s=time_limit_s, memory_mb=memory_mb)
         self.failures_shown = failures_shown
@@ -109,8 +112,11 @@ class CodeEnv:
             ask = f"Please write the function `{self.function}` in a ```python code block."
             return StepResult([{"role": "user", "content": ask}], reward=0.0)
         outputs = run_cases(code, self.function, self.cases, self.limits)
-        failures = [(args, expected, out) for (args, expected), out in zip(self.cases, outputs)
-                    if "error" in out or _canonical(out["value"]) != _canonical(expected)]
+        failures = [
+            (args, expected, out)
+            for (args, expected), out in zip(self.cases, outputs)
+            if "error" in out or _canonical(out["value"]) != _canonical(expected)
+        ]
         passed = len(self.cases) - len(failures)
         if not failures or last:
             return StepResult([], reward=passed / len(self.cases), done=True, info={"passed": passed})
@@ -125,8 +131,9 @@ class CodeEnv:
 
 # ------------------------------------------------------------------------------------------------ the task set
 def _words(rng: random.Random) -> str:
-    return " ".join(rng.choice(["red", "fox", "jumps", "over", "a", "lazy", "dog", "sky", "blue"])
-                    for _ in range(rng.randint(1, 6)))
+    return " ".join(
+        rng.choice(["red", "fox", "jumps", "over", "a", "lazy", "dog", "sky", "blue"]) for _ in range(rng.randint(1, 6))
+    )
 
 
 def _palindrome_candidate(rng: random.Random) -> str:
@@ -150,33 +157,72 @@ def _gcd(a: int, b: int) -> int:
 
 # name -> (signature, description, reference, arguments generator)
 PROBLEMS: dict[str, tuple[str, str, Callable[..., Any], Callable[[random.Random], list[Any]]]] = {
-    "reverse_words": ("reverse_words(text: str) -> str", "returns the words of `text` in reverse order, joined by "
-                      "single spaces", lambda t: " ".join(t.split()[::-1]), lambda r: [_words(r)]),
-    "is_palindrome": ("is_palindrome(text: str) -> bool", "tells whether `text` reads the same backwards, ignoring "
-                      "case and any character that is not a letter or digit",
-                      lambda t: (s := [c.lower() for c in t if c.isalnum()]) == s[::-1],
-                      lambda r: [_palindrome_candidate(r)]),
-    "gcd": ("gcd(a: int, b: int) -> int", "returns the greatest common divisor of two non-negative integers "
-            "(gcd(0, 0) = 0)", _gcd, lambda r: [r.randint(0, 500), r.randint(0, 500)]),
-    "running_sum": ("running_sum(numbers: list[int]) -> list[int]", "returns the running totals of `numbers`",
-                    lambda xs: [sum(xs[: i + 1]) for i in range(len(xs))],
-                    lambda r: [[r.randint(-9, 9) for _ in range(r.randint(0, 6))]]),
-    "count_vowels": ("count_vowels(text: str) -> int", "counts the vowels a, e, i, o, u in `text`, in either case",
-                     lambda t: sum(c in "aeiouAEIOU" for c in t), lambda r: [_words(r).title()]),
-    "fizzbuzz": ("fizzbuzz(n: int) -> str", "returns 'FizzBuzz' if n is divisible by 15, 'Fizz' by 3, 'Buzz' by 5, "
-                 "else str(n)", _fizzbuzz, lambda r: [r.randint(1, 100)]),
-    "second_largest": ("second_largest(numbers: list[int]) -> int", "returns the second largest DISTINCT value of "
-                       "`numbers` (which has at least two distinct values)", lambda xs: sorted(set(xs))[-2],
-                       lambda r: [r.sample(range(-20, 20), r.randint(2, 6)) * r.randint(1, 2)]),
-    "to_binary": ("to_binary(n: int) -> str", "returns the binary digits of a non-negative integer, without a "
-                  "prefix ('0' for 0)", lambda n: format(n, "b"), lambda r: [r.randint(0, 300)]),
-    "flatten": ("flatten(lists: list[list[int]]) -> list[int]", "concatenates the lists in order",
-                lambda xss: [x for xs in xss for x in xs],
-                lambda r: [[[r.randint(0, 9) for _ in range(r.randint(0, 3))] for _ in range(r.randint(0, 4))]]),
-    "is_prime": ("is_prime(n: int) -> bool", "tells whether the integer n is a prime number", _is_prime,
-                 lambda r: [r.randint(-3, 120)]),
-    "digit_sum": ("digit_sum(n: int) -> int", "returns the sum of the decimal digits of |n|",
-                  lambda n: sum(int(d) for d in str(abs(n))), lambda r: [r.randint(-10**6, 10**6)]),
+    "reverse_words": (
+        "reverse_words(text: str) -> str",
+        "returns the words of `text` in reverse order, joined by single spaces",
+        lambda t: " ".join(t.split()[::-1]),
+        lambda r: [_words(r)],
+    ),
+    "is_palindrome": (
+        "is_palindrome(text: str) -> bool",
+        "tells whether `text` reads the same backwards, ignoring case and any character that is not a letter or digit",
+        lambda t: (s := [c.lower() for c in t if c.isalnum()]) == s[::-1],
+        lambda r: [_palindrome_candidate(r)],
+    ),
+    "gcd": (
+        "gcd(a: int, b: int) -> int",
+        "returns the greatest common divisor of two non-negative integers (gcd(0, 0) = 0)",
+        _gcd,
+        lambda r: [r.randint(0, 500), r.randint(0, 500)],
+    ),
+    "running_sum": (
+        "running_sum(numbers: list[int]) -> list[int]",
+        "returns the running totals of `numbers`",
+        lambda xs: [sum(xs[: i + 1]) for i in range(len(xs))],
+        lambda r: [[r.randint(-9, 9) for _ in range(r.randint(0, 6))]],
+    ),
+    "count_vowels": (
+        "count_vowels(text: str) -> int",
+        "counts the vowels a, e, i, o, u in `text`, in either case",
+        lambda t: sum(c in "aeiouAEIOU" for c in t),
+        lambda r: [_words(r).title()],
+    ),
+    "fizzbuzz": (
+        "fizzbuzz(n: int) -> str",
+        "returns 'FizzBuzz' if n is divisible by 15, 'Fizz' by 3, 'Buzz' by 5, else str(n)",
+        _fizzbuzz,
+        lambda r: [r.randint(1, 100)],
+    ),
+    "second_largest": (
+        "second_largest(numbers: list[int]) -> int",
+        "returns the second largest DISTINCT value of `numbers` (which has at least two distinct values)",
+        lambda xs: sorted(set(xs))[-2],
+        lambda r: [r.sample(range(-20, 20), r.randint(2, 6)) * r.randint(1, 2)],
+    ),
+    "to_binary": (
+        "to_binary(n: int) -> str",
+        "returns the binary digits of a non-negative integer, without a prefix ('0' for 0)",
+        lambda n: format(n, "b"),
+        lambda r: [r.randint(0, 300)],
+    ),
+    "flatten": (
+        "flatten(lists: list[list[int]]) -> list[int]",
+        "concatenates the lists in order",
+        lambda xss: [x for xs in xss for x in xs],
+        lambda r: [[[r.randint(0, 9) for _ in range(r.randint(0, 3))] for _ in range(r.randint(0, 4))]],
+    ),
+    "is_prime": (
+        "is_prime(n: int) -> bool",
+        "tells whether the integer n is a prime number",
+        _is_prime,
+        lambda r: [r.randint(-3, 120)],
+    ),
+    "digit_sum": (
+        "digit_sum(n: int) -> int",
+        "returns the sum of the decimal digits of |n|",
+        lambda n: sum(int(d) for d in str(abs(n))),
+        lambda r: [r.randint(-(10**6), 10**6)],
+    ),
 }
 
 
@@ -190,10 +236,17 @@ def code_prompts(num_prompts: int, seed: int = 0, cases_per_task: int = 6) -> li
         name = names[prompt_id % len(names)]
         signature, description, reference, arguments = PROBLEMS[name]
         cases = [[args, reference(*args)] for args in (arguments(rng) for _ in range(cases_per_task))]
-        text = (f"Write a Python function `{signature}` that {description}. Use only the standard library. "
-                "Reply with the code in a ```python block.")
-        records.append(PromptRecord(prompt_id=prompt_id, messages=[{"role": "user", "content": text}],
-                                    metadata={"function": name, "cases": json.dumps(cases)}))
+        text = (
+            f"Write a Python function `{signature}` that {description}. Use only the standard library. "
+            "Reply with the code in a ```python block."
+        )
+        records.append(
+            PromptRecord(
+                prompt_id=prompt_id,
+                messages=[{"role": "user", "content": text}],
+                metadata={"function": name, "cases": json.dumps(cases)},
+            )
+        )
     return records
 
 

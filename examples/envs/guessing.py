@@ -66,10 +66,17 @@ def guessing_prompts(num_prompts: int, seed: int = 0) -> list[PromptRecord]:
     records = []
     for prompt_id in range(num_prompts):
         high = 1000 if rng.random() < 0.25 else 100
-        text = (f"I am thinking of a whole number between 1 and {high}. Guess it: answer with just a number, and I "
-                "will tell you whether my number is higher or lower.")
-        records.append(PromptRecord(prompt_id=prompt_id, messages=[{"role": "user", "content": text}],
-                                    metadata={"secret": rng.randint(1, high), "low": 1, "high": high}))
+        text = (
+            f"I am thinking of a whole number between 1 and {high}. Guess it: answer with just a number, and I "
+            "will tell you whether my number is higher or lower."
+        )
+        records.append(
+            PromptRecord(
+                prompt_id=prompt_id,
+                messages=[{"role": "user", "content": text}],
+                metadata={"secret": rng.randint(1, high), "low": 1, "high": high},
+            )
+        )
     return records
 
 

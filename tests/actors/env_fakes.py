@@ -47,8 +47,9 @@ class ScriptedEngine(TokenizerTexts):
     `policy_version` may be changed between steps by the test: later tokens carry the new version.
     """
 
-    def __init__(self, tokenizer: Any, seed: int = 0, eos_probability: float = 0.3, max_tokens: int = 8,
-                 step_s: float = 0.0) -> None:
+    def __init__(
+        self, tokenizer: Any, seed: int = 0, eos_probability: float = 0.3, max_tokens: int = 8, step_s: float = 0.0
+    ) -> None:
         self.tokenizer = tokenizer
         self.rng = np.random.default_rng(seed)
         self.eos_probability = eos_probability
@@ -88,10 +89,16 @@ class ScriptedEngine(TokenizerTexts):
             if last:
                 del self.running[request.request_id]
                 reason = "stop" if request.ends_turn else ("length" if request.length == request.max_tokens else "stop")
-                finished.append(FinishedSample(
-                    request.request_id, np.asarray(request.tokens, np.int32),
-                    np.asarray(request.logprobs, np.float32), np.asarray(request.versions, np.int32),
-                    reason, request.start_version))
+                finished.append(
+                    FinishedSample(
+                        request.request_id,
+                        np.asarray(request.tokens, np.int32),
+                        np.asarray(request.logprobs, np.float32),
+                        np.asarray(request.versions, np.int32),
+                        reason,
+                        request.start_version,
+                    )
+                )
         return finished
 
     def abort(self, request_ids: list[str]) -> None:
@@ -217,14 +224,31 @@ class PolicyEngine(ScriptedEngine):
     def add(self, request_id: str, prompt_tokens: list[int], max_tokens: int | None = None) -> None:
         reply = self.tokenizer.encode(self.policy(self.tokenizer.decode(prompt_tokens)), add_special_tokens=False)
         tokens = (reply + [self.turns.end_of_turn_id()])[: max_tokens or self.max_tokens]
-        request = _Request(request_id, list(prompt_tokens), max_tokens or self.max_tokens, len(tokens), True,
-                           self.policy_version, tokens, [0.0] * len(tokens), [self.policy_version] * len(tokens))
+        request = _Request(
+            request_id,
+            list(prompt_tokens),
+            max_tokens or self.max_tokens,
+            len(tokens),
+            True,
+            self.policy_version,
+            tokens,
+            [0.0] * len(tokens),
+            [self.policy_version] * len(tokens),
+        )
         self.running[request_id] = request
         self.requests[request_id] = request
 
     def step(self) -> list[FinishedSample]:
-        finished = [FinishedSample(r.request_id, np.asarray(r.tokens, np.int32), np.zeros(len(r.tokens), np.float32),
-                                   np.asarray(r.versions, np.int32), "stop", r.start_version)
-                    for r in self.running.values()]
+        finished = [
+            FinishedSample(
+                r.request_id,
+                np.asarray(r.tokens, np.int32),
+                np.zeros(len(r.tokens), np.float32),
+                np.asarray(r.versions, np.int32),
+                "stop",
+                r.start_version,
+            )
+            for r in self.running.values()
+        ]
         self.running.clear()
         return finished

@@ -244,7 +244,9 @@ def write_config(path: Path, run_root: Path, buffer_port: int, weights_port: int
         "run": {"name": "gen", "root": str(run_root)},
         "buffer": {"host": "127.0.0.1", "port": buffer_port},
         "learner": {
-            "weights_host": "127.0.0.1", "weights_port": weights_port, "buffer_address": f"127.0.0.1:{buffer_port}",
+            "weights_host": "127.0.0.1",
+            "weights_port": weights_port,
+            "buffer_address": f"127.0.0.1:{buffer_port}",
         },
         "generator": {
             "buffer_address": f"127.0.0.1:{buffer_port}",

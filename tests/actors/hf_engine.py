@@ -49,20 +49,36 @@ class HfEngine(TokenizerTexts):
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         longest = max(limit for _, limit in requests.values())
         out = self.model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=self.temperature,
-            top_k=0, top_p=1.0, max_new_tokens=longest, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
-            output_logits=True, return_dict_in_generate=True)
-        tokens = out.sequences[:, width:]                                                        # [B, T]
-        logprobs = torch.stack(out.logits, 1).float().div(self.temperature).log_softmax(-1)      # [B, T, V]
-        logprobs = logprobs.gather(2, tokens[..., None]).squeeze(-1)                             # [B, T]
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            do_sample=True,
+            temperature=self.temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=longest,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        tokens = out.sequences[:, width:]  # [B, T]
+        logprobs = torch.stack(out.logits, 1).float().div(self.temperature).log_softmax(-1)  # [B, T, V]
+        logprobs = logprobs.gather(2, tokens[..., None]).squeeze(-1)  # [B, T]
         finished = []
         for row, (request_id, (_, limit)) in enumerate(requests.items()):
             ids = tokens[row, :limit].tolist()
             stopped = self.eos_id in ids
             length = ids.index(self.eos_id) + 1 if stopped else len(ids)
-            finished.append(FinishedSample(
-                request_id, np.asarray(ids[:length], np.int32), logprobs[row, :length].numpy().astype(np.float32),
-                np.full(length, self.policy_version, np.int32), "stop" if stopped else "length", self.policy_version))
+            finished.append(
+                FinishedSample(
+                    request_id,
+                    np.asarray(ids[:length], np.int32),
+                    logprobs[row, :length].numpy().astype(np.float32),
+                    np.full(length, self.policy_version, np.int32),
+                    "stop" if stopped else "length",
+                    self.policy_version,
+                )
+            )
         return finished
 
     def abort(self, request_ids: list[str]) -> None:

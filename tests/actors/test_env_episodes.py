@@ -41,8 +41,15 @@ def runner():
 
 
 def limits(**overrides) -> EpisodeLimits:
-    values = dict(max_turns=8, max_total_tokens=4096, turn_max_tokens=8, max_model_len=8192, step_timeout_s=5.0,
-                  episode_timeout_s=30.0, failure_reward=-1.0)
+    values = dict(
+        max_turns=8,
+        max_total_tokens=4096,
+        turn_max_tokens=8,
+        max_model_len=8192,
+        step_timeout_s=5.0,
+        episode_timeout_s=30.0,
+        failure_reward=-1.0,
+    )
     values.update(overrides)
     return EpisodeLimits(**values)
 
@@ -63,8 +70,10 @@ def check_sample(group: RolloutGroup, i: int, engine: ScriptedEngine, env: Scrip
     logprobs, versions = group.behaviour_logprobs[span], group.token_versions[span]
     sequence = group.prompt_tokens.tolist() + completion.tolist()
     start = len(group.prompt_tokens)
-    requests = sorted((r for rid, r in engine.requests.items() if rid.startswith(f"3:7:{i}:")),
-                      key=lambda r: int(r.request_id.rsplit(":", 1)[1]))
+    requests = sorted(
+        (r for rid, r in engine.requests.items() if rid.startswith(f"3:7:{i}:")),
+        key=lambda r: int(r.request_id.rsplit(":", 1)[1]),
+    )
     assert env.texts == [engine.decode(np.asarray(r.tokens)) for r in requests]
     first = engine.render(TASK if env.first is None else PromptItem(7, 0, [{"role": "user", "content": env.first}], {}))
     assert sequence[: len(first)] == first
@@ -74,8 +83,9 @@ def check_sample(group: RolloutGroup, i: int, engine: ScriptedEngine, env: Scrip
         assert sequence[:at] == request.prompt, f"turn {turn}'s prompt is not the trajectory so far"
         assert sequence[at : at + len(request.tokens)] == request.tokens, "sampled tokens changed"
         model_positions.extend(range(at - start, at - start + len(request.tokens)))
-        np.testing.assert_array_equal(logprobs[at - start : at - start + len(request.tokens)],
-                                      np.asarray(request.logprobs, np.float32))
+        np.testing.assert_array_equal(
+            logprobs[at - start : at - start + len(request.tokens)], np.asarray(request.logprobs, np.float32)
+        )
         np.testing.assert_array_equal(versions[at - start : at - start + len(request.tokens)], request.versions)
         end = at + len(request.tokens)
         if turn + 1 < len(requests):
@@ -96,19 +106,32 @@ def check_sample(group: RolloutGroup, i: int, engine: ScriptedEngine, env: Scrip
 
 
 episode_script = st.lists(
-    st.tuples(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=0, max_size=30),
-              st.floats(-2, 2, allow_nan=False, width=32)),
-    min_size=1, max_size=5,
-).map(lambda turns: [Turn(obs=text or "?", reward=reward) for text, reward in turns[:-1]]
-      + [Turn(reward=turns[-1][1], done=True)])
+    st.tuples(
+        st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=0, max_size=30),
+        st.floats(-2, 2, allow_nan=False, width=32),
+    ),
+    min_size=1,
+    max_size=5,
+).map(
+    lambda turns: (
+        [Turn(obs=text or "?", reward=reward) for text, reward in turns[:-1]] + [Turn(reward=turns[-1][1], done=True)]
+    )
+)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(scripts=st.lists(episode_script, min_size=1, max_size=4), seed=st.integers(0, 2**16),
-       max_turns=st.integers(1, 6), max_total_tokens=st.integers(1, 80), turn_max_tokens=st.integers(1, 12),
-       eos=st.floats(0, 1), firsts=st.lists(st.sampled_from([None, "Hi", "Start!"]), min_size=4, max_size=4))
-def test_random_episodes_are_token_exact(tokenizer, runner, scripts, seed, max_turns, max_total_tokens,
-                                         turn_max_tokens, eos, firsts) -> None:
+@given(
+    scripts=st.lists(episode_script, min_size=1, max_size=4),
+    seed=st.integers(0, 2**16),
+    max_turns=st.integers(1, 6),
+    max_total_tokens=st.integers(1, 80),
+    turn_max_tokens=st.integers(1, 12),
+    eos=st.floats(0, 1),
+    firsts=st.lists(st.sampled_from([None, "Hi", "Start!"]), min_size=4, max_size=4),
+)
+def test_random_episodes_are_token_exact(
+    tokenizer, runner, scripts, seed, max_turns, max_total_tokens, turn_max_tokens, eos, firsts
+) -> None:
     engine = ScriptedEngine(tokenizer, seed=seed, eos_probability=eos, max_tokens=turn_max_tokens)
     envs = [ScriptedEnv(script, first=first) for script, first in zip(scripts, firsts)]
     bounds = limits(max_turns=max_turns, max_total_tokens=max_total_tokens, turn_max_tokens=turn_max_tokens)
@@ -121,8 +144,10 @@ def test_random_episodes_are_token_exact(tokenizer, runner, scripts, seed, max_t
         done_turn = len(script)  # the scripted step that says done
         if reason in ("done", "length"):
             assert turns == done_turn
-            assert (reason == "length") == (engine.requests[requests[-1].request_id].length == requests[-1].max_tokens
-                                            and not requests[-1].ends_turn)
+            assert (reason == "length") == (
+                engine.requests[requests[-1].request_id].length == requests[-1].max_tokens
+                and not requests[-1].ends_turn
+            )
             expected = sum(t.reward for t in script)
         elif reason == "max_turns":
             assert turns == max_turns < done_turn
@@ -168,8 +193,10 @@ def test_group_prompt_is_the_common_prefix_of_different_first_observations(token
     engine = ScriptedEngine(tokenizer, seed=2)
     envs = [ScriptedEnv([Turn(done=True)], first=text) for text in ("Secret is high.", "Secret is low.", None)]
     group = run_group(engine, envs, runner, limits())
-    firsts = [engine.render(PromptItem(7, 0, [{"role": "user", "content": t}], {})) for t in ("Secret is high.",
-                                                                                              "Secret is low.")]
+    firsts = [
+        engine.render(PromptItem(7, 0, [{"role": "user", "content": t}], {}))
+        for t in ("Secret is high.", "Secret is low.")
+    ]
     firsts.append(engine.render(TASK))
     for i, first in enumerate(firsts):
         span = slice(int(group.offsets[i]), int(group.offsets[i + 1]))

@@ -37,8 +37,15 @@ def runner():
 
 
 def limits(**overrides) -> EpisodeLimits:
-    values = dict(max_turns=6, max_total_tokens=2048, turn_max_tokens=6, max_model_len=8192, step_timeout_s=2.0,
-                  episode_timeout_s=20.0, failure_reward=FAILURE)
+    values = dict(
+        max_turns=6,
+        max_total_tokens=2048,
+        turn_max_tokens=6,
+        max_model_len=8192,
+        step_timeout_s=2.0,
+        episode_timeout_s=20.0,
+        failure_reward=FAILURE,
+    )
     values.update(overrides)
     return EpisodeLimits(**values)
 
@@ -55,15 +62,15 @@ class Boom:
 def test_each_fault_ends_only_its_episode_and_is_counted(tokenizer, runner) -> None:
     engine = ScriptedEngine(tokenizer, seed=0)
     envs = [
-        ScriptedEnv(two_turns()),                                   # 0: fine
-        ScriptedEnv(two_turns(raises=True)),                        # 1: step raises on turn 2
-        ScriptedEnv(two_turns(), reset_raises=True),                # 2: reset raises
-        ScriptedEnv(two_turns(garbage=True)),                       # 3: step returns a dict
-        ScriptedEnv(two_turns(sleep_s=4.0)),                        # 4: plain step overruns the timeout
-        AsyncScriptedEnv(two_turns(sleep_s=30.0)),                  # 5: async step overruns (cancelled)
-        AsyncScriptedEnv(two_turns()),                              # 6: fine, async
+        ScriptedEnv(two_turns()),  # 0: fine
+        ScriptedEnv(two_turns(raises=True)),  # 1: step raises on turn 2
+        ScriptedEnv(two_turns(), reset_raises=True),  # 2: reset raises
+        ScriptedEnv(two_turns(garbage=True)),  # 3: step returns a dict
+        ScriptedEnv(two_turns(sleep_s=4.0)),  # 4: plain step overruns the timeout
+        AsyncScriptedEnv(two_turns(sleep_s=30.0)),  # 5: async step overruns (cancelled)
+        AsyncScriptedEnv(two_turns()),  # 6: fine, async
     ]
-    factories = iter([*(lambda env=env: env for env in envs), Boom()])   # 7: the factory raises
+    factories = iter([*(lambda env=env: env for env in envs), Boom()])  # 7: the factory raises
     driver = EpisodeDriver(engine, lambda: next(factories)(), limits(step_timeout_s=0.4), runner, group_size=8)
     started = time.monotonic()
     driver.start_group(2, TASK)
@@ -97,8 +104,13 @@ def test_each_fault_ends_only_its_episode_and_is_counted(tokenizer, runner) -> N
 def test_episode_timeout_aborts_a_long_episode(tokenizer, runner) -> None:
     engine = ScriptedEngine(tokenizer, seed=1, step_s=0.01)
     endless = [Turn(obs="go on", reward=0.1, sleep_s=0.05)]  # never done
-    driver = EpisodeDriver(engine, ScriptedFactory([ScriptedEnv(endless), ScriptedEnv([Turn(done=True)])]),
-                           limits(max_turns=1000, episode_timeout_s=0.6), runner, group_size=2)
+    driver = EpisodeDriver(
+        engine,
+        ScriptedFactory([ScriptedEnv(endless), ScriptedEnv([Turn(done=True)])]),
+        limits(max_turns=1000, episode_timeout_s=0.6),
+        runner,
+        group_size=2,
+    )
     driver.start_group(2, TASK)
     (done,) = drive_until_done(driver, timeout_s=10)
     group = build_episode_group(2, TASK, done.results, 0, 0.0)

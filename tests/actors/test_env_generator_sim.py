@@ -30,8 +30,9 @@ def items() -> list[PromptItem]:
     prompts = []
     for i in range(8):
         metadata = {"answer": i, "explode": i == 2, "slow": i == 5}
-        prompts.append(PromptItem(prompt_id=i, epoch=0, messages=[{"role": "user", "content": f"Task {i}"}],
-                                  metadata=metadata))
+        prompts.append(
+            PromptItem(prompt_id=i, epoch=0, messages=[{"role": "user", "content": f"Task {i}"}], metadata=metadata)
+        )
     return prompts
 
 
@@ -44,15 +45,26 @@ def peers(ports):
 def test_multi_turn_groups_faults_survived_and_counted(tmp_path, ports, peers) -> None:
     buffer, _ = peers
     config = write_config(
-        tmp_path / "gen.toml", tmp_path / "runs", *ports,
+        tmp_path / "gen.toml",
+        tmp_path / "runs",
+        *ports,
         run={"simulate": True},
         algo={"group_size": GROUP_SIZE},
-        env={"environment": "tests.actors.env_fakes:TwoTurnEnv", "step_timeout_s": 0.5, "failure_reward": FAILURE,
-             "max_turns": 4},
+        env={
+            "environment": "tests.actors.env_fakes:TwoTurnEnv",
+            "step_timeout_s": 0.5,
+            "failure_reward": FAILURE,
+            "max_turns": 4,
+        },
         generator={"sim_tokens": SIM_TOKENS, "sim_token_s": 0.002, "prompts_in_flight": 4},
     )
-    process = subprocess.Popen(generator_command(config), cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        generator_command(config),
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     started = time.monotonic()
     try:
         _, err = process.communicate(timeout=90)
@@ -67,8 +79,9 @@ def test_multi_turn_groups_faults_survived_and_counted(tmp_path, ports, peers) -
     for prompt_id, group in groups.items():
         group.validate()
         if prompt_id in (2, 5):
-            reason = ("env_timeout" if prompt_id == 5
-                      else "env_error: step: RuntimeError: environment exploded on prompt 2")
+            reason = (
+                "env_timeout" if prompt_id == 5 else "env_error: step: RuntimeError: environment exploded on prompt 2"
+            )
             assert group.finish_reasons == [reason] * GROUP_SIZE
             np.testing.assert_array_equal(group.rewards, FAILURE)
             assert np.all(group.loss_mask == 1) and np.all(np.diff(group.offsets) == SIM_TOKENS)  # one turn

@@ -30,14 +30,22 @@ def multi_turn_group(tiny_model_dir) -> RolloutGroup:
     from transformers import AutoTokenizer
 
     engine = ScriptedEngine(AutoTokenizer.from_pretrained(tiny_model_dir), seed=5, eos_probability=0.5, max_tokens=5)
-    scripts = [[Turn(obs=f"Not yet ({k})", reward=0.1 * k) for k in range(turns)] + [Turn(done=True, reward=float(i))]
-               for i, turns in enumerate([1, 2, 3, 2])]
-    limits = EpisodeLimits(max_turns=8, max_total_tokens=512, turn_max_tokens=5, max_model_len=2048,
-                           step_timeout_s=5.0, episode_timeout_s=30.0, failure_reward=0.0)
+    scripts = [
+        [Turn(obs=f"Not yet ({k})", reward=0.1 * k) for k in range(turns)] + [Turn(done=True, reward=float(i))]
+        for i, turns in enumerate([1, 2, 3, 2])
+    ]
+    limits = EpisodeLimits(
+        max_turns=8,
+        max_total_tokens=512,
+        turn_max_tokens=5,
+        max_model_len=2048,
+        step_timeout_s=5.0,
+        episode_timeout_s=30.0,
+        failure_reward=0.0,
+    )
     runner = EnvRunner(workers=4)
     try:
-        driver = EpisodeDriver(engine, ScriptedFactory([ScriptedEnv(s) for s in scripts]), limits, runner,
-                               GROUP_SIZE)
+        driver = EpisodeDriver(engine, ScriptedFactory([ScriptedEnv(s) for s in scripts]), limits, runner, GROUP_SIZE)
         driver.start_group(0, PromptItem(0, 0, [{"role": "user", "content": "Count with me."}], {}))
         (done,) = drive_until_done(driver, timeout_s=30)
     finally:
@@ -75,9 +83,9 @@ def test_env_tokens_get_no_advantage_and_no_gradient(multi_turn_group: RolloutGr
     batch = pad_groups([group], [np.zeros(GROUP_SIZE, np.int32)], pad_id=2)
     inputs = batch.model_inputs(slice(0, GROUP_SIZE), torch.device("cpu"))
     out = model(**inputs.forward_kwargs(), logits_to_keep=inputs.num_predicted, use_cache=False)
-    logits = out.logits[:, :-1]                                                                  # [B, T, V]
+    logits = out.logits[:, :-1]  # [B, T, V]
     logits.retain_grad()
-    logprobs = logprobs_from_logits(logits, inputs.completion_tokens)                            # [B, T]
+    logprobs = logprobs_from_logits(logits, inputs.completion_tokens)  # [B, T]
 
     # Alignment across environment tokens: each token is scored from the position before it, as unpadded.
     for i in range(GROUP_SIZE):
@@ -85,27 +93,43 @@ def test_env_tokens_get_no_advantage_and_no_gradient(multi_turn_group: RolloutGr
         sequence = np.concatenate([group.prompt_tokens, group.completion_tokens[span]])
         sequence = torch.from_numpy(sequence.astype(np.int64))
         with torch.no_grad():
-            direct = model(input_ids=sequence[None]).logits[0].log_softmax(-1)                     # [L, V]
+            direct = model(input_ids=sequence[None]).logits[0].log_softmax(-1)  # [L, V]
         start = len(group.prompt_tokens)
         expected = direct[start - 1 : -1].gather(1, sequence[start:, None])[:, 0]
         torch.testing.assert_close(logprobs[i, : len(expected)].detach(), expected, atol=2e-4, rtol=0)
 
     mask = inputs.loss_mask
     for estimator in ("grpo", "rloo", "reinforce_pp"):
-        advantages, _ = batch_advantages(AlgoConfig(estimator=estimator, group_size=GROUP_SIZE), batch.rewards,
-                                         batch.group_ids, batch.loss_mask)
+        advantages, _ = batch_advantages(
+            AlgoConfig(estimator=estimator, group_size=GROUP_SIZE), batch.rewards, batch.group_ids, batch.loss_mask
+        )
         assert torch.all(advantages[~batch.loss_mask] == 0), estimator
         assert torch.any(advantages[batch.loss_mask] != 0), estimator
     values = torch.randn(batch.size, batch.width)
-    advantages, returns = batch_advantages(AlgoConfig(estimator="gae", group_size=GROUP_SIZE), batch.rewards,
-                                           batch.group_ids, batch.loss_mask, old_values=values)
+    advantages, returns = batch_advantages(
+        AlgoConfig(estimator="gae", group_size=GROUP_SIZE),
+        batch.rewards,
+        batch.group_ids,
+        batch.loss_mask,
+        old_values=values,
+    )
     assert torch.all(advantages[~batch.loss_mask] == 0)
 
-    advantages, _ = batch_advantages(AlgoConfig(estimator="grpo", group_size=GROUP_SIZE), batch.rewards,
-                                     batch.group_ids, batch.loss_mask)
-    loss, _ = policy_loss(logprobs, logprobs.detach(), inputs.behaviour_logprobs, advantages, mask,
-                          correction="tis", tis_cap=2.0, clip_low=0.2, clip_high=0.28)
+    advantages, _ = batch_advantages(
+        AlgoConfig(estimator="grpo", group_size=GROUP_SIZE), batch.rewards, batch.group_ids, batch.loss_mask
+    )
+    loss, _ = policy_loss(
+        logprobs,
+        logprobs.detach(),
+        inputs.behaviour_logprobs,
+        advantages,
+        mask,
+        correction="tis",
+        tis_cap=2.0,
+        clip_low=0.2,
+        clip_high=0.28,
+    )
     loss.backward()
-    per_position = logits.grad.abs().sum(-1)                                                      # [B, T]
+    per_position = logits.grad.abs().sum(-1)  # [B, T]
     assert torch.all(per_position[~mask] == 0), "an environment token (or padding) received a gradient"
     assert torch.all(per_position[mask] > 0)

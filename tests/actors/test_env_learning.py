@@ -55,8 +55,15 @@ class SecondTurnEnv:
 
 
 def run_episodes(engine: HfEngine, target: str, runner: EnvRunner) -> list[RolloutGroup]:
-    limits = EpisodeLimits(max_turns=2, max_total_tokens=256, turn_max_tokens=TURN_TOKENS, max_model_len=1024,
-                           step_timeout_s=10.0, episode_timeout_s=60.0, failure_reward=0.0)
+    limits = EpisodeLimits(
+        max_turns=2,
+        max_total_tokens=256,
+        turn_max_tokens=TURN_TOKENS,
+        max_model_len=1024,
+        step_timeout_s=10.0,
+        episode_timeout_s=60.0,
+        failure_reward=0.0,
+    )
     driver = EpisodeDriver(engine, lambda: SecondTurnEnv(target), limits, runner, GROUP_SIZE)
     for prompt_id, text in enumerate(PROMPTS):
         driver.start_group(0, PromptItem(prompt_id, 0, [{"role": "user", "content": text}], {}))
@@ -107,9 +114,15 @@ def test_reward_on_the_second_turn_rises(tiny_model_dir) -> None:
             target, temperature = calibrate(second_turn_logits(initial, run_episodes(engine, "", runner)))
             engine.temperature = temperature
         target_text = tokenizer.decode([target])
-        config = learner_config(tiny_model_dir, algo__estimator="grpo", algo__group_size=GROUP_SIZE,
-                                learner__groups_per_step=len(PROMPTS), learner__micro_batch_size=16, learner__lr=2e-3,
-                                generator__temperature=temperature)  # the learner divides its logits by it
+        config = learner_config(
+            tiny_model_dir,
+            algo__estimator="grpo",
+            algo__group_size=GROUP_SIZE,
+            learner__groups_per_step=len(PROMPTS),
+            learner__micro_batch_size=16,
+            learner__lr=2e-3,
+            generator__temperature=temperature,
+        )  # the learner divides its logits by it
         trainer = Trainer.from_config(config, init_distributed())
         engine.model = trainer.policy.module  # ZeRO-1: the engine's module holds the full current weights
         rewards, env_tokens = [], []

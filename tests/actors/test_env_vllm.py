@@ -58,14 +58,22 @@ def test_two_turn_episodes_with_vllm_are_token_exact(tiny_model_dir: Path, tmp_p
     buffer = FakeBuffer(ports[0], arithmetic_items(3), lease_size=3).start()
     publisher = FakePublisher(ports[1]).start()
     config = write_config(
-        tmp_path / "gen.toml", tmp_path / "runs", *ports,
+        tmp_path / "gen.toml",
+        tmp_path / "runs",
+        *ports,
         model={"path": str(model_dir), "max_model_len": 512},
         algo={"group_size": GROUP_SIZE},
         env={"environment": "tests.actors.env_fakes:TwoTurnEnv", "max_total_tokens": budget, "max_turns": 4},
         generator={"max_tokens": TURN_TOKENS, "temperature": TEMPERATURE, "prompts_in_flight": 3},
     )
-    process = subprocess.Popen(generator_command(config), cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                               start_new_session=True, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        generator_command(config),
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        start_new_session=True,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         _, err = process.communicate(timeout=300)
     finally:
@@ -105,9 +113,11 @@ def test_two_turn_episodes_with_vllm_are_token_exact(tiny_model_dir: Path, tmp_p
             shifted = logprobs[1:].gather(1, torch.from_numpy(tokens[:-1].astype(np.int64))[:, None])[:, 0].numpy()
             shifted_errors.append(np.abs(shifted - group.behaviour_logprobs[span][:-1])[mask[:-1] == 1])
     errors, shifted_errors, behaviour = map(np.concatenate, (errors, shifted_errors, behaviour))
-    print(f"log-prob |error| median {np.median(errors):.4f} max {errors.max():.4f} (one position off: median "
-          f"{np.median(shifted_errors):.2f}); behaviour log-prob median {np.median(behaviour):.2f}; "
-          f"turn-2 (length, room) {second_turns}")
+    print(
+        f"log-prob |error| median {np.median(errors):.4f} max {errors.max():.4f} (one position off: median "
+        f"{np.median(shifted_errors):.2f}); behaviour log-prob median {np.median(behaviour):.2f}; "
+        f"turn-2 (length, room) {second_turns}"
+    )
     assert errors.max() < ATOL and np.median(errors) < MEDIAN_TOL
     assert np.median(behaviour) < -0.1 and np.median(shifted_errors) > 1.0  # the comparison can tell positions apart
     assert any(length == room < TURN_TOKENS for length, room in second_turns)  # the budget, not max_tokens, cut it

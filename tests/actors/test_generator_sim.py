@@ -24,7 +24,9 @@ GROUP_SIZE = 3
 
 def _config(tmp_path: Path, ports: tuple[int, int], **generator: object) -> Path:
     return write_config(
-        tmp_path / "gen.toml", tmp_path / "runs", *ports,
+        tmp_path / "gen.toml",
+        tmp_path / "runs",
+        *ports,
         run={"simulate": True},
         algo={"group_size": GROUP_SIZE},
         env={"reward_fn": "tests.actors.reward_fns:explode_or_length", "fallback_reward": -1.0},

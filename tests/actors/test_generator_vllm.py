@@ -119,19 +119,28 @@ def rig(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     buffer = FakeBuffer(ports[0], arithmetic_items(4), lease_size=2, when_empty="full").start()
     publisher = FakePublisher(ports[1], bucket_bytes=4 << 20).start()
     config = write_config(
-        tmp / "gen.toml", tmp / "runs", *ports,
+        tmp / "gen.toml",
+        tmp / "runs",
+        *ports,
         model={"path": str(tiny_model_dir), "max_model_len": 512},
         algo={"group_size": GROUP_SIZE},
         env={"reward_fn": "tests.actors.reward_fns:explode_or_length", "fallback_reward": -1.0},
         generator={
-            "max_tokens": MAX_TOKENS, "temperature": TEMPERATURE, "prompts_in_flight": 4,
-            "inflight_weight_update": True, "drain_timeout_s": 0.5, "kv_cache_gib": 1.0,
+            "max_tokens": MAX_TOKENS,
+            "temperature": TEMPERATURE,
+            "prompts_in_flight": 4,
+            "inflight_weight_update": True,
+            "drain_timeout_s": 0.5,
+            "kv_cache_gib": 1.0,
         },
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(generator_command(config), cwd=REPO, env=env, start_new_session=True)
     rig = {
-        "buffer": buffer, "publisher": publisher, "process": process, "run_dir": tmp / "runs" / "gen",
+        "buffer": buffer,
+        "publisher": publisher,
+        "process": process,
+        "run_dir": tmp / "runs" / "gen",
         "reference": Reference(tiny_model_dir),
         "v1": _checkpoint_arrays(tiny_model_dir, SHARPEN),
         "v2": _checkpoint_arrays(make_tiny_model(tmp / "seed1", seed=1), SHARPEN),

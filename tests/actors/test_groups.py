@@ -53,7 +53,9 @@ def test_group_is_columnar_aligned_and_survives_the_wire():
     for sample in samples:
         book.record(sample)
     scores = [
-        Score(1.1, {"correct": 1.0, "format": 0.1}), Score(0.0, {"correct": 0.0}), Score(-1.0, {}, "ValueError: x")
+        Score(1.1, {"correct": 1.0, "format": 0.1}),
+        Score(0.0, {"correct": 0.0}),
+        Score(-1.0, {}, "ValueError: x"),
     ]
     group = build_group(pending, scores, generator_id=2)
 

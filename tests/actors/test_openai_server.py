@@ -28,8 +28,9 @@ from tests.actors.env_fakes import ScriptedEngine
 from tests.actors.fakes import REPO, FakeBuffer, FakePublisher, arithmetic_items, generator_command, write_config
 from tests.conftest import free_port
 
-TASK = PromptItem(prompt_id=4, epoch=0, messages=[{"role": "user", "content": "What is 6 * 7?"}],
-                  metadata={"answer": 42})
+TASK = PromptItem(
+    prompt_id=4, epoch=0, messages=[{"role": "user", "content": "What is 6 * 7?"}], metadata={"answer": 42}
+)
 
 
 def post(port: int, path: str, body: dict, episode: str | None = None) -> tuple[int, dict]:
@@ -72,8 +73,15 @@ def served(tokenizer):
     port = free_port()
     engine = ScriptedEngine(tokenizer, seed=3, eos_probability=0.5, max_tokens=6)
     runner = EnvRunner(workers=4)
-    limits = EpisodeLimits(max_turns=4, max_total_tokens=512, turn_max_tokens=6, max_model_len=4096,
-                           step_timeout_s=5.0, episode_timeout_s=60.0, failure_reward=-1.0)
+    limits = EpisodeLimits(
+        max_turns=4,
+        max_total_tokens=512,
+        turn_max_tokens=6,
+        max_model_len=4096,
+        step_timeout_s=5.0,
+        episode_timeout_s=60.0,
+        failure_reward=-1.0,
+    )
     results: list = []
     AgentServer.shared("127.0.0.1", port)  # up before any episode exists: agents may knock early
 
@@ -102,8 +110,9 @@ def test_agent_episodes_become_token_exact_samples(served) -> None:
     for i, conversation in enumerate(conversations):
         span = slice(int(group.offsets[i]), int(group.offsets[i + 1]))
         sequence = group.prompt_tokens.tolist() + group.completion_tokens[span].tolist()
-        requests = sorted((r for rid, r in engine.requests.items() if rid.startswith(f"9:4:{i}:")),
-                          key=lambda r: r.request_id)
+        requests = sorted(
+            (r for rid, r in engine.requests.items() if rid.startswith(f"9:4:{i}:")), key=lambda r: r.request_id
+        )
         replies = [m["content"] for m in conversation if m["role"] == "assistant"]
         assert replies == [engine.decode(np.asarray(r.tokens)) for r in requests]
         assert requests[0].prompt == engine.render(TASK)
@@ -120,8 +129,9 @@ def test_agent_episodes_become_token_exact_samples(served) -> None:
 def test_protocol_mistakes_are_refused_with_what_to_change(served) -> None:
     port, _, start, results = served
     assert post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})[0] == 400
-    assert post(port, "/v1/chat/completions", {"messages": [], "stream": True}, "abc")[1]["error"]["message"] \
-        .startswith("stream is not supported")
+    assert post(port, "/v1/chat/completions", {"messages": [], "stream": True}, "abc")[1]["error"][
+        "message"
+    ].startswith("stream is not supported")
     status, body = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, "nope")
     assert status == 404 and "claim one" in body["error"]["message"]
     loop = start(group_size=2)
@@ -129,8 +139,11 @@ def test_protocol_mistakes_are_refused_with_what_to_change(served) -> None:
     episode = post(port, "/tandem/episodes", {})[1]["episode_id"]
     messages = [{"role": "user", "content": "What is 6 * 7?"}]
     reply = post(port, "/v1/chat/completions", {"messages": messages}, episode)[1]["choices"][0]["message"]
-    edited = [*messages, {"role": "assistant", "content": reply["content"] + " (edited)"},
-              {"role": "user", "content": "and?"}]
+    edited = [
+        *messages,
+        {"role": "assistant", "content": reply["content"] + " (edited)"},
+        {"role": "user", "content": "and?"},
+    ]
     status, body = post(port, "/v1/chat/completions", {"messages": edited}, episode)
     assert status == 409 and "differs from the episode's conversation" in body["error"]["message"]
     assert post(port, f"/tandem/episodes/{episode}/finish", {"reward": 1})[0] in (404, 409)
@@ -152,15 +165,23 @@ def test_tandem_generator_serves_agents_end_to_end(tmp_path, ports) -> None:
     buffer = FakeBuffer(ports[0], arithmetic_items(2), lease_size=1).start()
     publisher = FakePublisher(ports[1]).start()
     config = write_config(
-        tmp_path / "gen.toml", tmp_path / "runs", *ports,
-        run={"simulate": True}, algo={"group_size": 2},
+        tmp_path / "gen.toml",
+        tmp_path / "runs",
+        *ports,
+        run={"simulate": True},
+        algo={"group_size": 2},
         env={"environment": "actors.openai_server:AgentEnvironment", "step_timeout_s": 20.0},
         generator={"sim_tokens": 4, "sim_token_s": 0.001, "prompts_in_flight": 1},
     )
     text = config.read_text()  # write_config writes flat values only: add the table by hand
     config.write_text(text.replace("[env]\n", f"[env]\nenvironment_args = {{ port = {http_port} }}\n"))
-    process = subprocess.Popen(generator_command(config), cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        generator_command(config),
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 30
         finished = 0

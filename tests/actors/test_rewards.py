@@ -15,8 +15,10 @@ from common.config import EnvConfig
 def test_function_rewards_are_summed_components():
     scorer = RewardScorer(EnvConfig(reward_fn="common.tasks:arithmetic_reward"))
     score = scorer.score("the answer is 4", {"answer": 4})
-    assert score.error is None and score.components["correct"] == 1.0 and score.reward == pytest.approx(
-        sum(score.components.values())
+    assert (
+        score.error is None
+        and score.components["correct"] == 1.0
+        and score.reward == pytest.approx(sum(score.components.values()))
     )
 
 

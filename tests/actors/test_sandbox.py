@@ -91,8 +91,10 @@ def test_memory_limit_stops_a_large_allocation() -> None:
 
 def test_no_inherited_environment_and_a_private_directory(monkeypatch) -> None:
     monkeypatch.setenv("TANDEM_TEST_SECRET", "hunter2")
-    result = run_python("import os, json\nprint(json.dumps([dict(os.environ), os.getcwd(), sorted(os.listdir())]))",
-                        files={"helper.py": "X = 1\n"})
+    result = run_python(
+        "import os, json\nprint(json.dumps([dict(os.environ), os.getcwd(), sorted(os.listdir())]))",
+        files={"helper.py": "X = 1\n"},
+    )
     environment, cwd, listing = json.loads(result.stdout)
     assert set(environment) == {"PATH", "HOME", "LANG"} and environment["HOME"] == cwd
     assert "hunter2" not in result.stdout and "tandem-sandbox-" in cwd
@@ -121,8 +123,9 @@ for name, path in (("inside", "inside.txt"), ("outside", {str(tmp_path / "outsid
         outcome[name] = error.errno
 print(json.dumps(outcome))
 """
-    result = subprocess.run([sys.executable, "-I", "-S", "-c", code], cwd=root, capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", code], cwd=root, capture_output=True, text=True, timeout=60
+    )
     outcome = json.loads(result.stdout)
     granted = outcome["granted"]
     if granted["network"] != "netns" and granted["filesystem"] != "readonly_root":

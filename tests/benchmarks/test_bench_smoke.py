@@ -15,15 +15,26 @@ import pytest
 import benchmarks.common
 from benchmarks import async_vs_sync
 
-RUN_KEYS = {"eta", "samples_per_s", "step_s", "ideal_step_s", "efficiency", "wait_s", "train_s", "publish_s",
-            "staleness_max", "curve"}
+RUN_KEYS = {
+    "eta",
+    "samples_per_s",
+    "step_s",
+    "ideal_step_s",
+    "efficiency",
+    "wait_s",
+    "train_s",
+    "publish_s",
+    "staleness_max",
+    "curve",
+}
 
 
 @pytest.mark.timeout(120)
 def test_async_vs_sync_simulation_writes_its_figures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(benchmarks.common, "RESULTS", tmp_path / "results")
-    code = async_vs_sync.main(["--part", "sim", "--step-s", "0.3", "--steps", "6", "--weights-mb", "1",
-                               "--runs-dir", str(tmp_path / "runs")])
+    code = async_vs_sync.main(
+        ["--part", "sim", "--step-s", "0.3", "--steps", "6", "--weights-mb", "1", "--runs-dir", str(tmp_path / "runs")]
+    )
     assert code == 0
     result = json.loads((tmp_path / "results" / "async_vs_sync.json").read_text())
     assert (tmp_path / "results" / "async_vs_sync.png").is_file()
@@ -51,8 +62,13 @@ def test_demo_runs_judges_the_kept_runs_and_a_flat_one(tmp_path: Path, monkeypat
     assert [run["staleness_max"] for run in result["runs"]] == [2, 0]
 
     flat = tmp_path / "flat.jsonl"
-    flat.write_text("".join(json.dumps({"step": step, "time": 10.0 * step, "reward/mean": 0.5,
-                                        "learner/samples_trained": 32 * step}) + "\n" for step in range(1, 11)))
+    flat.write_text(
+        "".join(
+            json.dumps({"step": step, "time": 10.0 * step, "reward/mean": 0.5, "learner/samples_trained": 32 * step})
+            + "\n"
+            for step in range(1, 11)
+        )
+    )
     assert demo_runs.main(["--run", f"flat={flat}"]) == 1
     run = json.loads((tmp_path / "results" / "demo_runs.json").read_text())["runs"][0]
     assert run["rise"] == 0 and not run["learned"] and run["samples_per_s"] == pytest.approx(3.2)

@@ -13,8 +13,13 @@ from common.config import parse_overrides
 
 
 def test_override_args_parse_back_as_the_same_values() -> None:
-    overrides = {"algo.max_staleness": 0, "generator.cpu_cores": "1", "learner.sim_sample_s": 0.03125,
-                 "run.simulate": True, "run.name": "sim-eta0"}
+    overrides = {
+        "algo.max_staleness": 0,
+        "generator.cpu_cores": "1",
+        "learner.sim_sample_s": 0.03125,
+        "run.simulate": True,
+        "run.name": "sim-eta0",
+    }
     assert parse_overrides(override_args(overrides)) == overrides
 
 
@@ -35,10 +40,19 @@ def test_trained_rate_says_what_to_change_when_the_run_is_too_short() -> None:
 
 def test_cpu_between_counts_only_the_window_and_the_named_roles() -> None:
     outcome = RunOutcome(
-        name="x", run_dir=Path("."), wall_s=0.0, records=[], buffer_records=[], step_wall={1: 10.0, 2: 11.0},
-        generators_ready_wall=10.5, load_avg=0.0,
-        cpu_samples=[(10.0, {"buffer-0": 1.0, "generator-0": 0.5}), (11.0, {"buffer-0": 1.25, "generator-0": 0.75,
-                     "generator-1": 0.5}), (12.0, {"buffer-0": 2.0})],  # generator-0 exited after 11.0
+        name="x",
+        run_dir=Path("."),
+        wall_s=0.0,
+        records=[],
+        buffer_records=[],
+        step_wall={1: 10.0, 2: 11.0},
+        generators_ready_wall=10.5,
+        load_avg=0.0,
+        cpu_samples=[
+            (10.0, {"buffer-0": 1.0, "generator-0": 0.5}),
+            (11.0, {"buffer-0": 1.25, "generator-0": 0.75, "generator-1": 0.5}),
+            (12.0, {"buffer-0": 2.0}),
+        ],  # generator-0 exited after 11.0
     )
     assert outcome.cpu_between("buffer", 10.0, 11.5) == pytest.approx(0.25)
     assert outcome.cpu_between("generator", 10.0, 12.0) == pytest.approx(0.75)  # 1.25 - 0.5
@@ -53,8 +67,10 @@ def test_process_cpu_s_reads_this_process_and_none_for_a_dead_one() -> None:
 
 def test_headline_prefers_the_benchmarks_own_then_top_level_numbers() -> None:
     assert headline({"headline": {"ratio": 2.0}, "x": 1}) == {"ratio": 2.0}
-    assert headline({"x": 1, "ok": True, "table": {"a": 1.5}, "mixed": {"a": "b"}, "rows": [1]}) == \
-        {"x": 1, "table": {"a": 1.5}}
+    assert headline({"x": 1, "ok": True, "table": {"a": 1.5}, "mixed": {"a": "b"}, "rows": [1]}) == {
+        "x": 1,
+        "table": {"a": 1.5},
+    }
     assert format_figures({"ratio": 2.04567, "t": {"a": 1}}) == "ratio 2.05  t.a 1"
 
 

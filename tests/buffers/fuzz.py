@@ -46,8 +46,14 @@ class FuzzOutcome:
 def _valid_messages() -> list[list[bytes]]:
     """Well-formed messages to mutate (no BatchRequest: a mutated timeout could hold it for minutes)."""
     group = make_group(lease_id=3, prompt=(1, 0), size=4)
-    messages = [group, LeaseRequest(1000, 2, 0), Heartbeat(1000, 0, [1, 2]), StatsRequest(), VersionReport(0, 0),
-                LeaseReturn(1000, 5, [1])]  # fmt: skip
+    messages = [
+        group,
+        LeaseRequest(1000, 2, 0),
+        Heartbeat(1000, 0, [1, 2]),
+        StatsRequest(),
+        VersionReport(0, 0),
+        LeaseReturn(1000, 5, [1]),
+    ]
     return [[bytes(frame) for frame in encode(m)] for m in messages]
 
 
@@ -83,8 +89,9 @@ def _message(rng: random.Random, valid: list[list[bytes]]) -> tuple[list[bytes],
     if choice == 9:  # a broken envelope (no empty delimiter frame)
         return [rng.randbytes(8)], False
     if choice == 10:  # well-formed, unacceptable requests
-        bad = rng.choice([BatchRequest(0, 3, 2, 4, 0.0), WeightsRequest(0, -1), LeaseReturn(0, 4242, [1]),
-                          LeaseRequest(0, -1, 0)])  # fmt: skip
+        bad = rng.choice(
+            [BatchRequest(0, 3, 2, 4, 0.0), WeightsRequest(0, -1), LeaseReturn(0, 4242, [1]), LeaseRequest(0, -1, 0)]
+        )
         return [bytes(f) for f in encode(bad)], True
     group = make_group(lease_id=rng.randrange(10_000, 20_000), prompt=(rng.randrange(24), 0), size=4)
     return [bytes(f) for f in encode(group)], True  # a group for a lease nobody issued

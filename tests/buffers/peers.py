@@ -100,8 +100,9 @@ class Generator(threading.Thread):
     """Leases prompts at the learner's current version and pushes one synthetic group per prompt, until the
     buffer says "exhausted". Records every ack; `delay_s` paces it so a test can act mid-run."""
 
-    def __init__(self, address: str, generator_id: int, learner: Learner, group_size: int, deadline: float,
-                 delay_s: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self, address: str, generator_id: int, learner: Learner, group_size: int, deadline: float, delay_s: float = 0.0
+    ) -> None:
         super().__init__(daemon=True)
         self.address, self.generator_id, self.learner = address, generator_id, learner
         self.group_size, self.deadline, self.delay_s = group_size, deadline, delay_s

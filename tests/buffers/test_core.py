@@ -158,7 +158,9 @@ def test_every_held_rank_is_served_once_the_batch_can_be_drawn() -> None:
     assert core.handle(BatchRequest(0, 0, 2, 2, 5.0), "rank0", "test", now=1.0) == []
     replies = core.handle(make_group(grant.lease_id, grant.prompts[1], 0, GROUP), "gen", "test", 1.5)
     assert [(to, type(m).__name__, getattr(m, "rank", None)) for to, m in replies] == [
-        ("gen", "GroupAck", None), ("rank0", "Batch", 0), ("rank1", "Batch", 1)
+        ("gen", "GroupAck", None),
+        ("rank0", "Batch", 0),
+        ("rank1", "Batch", 1),
     ]
     assert core.state.book.held == {} and core.state.book.completed.step == 0
 
@@ -227,8 +229,15 @@ def test_ledger_balances_and_no_served_sample_exceeds_eta(
     """Random interleavings of leases, out-of-order pushes, resends, bad groups, learner steps, weight syncs,
     clock jumps (expiries) and returns: after every message the books balance, and `RandomRun.learn` asserts
     that no served sample is staler than η."""
-    core = make_core(prompts=12, max_staleness=eta, max_reuse=reuse, sampling=sampling,
-                     capacity=capacity_groups * GROUP, groups_per_step=2, heartbeat_timeout_s=50.0)  # fmt: skip
+    core = make_core(
+        prompts=12,
+        max_staleness=eta,
+        max_reuse=reuse,
+        sampling=sampling,
+        capacity=capacity_groups * GROUP,
+        groups_per_step=2,
+        heartbeat_timeout_s=50.0,
+    )
     run = RandomRun(core, world_size)
     for op, pick in ops:
         run.play(op, pick)
@@ -240,14 +249,21 @@ def test_ledger_balances_and_no_served_sample_exceeds_eta(
         assert counters["admitted"] == sum(counters[k] for k in ("trained_groups", "buffered_groups", "outstanding"))
         assert counters["buffered"] <= capacity_groups * GROUP
     counters = core.counters()
-    event(f"served >= {min(counters['served_groups'], 4)}, dropped >= {min(counters['dropped_stale_groups'], 1)}, "
-          f"evicted >= {min(counters['evicted_groups'], 1)}, expired >= {min(counters['leases_expired'], 1)}")
+    event(
+        f"served >= {min(counters['served_groups'], 4)}, dropped >= {min(counters['dropped_stale_groups'], 1)}, "
+        f"evicted >= {min(counters['evicted_groups'], 1)}, expired >= {min(counters['leases_expired'], 1)}"
+    )
 
 
 @settings(max_examples=100, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["lease", "push", "push", "learn", "sync"]), st.integers(0, 99)),
-                    min_size=30, max_size=150),
-       eta=st.integers(0, 2))  # fmt: skip
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["lease", "push", "push", "learn", "sync"]), st.integers(0, 99)),
+        min_size=30,
+        max_size=150,
+    ),
+    eta=st.integers(0, 2),
+)
 def test_fifo_in_order_admission_never_needs_the_filter(ops, eta) -> None:
     """Groups pushed in the order they were leased and served FIFO: admission alone keeps every sample
     within η, so the draw-time filter never drops anything."""

@@ -14,8 +14,9 @@ from tests.buffers.fakes import fake_prompts
 
 
 def _dispenser(count: int = 10, seed: int = 0, epochs: int = 0, **kwargs) -> PromptDispenser:
-    return PromptDispenser(fake_prompts(count), seed=seed, epochs=epochs, lease_timeout_s=10.0,
-                           heartbeat_timeout_s=3.0, **kwargs)  # fmt: skip
+    return PromptDispenser(
+        fake_prompts(count), seed=seed, epochs=epochs, lease_timeout_s=10.0, heartbeat_timeout_s=3.0, **kwargs
+    )
 
 
 def _lease(dispenser: PromptDispenser, count: int, now: float = 0.0, generator_id: int = 0):
@@ -141,8 +142,9 @@ def test_snapshot_restores_the_same_state() -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(
-    ops=st.lists(st.tuples(st.sampled_from(["lease", "complete", "expire", "return", "late"]), st.integers(0, 50)),
-                 max_size=150),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["lease", "complete", "expire", "return", "late"]), st.integers(0, 50)), max_size=150
+    ),
     epochs=st.integers(1, 3),
 )
 def test_no_instance_is_lost_or_completed_twice(ops: list, epochs: int) -> None:

@@ -39,20 +39,27 @@ class BufferProcess:
         self.address = f"127.0.0.1:{self.port}"
         config = {
             "run": {"name": "buffer-test", "root": tmp_path / "runs", "seed": 0},
-            "buffer": {"port": self.port, "capacity": 64, "heartbeat_timeout_s": 1.0, "lease_timeout_s": 30.0,
-                       "epochs": 1},
+            "buffer": {
+                "port": self.port,
+                "capacity": 64,
+                "heartbeat_timeout_s": 1.0,
+                "lease_timeout_s": 30.0,
+                "epochs": 1,
+            },
             "algo": {"group_size": GROUP, "max_staleness": 1},
             "env": {"num_prompts": 24},
             "generator": {"buffer_address": self.address, "weights_address": f"127.0.0.1:{weights_port}"},
             "learner": {"buffer_address": self.address, "weights_port": weights_port, "groups_per_step": 2},
-        }  # fmt: skip
+        }
         for section, values in sections.items():
             config[section].update(values)
         self.run_dir = tmp_path / "runs" / "buffer-test"
         self.config_path = tmp_path / "buffer.toml"
         self.config_path.write_text(
-            "".join(f"[{name}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in values.items())
-                    for name, values in config.items())  # fmt: skip
+            "".join(
+                f"[{name}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in values.items())
+                for name, values in config.items()
+            )
         )
         self.output = tmp_path / "buffer-output.log"
         self.process: subprocess.Popen | None = None
@@ -61,8 +68,10 @@ class BufferProcess:
         with self.output.open("a") as out:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "launch.cli", "buffer", str(self.config_path)],
-                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             assert self.process.poll() is None, f"buffer exited early:\n{self.output.read_text()[-3000:]}"
@@ -121,8 +130,12 @@ def _join(*threads: Any, timeout: float = 60.0) -> None:
 
 def test_generator_killed_mid_lease_loses_no_prompt(buffers) -> None:
     buffer = buffers().start()
-    hanging = subprocess.Popen([sys.executable, "-m", "tests.buffers.peers", "hang", buffer.address, "9"],
-                               cwd=ROOT, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    hanging = subprocess.Popen(
+        [sys.executable, "-m", "tests.buffers.peers", "hang", buffer.address, "9"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert hanging.stdout.readline().strip() == "leased 4"  # all that admission allows at v0: (0+1+1)*2
         hanging.kill()
@@ -194,8 +207,18 @@ def test_ten_thousand_fuzzed_messages_are_answered_counted_and_survived(buffers)
     rejected_by_kind = {k: v for k, v in counters.items() if k.startswith("rejected_") and k != "rejected_groups"}
     # every refusal is counted under a kind: ErrorReplies, envelopes too broken to answer, and groups acked "rejected"
     assert sum(rejected_by_kind.values()) == outcome.error_replies + outcome.bad_envelopes + outcome.rejected_acks
-    for kind in ("garbage", "oversized", "wrong_version", "unknown_type", "bad_frames", "invalid_fields",
-                 "bad_envelope", "unknown_lease", "bad_rank", "unexpected_message"):  # fmt: skip
+    for kind in (
+        "garbage",
+        "oversized",
+        "wrong_version",
+        "unknown_type",
+        "bad_frames",
+        "invalid_fields",
+        "bad_envelope",
+        "unknown_lease",
+        "bad_rank",
+        "unexpected_message",
+    ):
         assert counters.get(f"rejected_{kind}", 0) > 0, kind
     _assert_balanced(counters)
     assert outcome.error_replies > 5_000

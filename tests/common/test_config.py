@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.config import (ConfigError, TandemConfig, load_config, parse_cores, parse_overrides,
-                           write_resolved)
+from common.config import ConfigError, TandemConfig, load_config, parse_cores, parse_overrides, write_resolved
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -15,8 +15,9 @@ from common.envs import (
 )
 from common.types import PromptItem
 
-TASK = PromptItem(prompt_id=0, epoch=0, messages=[{"role": "user", "content": "What is 2 + 2?"}],
-                  metadata={"answer": 4})
+TASK = PromptItem(
+    prompt_id=0, epoch=0, messages=[{"role": "user", "content": "What is 2 + 2?"}], metadata={"answer": 4}
+)
 
 
 class Echo:
@@ -48,18 +49,22 @@ def test_reward_function_is_a_one_step_environment() -> None:
 
 
 def test_environment_factory_passes_the_configured_arguments() -> None:
-    config = load_config(None, {"env.environment": "tests.common.test_envs:Echo",
-                                "env.environment_args": {"suffix": "?"}})
+    config = load_config(
+        None, {"env.environment": "tests.common.test_envs:Echo", "env.environment_args": {"suffix": "?"}}
+    )
     env = environment_factory(config.env)()
     assert type(env).__name__ == "Echo" and env.suffix == "?"  # (this file is imported twice: by name and path)
 
 
-@pytest.mark.parametrize("spec, error, message", [
-    ("tests.common.no_such_module:Echo", ImportError, "cannot import"),
-    ("tests.common.test_envs:Missing", AttributeError, "no attribute 'Missing'"),
-    ("tests.common.test_envs:NOT_AN_ENV", TypeError, "not a class or factory"),
-    ("tests.common.test_envs:NoStep", TypeError, "needs reset"),
-])
+@pytest.mark.parametrize(
+    "spec, error, message",
+    [
+        ("tests.common.no_such_module:Echo", ImportError, "cannot import"),
+        ("tests.common.test_envs:Missing", AttributeError, "no attribute 'Missing'"),
+        ("tests.common.test_envs:NOT_AN_ENV", TypeError, "not a class or factory"),
+        ("tests.common.test_envs:NoStep", TypeError, "needs reset"),
+    ],
+)
 def test_a_misnamed_environment_fails_with_what_to_change(spec: str, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         resolve_environment(spec)
@@ -72,14 +77,17 @@ def test_config_rejects_a_malformed_environment_spec() -> None:
         load_config(None, {"env.max_turns": 0})
 
 
-@pytest.mark.parametrize("value, message", [
-    ({"observation": []}, "must return common.envs.StepResult"),
-    (StepResult([{"role": "user"}]), r"observation\[0\] must be a dict"),
-    (StepResult("text"), "must be a list of chat messages"),
-    (StepResult([], reward=float("nan"), done=True), "finite"),
-    (StepResult([], reward="1", done=True), "finite"),
-    (StepResult([], done=False), "no observation and done=False"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({"observation": []}, "must return common.envs.StepResult"),
+        (StepResult([{"role": "user"}]), r"observation\[0\] must be a dict"),
+        (StepResult("text"), "must be a list of chat messages"),
+        (StepResult([], reward=float("nan"), done=True), "finite"),
+        (StepResult([], reward="1", done=True), "finite"),
+        (StepResult([], done=False), "no observation and done=False"),
+    ],
+)
 def test_malformed_step_results_say_what_is_wrong(value, message: str) -> None:
     with pytest.raises((TypeError, ValueError), match=message):
         check_step_result(value)

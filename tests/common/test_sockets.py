@@ -75,7 +75,9 @@ def test_timeout_then_reconnect_to_a_restarted_server() -> None:
         client.request(VersionReport(policy_version=1, step=1), timeout_s=0.2)
     server = Server("127.0.0.1", port, SocketSecurity(), name="late")
     try:
-        thread = threading.Thread(target=lambda: server.reply(r, Ok(learner_version=9)) if (r := server.poll(5000)) else None)
+        thread = threading.Thread(
+            target=lambda: server.reply(r, Ok(learner_version=9)) if (r := server.poll(5000)) else None
+        )
         thread.start()
         assert client.request(VersionReport(policy_version=9, step=9), timeout_s=5)[0] == Ok(learner_version=9)
         thread.join()

@@ -1,6 +1,6 @@
 """The embedded arithmetic task, the reward parser, reward plug-ins, user datasets, prompt rendering.
 
-    .venv/bin/python -m pytest tests/common/test_tasks.py -q
+.venv/bin/python -m pytest tests/common/test_tasks.py -q
 """
 
 from __future__ import annotations
@@ -108,9 +108,7 @@ def test_arithmetic_prompts_are_reproducible() -> None:
 def test_arithmetic_prompt_shape() -> None:
     record = arithmetic_prompts(1, seed=0, difficulty=1)[0]
     expression = record.metadata["expression"]
-    assert record.messages == [
-        {"role": "user", "content": f"What is {expression}? Put the final answer after '####'."}
-    ]
+    assert record.messages == [{"role": "user", "content": f"What is {expression}? Put the final answer after '####'."}]
     assert set(record.metadata) == {"answer", "expression", "difficulty"}
     assert record.metadata["answer"] == eval(expression)  # noqa: S307 - our own expression
 

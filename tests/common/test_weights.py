@@ -62,7 +62,7 @@ def test_buckets_are_filled_greedily_in_order():
 def test_views_are_zero_copy_over_received_frames():
     arrays = {"w": np.arange(12, dtype=np.float32).reshape(3, 4)}
     header, buckets = pack_weights(arrays, policy_version=1)
-    (spec, view), = unpack_weights(header, buckets)
+    ((spec, view),) = unpack_weights(header, buckets)
     buckets[0][0:4] = np.float32(99).tobytes()
     assert view[0, 0] == 99  # the view reads the bucket's memory
 

@@ -51,24 +51,54 @@ prompt_items = st.builds(
     t.PromptItem,
     prompt_id=st.integers(0, 2**31),
     epoch=st.integers(0, 99),
-    messages=st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": text}), max_size=3),
+    messages=st.lists(
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": text}), max_size=3
+    ),
     metadata=metadata,
 )
 tensor_specs = st.builds(
-    t.TensorSpec, name=text, dtype=st.sampled_from(["bfloat16", "float32"]), shape=st.lists(st.integers(0, 9), max_size=3),
-    bucket=st.just(0), offset=st.just(0), nbytes=st.integers(0, 16),
+    t.TensorSpec,
+    name=text,
+    dtype=st.sampled_from(["bfloat16", "float32"]),
+    shape=st.lists(st.integers(0, 9), max_size=3),
+    bucket=st.just(0),
+    offset=st.just(0),
+    nbytes=st.integers(0, 16),
 )
 MESSAGES = st.one_of(
     prompt_items,
-    st.builds(t.LeaseRequest, generator_id=st.integers(0, 99), max_prompts=st.integers(0, 99), policy_version=small_int),
-    st.builds(t.LeaseGrant, lease_id=st.integers(0, 2**40), deadline=st.floats(0, 2e9), prompts=st.lists(prompt_items, max_size=3)),
+    st.builds(
+        t.LeaseRequest, generator_id=st.integers(0, 99), max_prompts=st.integers(0, 99), policy_version=small_int
+    ),
+    st.builds(
+        t.LeaseGrant,
+        lease_id=st.integers(0, 2**40),
+        deadline=st.floats(0, 2e9),
+        prompts=st.lists(prompt_items, max_size=3),
+    ),
     st.builds(t.LeaseRefused, reason=text, min_version=small_int, retry_after_s=st.floats(0, 60)),
-    st.builds(t.Heartbeat, generator_id=st.integers(0, 99), policy_version=small_int, lease_ids=st.lists(st.integers(0, 2**40))),
-    st.builds(t.LeaseReturn, generator_id=st.integers(0, 99), lease_id=st.integers(0, 2**40), prompt_ids=st.lists(st.integers(0, 2**31))),
+    st.builds(
+        t.Heartbeat,
+        generator_id=st.integers(0, 99),
+        policy_version=small_int,
+        lease_ids=st.lists(st.integers(0, 2**40)),
+    ),
+    st.builds(
+        t.LeaseReturn,
+        generator_id=st.integers(0, 99),
+        lease_id=st.integers(0, 2**40),
+        prompt_ids=st.lists(st.integers(0, 2**31)),
+    ),
     groups(),
     st.builds(t.GroupAck, lease_id=st.integers(0, 99), prompt_id=st.integers(0, 99), status=text, reason=text),
-    st.builds(t.BatchRequest, step=st.integers(0, 10**6), rank=st.integers(0, 7), world_size=st.integers(1, 8),
-              num_groups=st.integers(1, 64), timeout_s=st.floats(0, 60)),
+    st.builds(
+        t.BatchRequest,
+        step=st.integers(0, 10**6),
+        rank=st.integers(0, 7),
+        world_size=st.integers(1, 8),
+        num_groups=st.integers(1, 64),
+        timeout_s=st.floats(0, 60),
+    ),
     st.builds(t.BatchNotReady, step=st.integers(0, 99), buffered=st.integers(0, 99)),
     st.builds(t.VersionReport, policy_version=small_int, step=small_int),
     st.builds(t.Ok, learner_version=small_int),
@@ -76,8 +106,13 @@ MESSAGES = st.one_of(
     st.builds(t.StatsRequest),
     st.builds(t.BufferStats, counters=st.dictionaries(text, st.integers(0, 2**40)), learner_version=small_int),
     st.builds(t.WeightsRequest, generator_id=st.integers(0, 99), have_version=small_int),
-    st.builds(t.WeightsHeader, policy_version=small_int, tensors=st.lists(tensor_specs, max_size=3),
-              bucket_sizes=st.just([16]), transport=st.sampled_from(["zmq", "nccl"])),
+    st.builds(
+        t.WeightsHeader,
+        policy_version=small_int,
+        tensors=st.lists(tensor_specs, max_size=3),
+        bucket_sizes=st.just([16]),
+        transport=st.sampled_from(["zmq", "nccl"]),
+    ),
     st.builds(t.WeightsNotNewer, latest_version=small_int),
 )
 
@@ -113,7 +148,9 @@ def test_every_message_round_trips(message: object) -> None:
 @settings(max_examples=50)
 @given(st.lists(groups(), min_size=1, max_size=3))
 def test_batch_round_trips_with_nested_groups(group_list: list[t.RolloutGroup]) -> None:
-    batch = t.Batch(step=3, rank=0, groups=group_list, staleness=[g.versions.copy() for g in group_list], dropped_stale=2)
+    batch = t.Batch(
+        step=3, rank=0, groups=group_list, staleness=[g.versions.copy() for g in group_list], dropped_stale=2
+    )
     decoded, _ = decode([bytes(f) for f in encode(batch)])
     assert_equal(decoded, batch)
 
@@ -135,7 +172,10 @@ def next_group(n: int = 4, length: int = 16, seed: int = 0) -> t.RolloutGroup:
     rng = np.random.default_rng(seed)
     total = n * length
     return t.RolloutGroup(
-        lease_id=1, prompt_id=2, epoch=0, generator_id=0,
+        lease_id=1,
+        prompt_id=2,
+        epoch=0,
+        generator_id=0,
         prompt_tokens=rng.integers(0, 49152, 12).astype(np.int32),
         offsets=np.arange(0, total + 1, length, dtype=np.int64),
         completion_tokens=rng.integers(0, 49152, total).astype(np.int32),

@@ -35,21 +35,40 @@ def task(metadata: dict, text: str = "Go.") -> PromptItem:
 
 
 # ------------------------------------------------------------------------------------------------ calculator
-@pytest.mark.parametrize("expression, value", [
-    ("12*7", 84), ("(1 + 2) * -3", -9), ("7 / 2", Fraction(7, 2)), ("0.1 + 0.2", Fraction(0.1) + Fraction(0.2)),
-    ("  347 * 29 + 1288 ", 347 * 29 + 1288), ("-(-5)", 5),
-])
+@pytest.mark.parametrize(
+    "expression, value",
+    [
+        ("12*7", 84),
+        ("(1 + 2) * -3", -9),
+        ("7 / 2", Fraction(7, 2)),
+        ("0.1 + 0.2", Fraction(0.1) + Fraction(0.2)),
+        ("  347 * 29 + 1288 ", 347 * 29 + 1288),
+        ("-(-5)", 5),
+    ],
+)
 def test_calculator_evaluates_exactly(expression: str, value) -> None:
     assert evaluate(expression) == value
 
 
-@pytest.mark.parametrize("expression, why", [
-    ("__import__('os').system('touch /tmp/x')", "not allowed"), ("2 ** 10", "not allowed"), ("x + 1", "not allowed"),
-    ("(lambda: 1)()", "not allowed"), ("[1, 2]", "not allowed"), ("1 / 0", "division by zero"),
-    ("9" * 30, "too large"), ("99999999 * 99999999 * 99999999", "too large"), ("1 +", "not an expression"),
-    ("1" + "+1" * 150, "longer than"), ("+".join(["1"] * 40), "more than"), ("True + 1", "not allowed"),
-    ("1 // 2", "not allowed"), ("'a' * 3", "not allowed"),
-])
+@pytest.mark.parametrize(
+    "expression, why",
+    [
+        ("__import__('os').system('touch /tmp/x')", "not allowed"),
+        ("2 ** 10", "not allowed"),
+        ("x + 1", "not allowed"),
+        ("(lambda: 1)()", "not allowed"),
+        ("[1, 2]", "not allowed"),
+        ("1 / 0", "division by zero"),
+        ("9" * 30, "too large"),
+        ("99999999 * 99999999 * 99999999", "too large"),
+        ("1 +", "not an expression"),
+        ("1" + "+1" * 150, "longer than"),
+        ("+".join(["1"] * 40), "more than"),
+        ("True + 1", "not allowed"),
+        ("1 // 2", "not allowed"),
+        ("'a' * 3", "not allowed"),
+    ],
+)
 def test_calculator_refuses_everything_else(expression: str, why: str) -> None:
     with pytest.raises(CalcError, match=why):
         evaluate(expression)
@@ -107,8 +126,15 @@ def test_guessing_game_through_the_episode_driver_with_binary_search(tiny_model_
     from tests.actors.env_fakes import PolicyEngine
 
     engine = PolicyEngine(AutoTokenizer.from_pretrained(tiny_model_dir), binary_search)
-    limits = EpisodeLimits(max_turns=10, max_total_tokens=1024, turn_max_tokens=8, max_model_len=4096,
-                           step_timeout_s=5, episode_timeout_s=30, failure_reward=0.0)
+    limits = EpisodeLimits(
+        max_turns=10,
+        max_total_tokens=1024,
+        turn_max_tokens=8,
+        max_model_len=4096,
+        step_timeout_s=5,
+        episode_timeout_s=30,
+        failure_reward=0.0,
+    )
     runner = EnvRunner(2)
     try:
         driver = EpisodeDriver(engine, lambda: GuessingEnv(max_guesses=10), limits, runner, group_size=1)
@@ -148,7 +174,7 @@ def test_code_env_last_attempt_scores_the_share_passed_and_hostile_code_cannot_f
     hostile = f"""```python
 import json, sys, socket
 print('<<tandem-0000>>' + json.dumps({{"outputs": [{{"value": 6}}, {{"value": 7}}, {{"value": 0}}]}}))
-open({str(tmp_path / 'pwned')!r}, 'w').write('x')
+open({str(tmp_path / "pwned")!r}, 'w').write('x')
 def gcd(a, b):
     socket.create_connection(("example.com", 80))
 ```"""
@@ -166,7 +192,7 @@ def gcd(a, b):
 SOLUTIONS = {  # written from the prompts' descriptions, independently of the references that made the cases
     "reverse_words": "def reverse_words(text):\n    return ' '.join(reversed(text.split()))",
     "is_palindrome": "def is_palindrome(text):\n    s = ''.join(c.lower() for c in text if c.isalnum())\n"
-                     "    return s == s[::-1]",
+    "    return s == s[::-1]",
     "gcd": "import math\ndef gcd(a, b):\n    return math.gcd(a, b)",
     "running_sum": "import itertools\ndef running_sum(numbers):\n    return list(itertools.accumulate(numbers))",
     "count_vowels": "def count_vowels(text):\n    return sum(1 for c in text.lower() if c in 'aeiou')",
@@ -202,4 +228,5 @@ def test_example_config_validates_and_its_prompt_file_is_current(name: str, monk
     assert environment.reset(records[0])
     committed = (REPO / config.env.source).read_text()
     assert committed == to_jsonl(EXAMPLES[name](len(records), 0)), (
-        f"regenerate: python -m examples.envs.{'code_task' if name == 'code' else name} --write {config.env.source}")
+        f"regenerate: python -m examples.envs.{'code_task' if name == 'code' else name} --write {config.env.source}"
+    )

@@ -27,8 +27,21 @@ class RayLaunch:
         self.address = address
         self.output = root / f"{name}.launcher.out"
         security = ["--run.curve_keys_dir", json.dumps(str(keys))] if keys else []
-        argv = [sys.executable, "-m", "launch.cli", "ray", str(config), "--run.root", json.dumps(str(root)),
-                "--run.name", name, "--ray.address", json.dumps(address), *security, *overrides]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "launch.cli",
+            "ray",
+            str(config),
+            "--run.root",
+            json.dumps(str(root)),
+            "--run.name",
+            name,
+            "--ray.address",
+            json.dumps(address),
+            *security,
+            *overrides,
+        ]
         with self.output.open("wb") as out:
             self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -38,8 +51,12 @@ class RayLaunch:
 
     def wait_steps(self, steps: int, timeout_s: float) -> list[dict[str, Any]]:
         """The learner's records once it has logged `steps` steps; fails with the launcher's output if not."""
-        wait_for(lambda: len(self.records()) >= steps or self.process.poll() is not None, timeout_s,
-                 lambda: f"{steps} learner steps", self)  # fmt: skip
+        wait_for(
+            lambda: len(self.records()) >= steps or self.process.poll() is not None,
+            timeout_s,
+            lambda: f"{steps} learner steps",
+            self,
+        )
         assert self.process.poll() is None or len(self.records()) >= steps, self.tail()
         return self.records()
 

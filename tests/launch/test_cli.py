@@ -29,7 +29,9 @@ def test_config_error_exits_2_naming_the_key(tmp_path: Path) -> None:
 def test_config_prints_resolved_values(tmp_path: Path) -> None:
     path = tmp_path / "ok.toml"
     path.write_text("[algo]\nmax_staleness = 3\n")
-    result = subprocess.run([*TANDEM, "config", str(path), "--learner.lr", "5e-7"], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [*TANDEM, "config", str(path), "--learner.lr", "5e-7"], capture_output=True, text=True, check=True
+    )
     assert '"max_staleness": 3' in result.stdout and '"lr": 5e-7' in result.stdout
 
 

@@ -28,8 +28,18 @@ GROUPS_PER_STEP = 4  # ray_sim.toml
 
 
 def scale_with_cli(name: str, address: str, generators: int) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "launch.cli", "ray", "scale", name, "--generators", str(generators),
-            "--address", address]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "launch.cli",
+        "ray",
+        "scale",
+        name,
+        "--generators",
+        str(generators),
+        "--address",
+        address,
+    ]
     return subprocess.run(argv, capture_output=True, text=True, timeout=120)
 
 
@@ -39,8 +49,19 @@ def test_scale_up_and_replace_dead_generators(tmp_path: Path, ray_cluster: str, 
     from launch.ray_control import controller, fleet_status, stop_fleet
     from launch.ray_plan import NAMESPACE, actor_name
 
-    launch = RayLaunch(tmp_path, "scale", ray_cluster, curve_keys, SIM_CONFIG, "--learner.total_steps", "100000",
-                       "--env.num_prompts", str(PROMPTS), "--buffer.epochs", "1")  # fmt: skip
+    launch = RayLaunch(
+        tmp_path,
+        "scale",
+        ray_cluster,
+        curve_keys,
+        SIM_CONFIG,
+        "--learner.total_steps",
+        "100000",
+        "--env.num_prompts",
+        str(PROMPTS),
+        "--buffer.epochs",
+        "1",
+    )
     try:
         records = launch.wait_steps(14, timeout_s=120)
         before = samples_per_s(records, 4, len(records))
@@ -61,8 +82,12 @@ def test_scale_up_and_replace_dead_generators(tmp_path: Path, ray_cluster: str, 
         handle = controller("scale")
         os.kill(ray.get(handle.member_pid.remote("generator-1")), signal.SIGKILL)  # a crash: its leases stay out
         ray.kill(ray.get_actor(actor_name("scale", "generator-2"), namespace=NAMESPACE))  # its actor dies
-        status = wait_for(lambda: (s := fleet_status("scale"))["restarts"]["generator"] == 2 and s, 60,
-                          "both dead generators to be replaced", launch)  # fmt: skip
+        status = wait_for(
+            lambda: (s := fleet_status("scale"))["restarts"]["generator"] == 2 and s,
+            60,
+            "both dead generators to be replaced",
+            launch,
+        )
         assert [g["name"] for g in status["generators"]][1:] == ["generator-3", "generator-4"]
 
         # Generators exit once the buffer has nothing left to lease and every leased prompt came back.
@@ -76,8 +101,9 @@ def test_scale_up_and_replace_dead_generators(tmp_path: Path, ray_cluster: str, 
     assert counters["arrived_groups"] == PROMPTS and counters["duplicates"] == 0, counters  # each prompt once
     assert counters["prompts_reissued"] >= 1 and counters["generators_lost"] >= 1, counters
     for unit in ("", "_groups"):
-        assert counters[f"arrived{unit}"] == sum(counters[f"{key}{unit}"] for key in
-                                                 ("trained", "dropped_stale", "evicted", "rejected", "buffered"))
+        assert counters[f"arrived{unit}"] == sum(
+            counters[f"{key}{unit}"] for key in ("trained", "dropped_stale", "evicted", "rejected", "buffered")
+        )
     records = launch.records()
     gaps = [b["time"] - a["time"] for a, b in zip(records, records[1:])]
     assert max(gaps) < 20, f"the learner stalled {max(gaps):.1f}s (lease timeout 20s)"
@@ -94,8 +120,17 @@ def test_dead_learner_stops_the_run_cleanly(tmp_path: Path, ray_cluster: str, cu
     from learners.checkpoint import CheckpointManager
     from launch.ray_control import controller
 
-    launch = RayLaunch(tmp_path, "learner-dies", ray_cluster, curve_keys, SIM_CONFIG,
-                       "--learner.total_steps", "100000", "--learner.save_every", "5")  # fmt: skip
+    launch = RayLaunch(
+        tmp_path,
+        "learner-dies",
+        ray_cluster,
+        curve_keys,
+        SIM_CONFIG,
+        "--learner.total_steps",
+        "100000",
+        "--learner.save_every",
+        "5",
+    )
     try:
         launch.wait_steps(12, timeout_s=120)
         pid = ray.get(controller("learner-dies").member_pid.remote("learner-0"))
@@ -115,8 +150,19 @@ def test_dead_learner_resumes_when_configured(tmp_path: Path, ray_cluster: str, 
     from common.metrics import read_metrics
     from launch.ray_control import controller
 
-    launch = RayLaunch(tmp_path, "learner-resumes", ray_cluster, curve_keys, SIM_CONFIG, "--learner.total_steps", "30",
-                       "--learner.save_every", "5", "--ray.max_learner_restarts", "1")  # fmt: skip
+    launch = RayLaunch(
+        tmp_path,
+        "learner-resumes",
+        ray_cluster,
+        curve_keys,
+        SIM_CONFIG,
+        "--learner.total_steps",
+        "30",
+        "--learner.save_every",
+        "5",
+        "--ray.max_learner_restarts",
+        "1",
+    )
     try:
         launch.wait_steps(12, timeout_s=120)
         os.kill(ray.get(controller("learner-resumes").member_pid.remote("learner-0")), signal.SIGKILL)

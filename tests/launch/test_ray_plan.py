@@ -31,9 +31,18 @@ def test_actor_names_show_run_role_and_index() -> None:
 
 
 def test_demand_counts_buffer_learner_processes_and_generators() -> None:
-    config = load_config(None, {"generator.count": 4, "learner.world_size": 2, "learner.groups_per_step": 4,
-                                "ray.generator_cpus": 0.5, "ray.learner_gpus": 1, "ray.generator_gpus": 2,
-                                "generator.tensor_parallel_size": 2})  # fmt: skip
+    config = load_config(
+        None,
+        {
+            "generator.count": 4,
+            "learner.world_size": 2,
+            "learner.groups_per_step": 4,
+            "ray.generator_cpus": 0.5,
+            "ray.learner_gpus": 1,
+            "ray.generator_gpus": 2,
+            "generator.tensor_parallel_size": 2,
+        },
+    )
     assert resource_demand(config) == {"CPU": 1 + 2 * 1 + 4 * 0.5, "GPU": 2 * 1 + 4 * 2}
     assert resource_demand(config, generators=1)["GPU"] == 2 + 2
     simulated = load_config(None, {"learner.world_size": 2, "learner.groups_per_step": 4, "run.simulate": True})
@@ -49,8 +58,9 @@ def test_capacity_problem_names_the_knobs_to_change() -> None:
 
 def test_fleet_config_fills_both_ends_of_every_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    config = load_config(None, {"run.root": "runs", "run.insecure": True, "learner.cpu_cores": "1",
-                                "generator.cpu_cores": "0"})  # fmt: skip
+    config = load_config(
+        None, {"run.root": "runs", "run.insecure": True, "learner.cpu_cores": "1", "generator.cpu_cores": "0"}
+    )
     fleet = fleet_config(config, Endpoints("10.0.0.5", 41234, "10.0.0.7", 41801))
     assert fleet.run.root == tmp_path / "runs"  # absolute: roles run in other directories
     assert (fleet.buffer.host, fleet.buffer.port) == ("10.0.0.5", 41234)
@@ -59,7 +69,7 @@ def test_fleet_config_fills_both_ends_of_every_endpoint(tmp_path: Path, monkeypa
     assert fleet.generator.weights_address == "10.0.0.7:41801"
     assert fleet.learner.cpu_cores == fleet.generator.cpu_cores == ""  # Ray places; no pinning
     ipv6 = fleet_config(config, Endpoints("fd00::5", 1, "fd00::7", 2))
-    assert ipv6.generator.buffer_address == "fd00::5:1"  # host = everything before the last ':' 
+    assert ipv6.generator.buffer_address == "fd00::5:1"  # host = everything before the last ':'
 
 
 def test_learner_env_counts_local_ranks_per_node() -> None:
@@ -92,8 +102,9 @@ def test_ray_section_rules() -> None:
 
 
 def test_example_gpu_cluster_config_validates() -> None:
-    result = subprocess.run([*TANDEM, "config", str(REPO / "examples" / "gpu_cluster.toml")], capture_output=True,
-                            text=True, cwd=REPO)  # fmt: skip
+    result = subprocess.run(
+        [*TANDEM, "config", str(REPO / "examples" / "gpu_cluster.toml")], capture_output=True, text=True, cwd=REPO
+    )
     assert result.returncode == 0, result.stderr
     config = load_config(REPO / "examples" / "gpu_cluster.toml")
     assert (config.generator.count, config.generator.tensor_parallel_size, config.ray.generator_gpus) == (8, 2, 2)

@@ -16,11 +16,26 @@ E2E_CONFIG = Path(__file__).resolve().parent / "e2e.toml"
 STEPS = 3
 
 
-def test_tiny_model_trains_through_tandem_ray(tmp_path: Path, ray_cluster: str, curve_keys: Path,
-                                              tiny_model_dir: Path) -> None:  # fmt: skip
-    launch = RayLaunch(tmp_path, "real", ray_cluster, curve_keys, E2E_CONFIG, "--model.path", str(tiny_model_dir),
-                       "--learner.total_steps", str(STEPS), "--ray.buffer_cpus", "0.5", "--ray.learner_cpus", "1",
-                       "--ray.generator_cpus", "1")  # fmt: skip
+def test_tiny_model_trains_through_tandem_ray(
+    tmp_path: Path, ray_cluster: str, curve_keys: Path, tiny_model_dir: Path
+) -> None:
+    launch = RayLaunch(
+        tmp_path,
+        "real",
+        ray_cluster,
+        curve_keys,
+        E2E_CONFIG,
+        "--model.path",
+        str(tiny_model_dir),
+        "--learner.total_steps",
+        str(STEPS),
+        "--ray.buffer_cpus",
+        "0.5",
+        "--ray.learner_cpus",
+        "1",
+        "--ray.generator_cpus",
+        "1",
+    )
     try:
         assert launch.wait_exit(timeout_s=360) == 0, launch.tail()
     finally:
@@ -30,7 +45,12 @@ def test_tiny_model_trains_through_tandem_ray(tmp_path: Path, ray_cluster: str, 
     assert {"loss/policy", "policy/kl", "reward/mean", "staleness/max"} <= records[-1].keys()
     assert records[-1]["policy_version"] == STEPS
     counters = buffer_counters(launch.run_dir)
-    assert counters["arrived"] == (counters["trained"] + counters["dropped_stale"] + counters["evicted"]
-                                   + counters["rejected"] + counters["buffered"])  # fmt: skip
+    assert counters["arrived"] == (
+        counters["trained"]
+        + counters["dropped_stale"]
+        + counters["evicted"]
+        + counters["rejected"]
+        + counters["buffered"]
+    )
     assert "run finished" in launch.tail()
     assert not processes_of(launch.run_dir), processes_of(launch.run_dir)

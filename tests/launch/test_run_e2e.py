@@ -18,8 +18,16 @@ from tests.conftest import free_port
 from tests.launch.ray_runs import buffer_counters, processes_of
 
 REQUIRED_KEYS = {
-    "step", "policy_version", "time", "reward/mean", "staleness/mean", "staleness/max",
-    "buffer/dropped_stale", "perf/tokens_per_s", "loss/policy", "policy/kl",
+    "step",
+    "policy_version",
+    "time",
+    "reward/mean",
+    "staleness/mean",
+    "staleness/max",
+    "buffer/dropped_stale",
+    "perf/tokens_per_s",
+    "loss/policy",
+    "policy/kl",
 }
 
 
@@ -27,12 +35,31 @@ def run_tandem(tmp_path: Path, model_dir: Path, eta: int, steps: int = 4) -> tup
     buffer_port, weights_port = free_port(), free_port()
     name = f"e2e-eta{eta}"
     argv = [
-        sys.executable, "-m", "launch.cli", "run", str(Path(__file__).parent / "e2e.toml"),
-        "--run.root", str(tmp_path), "--run.name", name, "--model.path", str(model_dir),
-        "--algo.max_staleness", str(eta), "--learner.total_steps", str(steps),
-        "--buffer.port", str(buffer_port), "--generator.buffer_address", f"127.0.0.1:{buffer_port}",
-        "--learner.buffer_address", f"127.0.0.1:{buffer_port}",
-        "--learner.weights_port", str(weights_port), "--generator.weights_address", f"127.0.0.1:{weights_port}",
+        sys.executable,
+        "-m",
+        "launch.cli",
+        "run",
+        str(Path(__file__).parent / "e2e.toml"),
+        "--run.root",
+        str(tmp_path),
+        "--run.name",
+        name,
+        "--model.path",
+        str(model_dir),
+        "--algo.max_staleness",
+        str(eta),
+        "--learner.total_steps",
+        str(steps),
+        "--buffer.port",
+        str(buffer_port),
+        "--generator.buffer_address",
+        f"127.0.0.1:{buffer_port}",
+        "--learner.buffer_address",
+        f"127.0.0.1:{buffer_port}",
+        "--learner.weights_port",
+        str(weights_port),
+        "--generator.weights_address",
+        f"127.0.0.1:{weights_port}",
     ]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     return result, tmp_path / name

@@ -1,8 +1,8 @@
 """Fakes beside the learner's tests: synthetic rollout groups and a fake buffer service over real sockets.
 
-    group = synthetic_group(rng, prompt_len=6, lengths=[3, 5], version=0)
-    buffer = FakeBuffer(port, groups_per_step=2, group_size=4, gate=2)   # real `Server` in a thread
-    with LearnerProcess(config, tmp_path / "learner.log") as learner: ...   # `tandem learner`, killed after
+group = synthetic_group(rng, prompt_len=6, lengths=[3, 5], version=0)
+buffer = FakeBuffer(port, groups_per_step=2, group_size=4, gate=2)   # real `Server` in a thread
+with LearnerProcess(config, tmp_path / "learner.log") as learner: ...   # `tandem learner`, killed after
 """
 
 from __future__ import annotations
@@ -37,9 +37,16 @@ REPO = Path(__file__).resolve().parents[2]
 VOCAB = 49152
 
 
-def synthetic_group(rng: np.random.Generator, prompt_len: int, lengths: list[int], version: int = 0,
-                    lease_id: int = 0, prompt_id: int = 0, rewards: list[float] | None = None,
-                    behaviour_logprob: float = -10.8) -> RolloutGroup:
+def synthetic_group(
+    rng: np.random.Generator,
+    prompt_len: int,
+    lengths: list[int],
+    version: int = 0,
+    lease_id: int = 0,
+    prompt_id: int = 0,
+    rewards: list[float] | None = None,
+    behaviour_logprob: float = -10.8,
+) -> RolloutGroup:
     """A valid group of len(lengths) samples with random tokens (ids 3..VOCAB), random rewards in [0, 1)
     unless given, behaviour log-probs ~ log(1 / VOCAB) (what a near-uniform tiny model assigns)."""
     n = len(lengths)
@@ -67,8 +74,14 @@ def synthetic_batch(seed: int, num_groups: int, group_size: int, version: int = 
     """`num_groups` groups of varied prompt and completion lengths, reproducible from `seed`."""
     rng = np.random.default_rng(seed)
     return [
-        synthetic_group(rng, int(rng.integers(4, 9)), [int(x) for x in rng.integers(2, 7, group_size)],
-                        version=version, lease_id=seed, prompt_id=g)
+        synthetic_group(
+            rng,
+            int(rng.integers(4, 9)),
+            [int(x) for x in rng.integers(2, 7, group_size)],
+            version=version,
+            lease_id=seed,
+            prompt_id=g,
+        )
         for g in range(num_groups)
     ]
 
@@ -81,10 +94,16 @@ class FakeBuffer:
     are answered `BatchNotReady` until `open_gate()`. Records every BatchRequest and VersionReport.
     """
 
-    def __init__(self, port: int, groups_per_step: int, group_size: int, gate: int | None = None,
-                 hold_s: float = 0.2) -> None:
+    def __init__(
+        self, port: int, groups_per_step: int, group_size: int, gate: int | None = None, hold_s: float = 0.2
+    ) -> None:
         self.port, self.groups_per_step, self.group_size, self.gate, self.hold_s = (
-            port, groups_per_step, group_size, gate, hold_s)
+            port,
+            groups_per_step,
+            group_size,
+            gate,
+            hold_s,
+        )
         self.requests: list[BatchRequest] = []
         self.reports: list[VersionReport] = []
         self.learner_version = 0
@@ -138,20 +157,34 @@ def learner_config(model_dir: object, **overrides: object) -> TandemConfig:
     """A small valid config for the tiny model: 2 groups of 4 per step, micro-batches of 4, fp32, lr 1e-3.
     `overrides` use dotted keys with "__" for ".": learner_config(d, learner__zero_stage=3)."""
     values: dict[str, object] = {
-        "model.path": str(model_dir), "model.dtype": "float32", "algo.group_size": 4, "algo.max_staleness": 1,
-        "learner.groups_per_step": 2, "learner.micro_batch_size": 4, "learner.lr": 1e-3, "learner.zero_stage": 1,
+        "model.path": str(model_dir),
+        "model.dtype": "float32",
+        "algo.group_size": 4,
+        "algo.max_staleness": 1,
+        "learner.groups_per_step": 2,
+        "learner.micro_batch_size": 4,
+        "learner.lr": 1e-3,
+        "learner.zero_stage": 1,
     }
     values.update({key.replace("__", "."): value for key, value in overrides.items()})
     return load_config(None, values)
 
 
-def process_config(model_dir: object, run_root: Path, buffer_port: int, weights_port: int,
-                   **overrides: object) -> TandemConfig:
+def process_config(
+    model_dir: object, run_root: Path, buffer_port: int, weights_port: int, **overrides: object
+) -> TandemConfig:
     """`learner_config` wired to a fake buffer and a weights port on loopback, with its run dir under `run_root`."""
     return learner_config(
-        model_dir, run__root=str(run_root), run__name="run", buffer__port=buffer_port,
-        learner__buffer_address=f"127.0.0.1:{buffer_port}", generator__buffer_address=f"127.0.0.1:{buffer_port}",
-        learner__weights_port=weights_port, generator__weights_address=f"127.0.0.1:{weights_port}", **overrides)
+        model_dir,
+        run__root=str(run_root),
+        run__name="run",
+        buffer__port=buffer_port,
+        learner__buffer_address=f"127.0.0.1:{buffer_port}",
+        generator__buffer_address=f"127.0.0.1:{buffer_port}",
+        learner__weights_port=weights_port,
+        generator__weights_address=f"127.0.0.1:{weights_port}",
+        **overrides,
+    )
 
 
 DIST_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -177,7 +210,11 @@ class LearnerProcess:
         self._log = open(log_path, "w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "launch.cli", "learner", str(config_path), *(extra_args or [])],
-            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=clean_environment(),
+            cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=clean_environment(),
         )
 
     def wait_until(self, condition: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -231,5 +268,7 @@ def safetensors_bytes(path: Path) -> dict[str, bytes]:
 
     import torch
 
-    return {name: (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
-            for name, t in load_file(str(path)).items()}
+    return {
+        name: (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
+        for name, t in load_file(str(path)).items()
+    }

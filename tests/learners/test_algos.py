@@ -50,7 +50,7 @@ def random_mask(batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
         mask[b, :n] = True
         if n >= 4:  # an environment span strictly inside the completion
             start = int(torch.randint(1, n - 2, (1,), generator=gen))
-            mask[b, start:start + int(torch.randint(1, n - start, (1,), generator=gen))] = False
+            mask[b, start : start + int(torch.randint(1, n - start, (1,), generator=gen))] = False
     return mask
 
 
@@ -64,8 +64,8 @@ def with_garbage(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def test_masked_mean_and_whiten_hand() -> None:
     x = t64([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     mask = t64([[1, 0, 1], [0, 0, 0]])
-    assert masked_mean(x, mask).item() == approx(2.0)                       # (1 + 3) / 2
-    assert masked_mean(x, mask, dim=1).tolist() == approx([2.0, 0.0])       # empty row -> 0, not NaN
+    assert masked_mean(x, mask).item() == approx(2.0)  # (1 + 3) / 2
+    assert masked_mean(x, mask, dim=1).tolist() == approx([2.0, 0.0])  # empty row -> 0, not NaN
     assert masked_mean(x, torch.zeros_like(mask)).item() == 0.0
     # x = [1, 2, 3] unmasked, 100 masked: mu = 2, population var = (1 + 0 + 1) / 3 = 2/3, 1/sqrt(2/3) = 1.224745
     w = masked_whiten(t64([[1.0, 2.0, 3.0, NAN]]), t64([[1, 1, 1, 0]]))
@@ -88,7 +88,7 @@ def ref_grpo(rewards: list[float], ids: list[int], scale_by_std: bool, eps: floa
     for r, g in zip(rewards, ids):
         group = [rj for rj, gj in zip(rewards, ids) if gj == g]
         mean = statistics.mean(group)
-        std = statistics.stdev(group) if len(group) > 1 else 0.0           # unbiased
+        std = statistics.stdev(group) if len(group) > 1 else 0.0  # unbiased
         out.append((r - mean) / (std + eps) if scale_by_std else r - mean)
     return out
 
@@ -115,22 +115,26 @@ def test_grpo_hand() -> None:
 
 
 def test_grpo_equal_rewards_and_singletons_give_exact_zero() -> None:
-    rewards = t64([0.1, 0.1, 0.1, 1e8 + 0.1, 1e8 + 0.1, 3.0])   # 0.3/3 != 0.1 in floats: no rounding residue
-    ids = torch.tensor([0, 0, 0, 1, 1, 2])                       # group 2 has one sample
-    for adv in (grpo_advantages(rewards, ids), grpo_advantages(rewards, ids, scale_by_std=False),
-                reinforce_pp_advantages(rewards, ids), reinforce_pp_advantages(torch.full((4,), 0.1))):
+    rewards = t64([0.1, 0.1, 0.1, 1e8 + 0.1, 1e8 + 0.1, 3.0])  # 0.3/3 != 0.1 in floats: no rounding residue
+    ids = torch.tensor([0, 0, 0, 1, 1, 2])  # group 2 has one sample
+    for adv in (
+        grpo_advantages(rewards, ids),
+        grpo_advantages(rewards, ids, scale_by_std=False),
+        reinforce_pp_advantages(rewards, ids),
+        reinforce_pp_advantages(torch.full((4,), 0.1)),
+    ):
         assert torch.equal(adv, torch.zeros_like(adv))
     assert torch.equal(rloo_advantages(rewards[:5], ids[:5]), torch.zeros(5, dtype=torch.float64))
 
 
 def test_grpo_matches_reference_and_grid_layout() -> None:
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 9, (40,), generator=gen)             # unsorted, uneven sizes (maybe singletons)
+    ids = torch.randint(0, 9, (40,), generator=gen)  # unsorted, uneven sizes (maybe singletons)
     rewards = torch.randn(40, generator=gen, dtype=torch.float64)
     for scale in (True, False):
         got = grpo_advantages(rewards, ids, scale_by_std=scale, eps=1e-6)
         assert got.tolist() == approx(ref_grpo(rewards.tolist(), ids.tolist(), scale, 1e-6))
-    grid = torch.randn(5, 8, generator=gen)                      # [G, n]
+    grid = torch.randn(5, 8, generator=gen)  # [G, n]
     got = grpo_advantages(grid.reshape(-1), contiguous_group_ids(40, 8))
     expected = (grid - grid.mean(1, keepdim=True)) / (grid.std(1, keepdim=True) + 1e-6)
     torch.testing.assert_close(got, expected.reshape(-1))
@@ -139,17 +143,20 @@ def test_grpo_matches_reference_and_grid_layout() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(-3, 3), st.one_of(st.sampled_from([0.0, 1.0]),
-                                                          st.floats(-10, 10, allow_nan=False))),
-                min_size=1, max_size=24))
+@given(
+    st.lists(
+        st.tuples(st.integers(-3, 3), st.one_of(st.sampled_from([0.0, 1.0]), st.floats(-10, 10, allow_nan=False))),
+        min_size=1,
+        max_size=24,
+    )
+)
 def test_group_estimators_property(samples: list[tuple[int, float]]) -> None:
     ids = [g for g, _ in samples]
     rewards = [r for _, r in samples]
     got = grpo_advantages(t64(rewards), torch.tensor(ids))
     assert got.tolist() == approx(ref_grpo(rewards, ids, True, 1e-6), rel=1e-6, abs=1e-6)
     if min(ids.count(g) for g in ids) >= 2:
-        assert rloo_advantages(t64(rewards), torch.tensor(ids)).tolist() == approx(ref_rloo(rewards, ids),
-                                                                                   abs=1e-9)
+        assert rloo_advantages(t64(rewards), torch.tensor(ids)).tolist() == approx(ref_rloo(rewards, ids), abs=1e-9)
 
 
 def test_rloo_hand_and_singleton_error() -> None:
@@ -188,13 +195,13 @@ def test_broadcast_to_tokens() -> None:
 
 
 def test_token_returns_with_kl_hand() -> None:
-    mask = torch.tensor([[1, 1, 0, 1, 0], [0, 0, 0, 0, 0]])     # t=2 environment token, t=4 padding; empty row
+    mask = torch.tensor([[1, 1, 0, 1, 0], [0, 0, 0, 0, 0]])  # t=2 environment token, t=4 padding; empty row
     kl = t64([[0.1, 0.2, 9.9, 0.3, NAN], [1.0, 1.0, 1.0, 1.0, 1.0]])
     ret = token_returns_with_kl(t64([1.0, 5.0]), kl, mask, kl_coef=0.5)
     # token rewards: [-0.05, -0.1, 0 (env), -0.15 + 1 (terminal) = 0.85, 0]
     # reward-to-go: t3 = 0.85; t1 = -0.1 + 0.85 = 0.75; t0 = -0.05 + 0.75 = 0.70; env/pad -> 0
     assert ret.tolist()[0] == approx([0.70, 0.75, 0.0, 0.85, 0.0])
-    assert ret.tolist()[1] == [0.0] * 5                          # no action token: the reward is dropped
+    assert ret.tolist()[1] == [0.0] * 5  # no action token: the reward is dropped
 
 
 def test_token_returns_with_kl_matches_reference() -> None:
@@ -225,14 +232,14 @@ def ref_gae(r: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, gamma: float, 
 
 
 def test_gae_hand() -> None:
-    mask = torch.tensor([[1, 1, 0, 1]])                          # t=2 is an environment token
+    mask = torch.tensor([[1, 1, 0, 1]])  # t=2 is an environment token
     rewards, values = t64([[0.0, 0.0, 5.0, 1.0]]), t64([[0.5, 0.6, 100.0, 0.8]])
     adv, ret = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.8)
     # t3: delta = 1 + 0.9 * 0 - 0.8 = 0.2;                  A3 = 0.2
     # t1: delta = 0 + 0.9 * V3 (0.8, skips env t2) - 0.6 = 0.12;  A1 = 0.12 + 0.72 * 0.2 = 0.264
     # t0: delta = 0 + 0.9 * 0.6 - 0.5 = 0.04;               A0 = 0.04 + 0.72 * 0.264 = 0.23008
     assert adv.tolist()[0] == approx([0.23008, 0.264, 0.0, 0.2])
-    assert ret.tolist()[0] == approx([0.73008, 0.864, 0.0, 1.0])    # A + V on action tokens
+    assert ret.tolist()[0] == approx([0.73008, 0.864, 0.0, 1.0])  # A + V on action tokens
 
 
 def test_gae_matches_reference_and_monte_carlo_limit() -> None:
@@ -264,10 +271,10 @@ def test_kl_estimate_hand() -> None:
 
 def test_kl_estimators_are_unbiased_for_kl_policy_vs_ref() -> None:
     gen = torch.Generator().manual_seed(3)
-    logp = torch.log_softmax(torch.randn(6, generator=gen, dtype=torch.float64), 0)      # pi_theta
-    logq = torch.log_softmax(torch.randn(6, generator=gen, dtype=torch.float64), 0)      # pi_ref
-    exact = (logp.exp() * (logp - logq)).sum().item()                                     # KL(pi_theta || pi_ref)
-    x = torch.multinomial(logp.exp(), 200_000, replacement=True, generator=gen)          # x ~ pi_theta
+    logp = torch.log_softmax(torch.randn(6, generator=gen, dtype=torch.float64), 0)  # pi_theta
+    logq = torch.log_softmax(torch.randn(6, generator=gen, dtype=torch.float64), 0)  # pi_ref
+    exact = (logp.exp() * (logp - logq)).sum().item()  # KL(pi_theta || pi_ref)
+    x = torch.multinomial(logp.exp(), 200_000, replacement=True, generator=gen)  # x ~ pi_theta
     lp, ref, mask = logp[x][None], logq[x][None], torch.ones(1, x.numel())
     for kind in ("k1", "k3"):
         k = kl_estimate(lp, ref, kind, mask)
@@ -285,7 +292,7 @@ def test_policy_loss_ppo_hand() -> None:
     # t2: r = 1,   A = 2:  -2;  token_mean = (-1.2 + 0.8 - 2) / 3 = -0.8
     assert loss.item() == approx(-0.8)
     loss.backward()
-    assert lp.grad.tolist()[0] == approx([0.0, 0.0, -2 / 3, 0.0])   # d(-A r)/dlog r = -A r, / 3 tokens
+    assert lp.grad.tolist()[0] == approx([0.0, 0.0, -2 / 3, 0.0])  # d(-A r)/dlog r = -A r, / 3 tokens
     assert stats["clip_frac_low"].item() == approx(1 / 3) and stats["clip_frac_high"].item() == approx(1 / 3)
     assert stats["clip_frac"].item() == approx(2 / 3) and stats["ratio_mean"].item() == approx(1.0)
     # approx_kl (k3 of prox vs theta): t0: 1/1.5 - 1 + log 1.5 = 0.0721318; t1: 2 - 1 + log 0.5 = 0.3068528
@@ -302,9 +309,16 @@ def test_policy_loss_dual_clip_and_clip_higher_hand() -> None:
     assert policy_loss(lp, prox, None, adv, mask)[0].item() == approx((4.0 + 2.0) / 2)
     # clip-higher, A = 1: r = 1.25 -> -1.25; r = 1.3 -> -min(1.3, 1.28) = -1.28; r = 0.7 -> -min(0.7, 0.8) = -0.7
     lp3 = t64([[L(1.25), L(1.3), L(0.7)]])
-    loss, stats = policy_loss(lp3, torch.zeros(1, 3, dtype=torch.float64), None, torch.ones(1, 3,
-                              dtype=torch.float64), torch.ones(1, 3), clip_low=0.2, clip_high=0.28)
-    assert loss.item() == approx(-(1.25 + 1.28 + 0.7) / 3)      # -1.076667
+    loss, stats = policy_loss(
+        lp3,
+        torch.zeros(1, 3, dtype=torch.float64),
+        None,
+        torch.ones(1, 3, dtype=torch.float64),
+        torch.ones(1, 3),
+        clip_low=0.2,
+        clip_high=0.28,
+    )
+    assert loss.item() == approx(-(1.25 + 1.28 + 0.7) / 3)  # -1.076667
     assert stats["clip_frac_high"].item() == approx(1 / 3) and stats["clip_frac_low"].item() == 0.0
 
 
@@ -323,9 +337,9 @@ def test_policy_loss_decoupled_hand() -> None:
 
 def test_policy_loss_sequence_tis_and_seq_mean_hand() -> None:
     prox = torch.zeros(3, 2, dtype=torch.float64)
-    lp = prox.clone()                                             # r = 1 everywhere
+    lp = prox.clone()  # r = 1 everywhere
     behaviour = -t64([[L(1.5), L(1.2)], [L(1.5), L(100.0)], [0.0, 0.0]])
-    mask = t64([[1, 1], [1, 0], [0, 0]])                          # row 1: one action token; row 2: empty
+    mask = t64([[1, 1], [1, 0], [0, 0]])  # row 1: one action token; row 2: empty
     adv = t64([[1.0, 1.0], [1.0, 7.0], [5.0, 5.0]])
     # row 0: w = min(1.5 * 1.2, 2) = 1.8 on both tokens -> l = [-1.8, -1.8]
     # row 1: w = 1.5 (the masked log 100 is not in the product) -> l = -1.5
@@ -338,9 +352,21 @@ def test_policy_loss_sequence_tis_and_seq_mean_hand() -> None:
     assert stats["is_truncated_frac"].item() == approx(2 / 3)
 
 
-def ref_policy_loss(lp: torch.Tensor, prox: torch.Tensor, behaviour: torch.Tensor, adv: torch.Tensor,
-                    mask: torch.Tensor, *, clip_low: float, clip_high: float, dual_clip: float | None,
-                    correction: str, tis_level: str, tis_cap: float, aggregation: str) -> torch.Tensor:
+def ref_policy_loss(
+    lp: torch.Tensor,
+    prox: torch.Tensor,
+    behaviour: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    correction: str,
+    tis_level: str,
+    tis_cap: float,
+    aggregation: str,
+) -> torch.Tensor:
     """Loop over samples and tokens; torch 0-d ops only on `lp` so that autograd gives the reference gradient."""
     rows = []
     for b in range(lp.shape[0]):
@@ -369,23 +395,33 @@ def ref_policy_loss(lp: torch.Tensor, prox: torch.Tensor, behaviour: torch.Tenso
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
-@pytest.mark.parametrize("correction,tis_level", [("none", "token"), ("decoupled", "token"), ("tis", "token"),
-                                                  ("tis", "sequence")])
+@pytest.mark.parametrize(
+    "correction,tis_level", [("none", "token"), ("decoupled", "token"), ("tis", "token"), ("tis", "sequence")]
+)
 @pytest.mark.parametrize("dual_clip", [None, 2.0])
-def test_policy_loss_matches_reference(aggregation: str, correction: str, tis_level: str,
-                                       dual_clip: float | None) -> None:
+def test_policy_loss_matches_reference(
+    aggregation: str, correction: str, tis_level: str, dual_clip: float | None
+) -> None:
     gen = torch.Generator().manual_seed(4)
     batch, length = 6, 12
-    mask = random_mask(batch, length, gen)                        # row 0 empty, env holes in the middle
-    behaviour = -torch.rand(batch, length, generator=gen, dtype=torch.float64) * 3        # vLLM, stale
+    mask = random_mask(batch, length, gen)  # row 0 empty, env holes in the middle
+    behaviour = -torch.rand(batch, length, generator=gen, dtype=torch.float64) * 3  # vLLM, stale
     prox = behaviour + 0.3 * torch.randn(batch, length, generator=gen, dtype=torch.float64)  # != behaviour
-    current = prox + 0.4 * torch.randn(batch, length, generator=gen, dtype=torch.float64)    # != prox
+    current = prox + 0.4 * torch.randn(batch, length, generator=gen, dtype=torch.float64)  # != prox
     adv = torch.randn(batch, length, generator=gen, dtype=torch.float64)
-    kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=dual_clip, correction=correction, tis_level=tis_level,
-              tis_cap=1.5, aggregation=aggregation)
+    kw = dict(
+        clip_low=0.2,
+        clip_high=0.28,
+        dual_clip=dual_clip,
+        correction=correction,
+        tis_level=tis_level,
+        tis_cap=1.5,
+        aggregation=aggregation,
+    )
     lp = with_garbage(current, mask).requires_grad_()
-    loss, stats = policy_loss(lp, with_garbage(prox, mask), with_garbage(behaviour, mask),
-                              with_garbage(adv, mask), mask, **kw)
+    loss, stats = policy_loss(
+        lp, with_garbage(prox, mask), with_garbage(behaviour, mask), with_garbage(adv, mask), mask, **kw
+    )
     lp_ref = current.clone().requires_grad_()
     expected = ref_policy_loss(lp_ref, prox, behaviour, adv, mask, **kw)
     assert loss.item() == approx(expected.item(), rel=1e-9)
@@ -411,8 +447,9 @@ def test_policy_loss_zero_advantages_and_decoupled_identity() -> None:
     for aggregation in ("token_mean", "seq_mean"):
         plain_lp, dec_lp = lp.detach().clone().requires_grad_(), lp.detach().clone().requires_grad_()
         plain, _ = policy_loss(plain_lp, prox, None, adv, mask, aggregation=aggregation)
-        decoupled, stats = policy_loss(dec_lp, prox, prox.clone(), adv, mask, correction="decoupled",
-                                       aggregation=aggregation)
+        decoupled, stats = policy_loss(
+            dec_lp, prox, prox.clone(), adv, mask, correction="decoupled", aggregation=aggregation
+        )
         plain.backward()
         decoupled.backward()
         assert decoupled.item() == plain.item() and torch.equal(dec_lp.grad, plain_lp.grad)
@@ -422,8 +459,9 @@ def test_policy_loss_zero_advantages_and_decoupled_identity() -> None:
 def test_policy_loss_without_action_tokens_is_zero() -> None:
     lp = torch.randn(3, 4).requires_grad_()
     for aggregation in ("token_mean", "seq_mean"):
-        loss, stats = policy_loss(lp, lp.detach(), lp.detach(), torch.ones(3, 4), torch.zeros(3, 4),
-                                  correction="tis", aggregation=aggregation)
+        loss, stats = policy_loss(
+            lp, lp.detach(), lp.detach(), torch.ones(3, 4), torch.zeros(3, 4), correction="tis", aggregation=aggregation
+        )
         assert loss.item() == 0.0 and all(v.item() == 0.0 for v in stats.values())
         loss.backward()
         assert lp.grad.abs().sum() == 0
@@ -431,9 +469,13 @@ def test_policy_loss_without_action_tokens_is_zero() -> None:
 
 def test_policy_loss_argument_errors() -> None:
     x, mask = torch.zeros(1, 2), torch.ones(1, 2)
-    for kw, match in ((dict(correction="tis"), "needs behaviour_logprobs"), (dict(dual_clip=0.5), "dual_clip"),
-                      (dict(aggregation="sum"), "aggregation"), (dict(clip_low=1.0), "clip_low"),
-                      (dict(correction="decoupled", tis_level="sequence"), "tis_level='sequence'")):
+    for kw, match in (
+        (dict(correction="tis"), "needs behaviour_logprobs"),
+        (dict(dual_clip=0.5), "dual_clip"),
+        (dict(aggregation="sum"), "aggregation"),
+        (dict(clip_low=1.0), "clip_low"),
+        (dict(correction="decoupled", tis_level="sequence"), "tis_level='sequence'"),
+    ):
         with pytest.raises(ValueError, match=match):
             policy_loss(x, x, None if kw.get("correction") == "tis" else x, x, mask, **kw)
     with pytest.raises(ValueError, match="advantages has shape"):

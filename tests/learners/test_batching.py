@@ -86,11 +86,12 @@ def test_padded_forward_matches_each_sample_alone(tiny_model_dir) -> None:
     inputs = batch.model_inputs(slice(0, batch.size), torch.device("cpu"))
     with torch.no_grad():
         logits = model(**inputs.forward_kwargs(), logits_to_keep=inputs.num_predicted).logits[:, :-1]
-        padded = logprobs_from_logits(logits, inputs.completion_tokens)                     # [B, T']
+        padded = logprobs_from_logits(logits, inputs.completion_tokens)  # [B, T']
         for row in range(batch.size):
             n = int(batch.completion_lengths[row])
-            alone = torch.cat([torch.from_numpy(batch.prompts[row].astype(np.int64)),
-                               batch.completion_tokens[row, :n]])[None]
+            alone = torch.cat(
+                [torch.from_numpy(batch.prompts[row].astype(np.int64)), batch.completion_tokens[row, :n]]
+            )[None]
             logits_alone = model(input_ids=alone).logits[:, len(batch.prompts[row]) - 1 : -1]
             expected = logprobs_from_logits(logits_alone, batch.completion_tokens[row : row + 1, :n])[0]
             torch.testing.assert_close(padded[row, :n], expected, rtol=0, atol=2e-5)

@@ -15,8 +15,16 @@ from tests.learners.learner_fakes import FakeBuffer
 
 
 def link(port: int, rank: int = 0, world_size: int = 1) -> BufferLink:
-    return BufferLink(f"127.0.0.1:{port}", SocketSecurity(), rank, world_size, num_groups=2, hold_s=0.1,
-                      reply_margin_s=0.3, reconnect_max_s=0.2)
+    return BufferLink(
+        f"127.0.0.1:{port}",
+        SocketSecurity(),
+        rank,
+        world_size,
+        num_groups=2,
+        hold_s=0.1,
+        reply_margin_s=0.3,
+        reconnect_max_s=0.2,
+    )
 
 
 def test_fetch_outlives_a_buffer_that_starts_late_and_is_not_ready_at_first() -> None:

@@ -29,6 +29,7 @@ def relative_norm(update: dict[str, torch.Tensor], reference: dict[str, torch.Te
     error = sum(float(((update[n] - reference[n]) ** 2).sum()) for n in reference)
     return (error / sum(float((reference[n] ** 2).sum()) for n in reference)) ** 0.5
 
+
 pytestmark = pytest.mark.deepspeed
 
 
@@ -50,8 +51,16 @@ def test_two_ranks_make_the_update_of_one_rank(tiny_model_dir, tmp_path: Path, o
     from safetensors.torch import load_file
 
     buffer_port, weights_port = free_port(), free_port()
-    config = process_config(tiny_model_dir, tmp_path, buffer_port, weights_port, learner__world_size=2,
-                            learner__zero_stage=stage, learner__total_steps=1, learner__lr=LR)
+    config = process_config(
+        tiny_model_dir,
+        tmp_path,
+        buffer_port,
+        weights_port,
+        learner__world_size=2,
+        learner__zero_stage=stage,
+        learner__total_steps=1,
+        learner__lr=LR,
+    )
     buffer = FakeBuffer(buffer_port, groups_per_step=2, group_size=4)
     try:
         with LearnerProcess(config, tmp_path / "ranks.log") as learner:

@@ -47,13 +47,30 @@ def batch(seed: int, size: int = 8, width: int = 6) -> dict[str, torch.Tensor]:
 
 def advantages(algo: AlgoConfig, data: dict[str, torch.Tensor], rows: slice, use_kl: bool, sum_ranks=None):
     kwargs = {"sum_ranks": sum_ranks} if sum_ranks is not None else {}
-    return batch_advantages(algo, data["rewards"][rows], data["group_ids"][rows], data["mask"][rows],
-                            old_values=data["old_values"][rows], kl=data["kl"][rows] if use_kl else None, **kwargs)
+    return batch_advantages(
+        algo,
+        data["rewards"][rows],
+        data["group_ids"][rows],
+        data["mask"][rows],
+        old_values=data["old_values"][rows],
+        kl=data["kl"][rows] if use_kl else None,
+        **kwargs,
+    )
 
 
-@pytest.mark.parametrize("estimator, use_kl", [("grpo", False), ("dr_grpo", False), ("rloo", False),
-                                               ("reinforce_pp", False), ("reinforce_pp", True),
-                                               ("reinforce_pp_baseline", False), ("gae", False), ("gae", True)])
+@pytest.mark.parametrize(
+    "estimator, use_kl",
+    [
+        ("grpo", False),
+        ("dr_grpo", False),
+        ("rloo", False),
+        ("reinforce_pp", False),
+        ("reinforce_pp", True),
+        ("reinforce_pp_baseline", False),
+        ("gae", False),
+        ("gae", True),
+    ],
+)
 def test_two_ranks_get_the_advantages_of_the_whole_batch(estimator: str, use_kl: bool) -> None:
     algo = AlgoConfig(estimator=estimator, group_size=4, kl_coef=0.3, lam=0.9)
     data = batch(seed=len(estimator) + use_kl)
@@ -80,8 +97,9 @@ def test_two_ranks_get_the_advantages_of_the_whole_batch(estimator: str, use_kl:
 def test_one_rank_matches_the_batch_math_of_learners_advantages() -> None:
     data = batch(seed=3)
     mask = data["mask"]
-    torch.testing.assert_close(whiten_across_ranks(data["old_values"], mask), masked_whiten(data["old_values"], mask),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        whiten_across_ranks(data["old_values"], mask), masked_whiten(data["old_values"], mask), rtol=1e-5, atol=1e-6
+    )
     adv, _ = advantages(AlgoConfig(estimator="reinforce_pp", group_size=4), data, slice(0, 8), use_kl=False)
     expected = reinforce_pp_advantages(data["rewards"])  # (r - mean) / (std + 1e-6) vs * rsqrt(var + 1e-8)
     torch.testing.assert_close(adv[:, 0][mask[:, 0]], expected[mask[:, 0]], rtol=1e-4, atol=1e-5)

@@ -26,10 +26,29 @@ from tests.learners.learner_fakes import (
 )
 
 REQUIRED_METRICS = [
-    "step", "policy_version", "time", "reward/mean", "reward/std", "staleness/mean", "staleness/max",
-    "staleness/frac_0", "staleness/frac_1", "buffer/dropped_stale", "perf/tokens_per_s", "perf/step_s",
-    "perf/wait_s", "perf/forward_s", "perf/backward_s", "perf/publish_s", "loss/policy", "loss/kl", "policy/kl",
-    "policy/entropy", "policy/clip_frac", "policy/iw_mean", "policy/iw_max",
+    "step",
+    "policy_version",
+    "time",
+    "reward/mean",
+    "reward/std",
+    "staleness/mean",
+    "staleness/max",
+    "staleness/frac_0",
+    "staleness/frac_1",
+    "buffer/dropped_stale",
+    "perf/tokens_per_s",
+    "perf/step_s",
+    "perf/wait_s",
+    "perf/forward_s",
+    "perf/backward_s",
+    "perf/publish_s",
+    "loss/policy",
+    "loss/kl",
+    "policy/kl",
+    "policy/entropy",
+    "policy/clip_frac",
+    "policy/iw_mean",
+    "policy/iw_max",
 ]
 
 
@@ -40,8 +59,16 @@ def received_bytes(received: dict[str, np.ndarray]) -> dict[str, bytes]:
 @pytest.mark.deepspeed
 def test_learner_trains_publishes_checkpoints_survives_sigkill_and_resumes(tiny_model_dir, tmp_path: Path) -> None:
     buffer_port, weights_port = free_port(), free_port()
-    config = process_config(tiny_model_dir, tmp_path, buffer_port, weights_port, model__dtype="bfloat16",
-                            learner__lr=1e-2, learner__total_steps=5, learner__save_every=2)
+    config = process_config(
+        tiny_model_dir,
+        tmp_path,
+        buffer_port,
+        weights_port,
+        model__dtype="bfloat16",
+        learner__lr=1e-2,
+        learner__total_steps=5,
+        learner__save_every=2,
+    )
     checkpoints = tmp_path / "run" / "checkpoints"
     buffer = FakeBuffer(buffer_port, groups_per_step=2, group_size=4, gate=0)
     generator = Client(f"127.0.0.1:{weights_port}", SocketSecurity(), identity="fake-generator")
@@ -52,8 +79,11 @@ def test_learner_trains_publishes_checkpoints_survives_sigkill_and_resumes(tiny_
             assert header.policy_version == 0
             assert received_bytes(initial) == safetensors_bytes(tiny_model_dir / "model.safetensors")
             buffer.set_gate(2)
-            learner.wait_until(lambda: (checkpoints / "step-000002").is_dir()
-                               and any(r.step == 2 for r in buffer.requests), 120, "checkpoint 2")
+            learner.wait_until(
+                lambda: (checkpoints / "step-000002").is_dir() and any(r.step == 2 for r in buffer.requests),
+                120,
+                "checkpoint 2",
+            )
             header, v2 = fetch_weights(generator, 0)
             assert header.policy_version == 2
             assert received_bytes(v2) == safetensors_bytes(checkpoints / "step-000002" / "hf" / "model.safetensors")
@@ -64,8 +94,11 @@ def test_learner_trains_publishes_checkpoints_survives_sigkill_and_resumes(tiny_
         before = len(buffer.requests), len(buffer.reports)
         buffer.set_gate(4)
         with LearnerProcess(config, tmp_path / "resumed.log", ["--learner.resume", "true"]) as learner:
-            learner.wait_until(lambda: (checkpoints / "step-000004").is_dir()
-                               and any(r.step == 4 for r in buffer.requests), 120, "checkpoint 4")
+            learner.wait_until(
+                lambda: (checkpoints / "step-000004").is_dir() and any(r.step == 4 for r in buffer.requests),
+                120,
+                "checkpoint 4",
+            )
             assert buffer.requests[before[0]].step == 2  # continues where the checkpoint left off
             header, v4 = fetch_weights(generator, 2)
             assert header.policy_version == 4
@@ -73,7 +106,7 @@ def test_learner_trains_publishes_checkpoints_survives_sigkill_and_resumes(tiny_
             assert fetch_weights(generator, 4)[0] == WeightsNotNewer(latest_version=4)
             buffer.set_gate(None)
             assert learner.wait_exit(120) == 0, learner.log_tail()
-        assert [(r.policy_version, r.step) for r in buffer.reports[before[1]:]] == [(2, 2), (3, 3), (4, 4), (5, 5)]
+        assert [(r.policy_version, r.step) for r in buffer.reports[before[1] :]] == [(2, 2), (3, 3), (4, 4), (5, 5)]
         assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000004", "step-000005"]  # keep 2
         records = read_metrics(tmp_path / "run" / "metrics.jsonl")
         assert [r["step"] for r in records][-3:] == [3, 4, 5]
@@ -87,8 +120,16 @@ def test_learner_trains_publishes_checkpoints_survives_sigkill_and_resumes(tiny_
 
 def test_simulated_learner_serves_real_bytes_and_real_versions(tmp_path: Path) -> None:
     buffer_port, weights_port = free_port(), free_port()
-    config = process_config("tiny", tmp_path, buffer_port, weights_port, run__simulate=True,
-                            learner__sim_weights_mb=3.0, learner__sim_sample_s=0.05, learner__total_steps=3)
+    config = process_config(
+        "tiny",
+        tmp_path,
+        buffer_port,
+        weights_port,
+        run__simulate=True,
+        learner__sim_weights_mb=3.0,
+        learner__sim_sample_s=0.05,
+        learner__total_steps=3,
+    )
     buffer = FakeBuffer(buffer_port, groups_per_step=2, group_size=4, gate=2)
     generator = Client(f"127.0.0.1:{weights_port}", SocketSecurity(), identity="fake-generator")
     try:
@@ -112,8 +153,9 @@ def test_simulated_learner_serves_real_bytes_and_real_versions(tmp_path: Path) -
 
 
 def test_simulated_trainer_costs_sim_sample_s_per_sample_over_the_ranks() -> None:
-    config = learner_config("tiny", run__simulate=True, learner__sim_sample_s=0.02, learner__sim_weights_mb=1.0,
-                            learner__world_size=2)
+    config = learner_config(
+        "tiny", run__simulate=True, learner__sim_sample_s=0.02, learner__sim_weights_mb=1.0, learner__world_size=2
+    )
     trainer = SimulatedTrainer(config.learner, config.algo)
     groups = synthetic_batch(0, 4, 4)
     start = time.perf_counter()

@@ -33,8 +33,12 @@ def prompt_ids(model_dir) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                          return_dict=True)["input_ids"] for text in PROMPTS]
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        for text in PROMPTS
+    ]
 
 
 def left_padded(prompts: list[list[int]], repeat: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,16 +67,27 @@ def choose_target_and_temperature(logits: torch.Tensor) -> tuple[int, float]:
 
 
 @torch.no_grad()
-def sample_groups(model, prompts: list[list[int]], temperature: float, target: int, pad_id: int,
-                  eos_id: int) -> list[RolloutGroup]:
+def sample_groups(
+    model, prompts: list[list[int]], temperature: float, target: int, pad_id: int, eos_id: int
+) -> list[RolloutGroup]:
     """GROUP_SIZE completions per prompt from the current weights, as the generator would send them."""
     input_ids, attention_mask = left_padded(prompts, GROUP_SIZE, pad_id)
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=temperature,
-                         top_k=0, top_p=1.0, max_new_tokens=MAX_NEW_TOKENS, pad_token_id=pad_id, eos_token_id=eos_id,
-                         output_logits=True, return_dict_in_generate=True)
-    tokens = out.sequences[:, input_ids.shape[1]:]                                          # [B, T]
-    logprobs = torch.stack(out.logits, 1).float().div(temperature).log_softmax(-1)          # [B, T, V]
-    logprobs = logprobs.gather(2, tokens[..., None]).squeeze(-1)                            # [B, T]
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=MAX_NEW_TOKENS,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences[:, input_ids.shape[1] :]  # [B, T]
+    logprobs = torch.stack(out.logits, 1).float().div(temperature).log_softmax(-1)  # [B, T, V]
+    logprobs = logprobs.gather(2, tokens[..., None]).squeeze(-1)  # [B, T]
     groups = []
     for g, prompt in enumerate(prompts):
         completions, behaviour, rewards = [], [], []
@@ -84,13 +99,23 @@ def sample_groups(model, prompts: list[list[int]], temperature: float, target: i
             rewards.append(1.0 if ids[0] == target else 0.0)
         lengths = [len(c) for c in completions]
         total = sum(lengths)
-        groups.append(RolloutGroup(
-            lease_id=0, prompt_id=g, epoch=0, generator_id=0, prompt_tokens=np.array(prompt, dtype=np.int32),
-            offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-            completion_tokens=np.concatenate(completions), behaviour_logprobs=np.concatenate(behaviour),
-            loss_mask=np.ones(total, dtype=np.uint8), token_versions=np.zeros(total, dtype=np.int32),
-            versions=np.zeros(GROUP_SIZE, dtype=np.int32), rewards=np.array(rewards, dtype=np.float32),
-            finish_reasons=["length"] * GROUP_SIZE))
+        groups.append(
+            RolloutGroup(
+                lease_id=0,
+                prompt_id=g,
+                epoch=0,
+                generator_id=0,
+                prompt_tokens=np.array(prompt, dtype=np.int32),
+                offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                completion_tokens=np.concatenate(completions),
+                behaviour_logprobs=np.concatenate(behaviour),
+                loss_mask=np.ones(total, dtype=np.uint8),
+                token_versions=np.zeros(total, dtype=np.int32),
+                versions=np.zeros(GROUP_SIZE, dtype=np.int32),
+                rewards=np.array(rewards, dtype=np.float32),
+                finish_reasons=["length"] * GROUP_SIZE,
+            )
+        )
     return groups
 
 
@@ -100,9 +125,16 @@ def test_reward_rises_from_near_zero_to_above_0_8(tiny_model_dir, estimator: str
 
     torch.manual_seed(0)
     prompts = prompt_ids(tiny_model_dir)
-    config = learner_config(tiny_model_dir, algo__estimator=estimator, algo__group_size=GROUP_SIZE,
-                            learner__groups_per_step=len(PROMPTS), learner__micro_batch_size=16, learner__lr=2e-3,
-                            learner__critic_lr=1e-2, learner__zero_stage=1)
+    config = learner_config(
+        tiny_model_dir,
+        algo__estimator=estimator,
+        algo__group_size=GROUP_SIZE,
+        learner__groups_per_step=len(PROMPTS),
+        learner__micro_batch_size=16,
+        learner__lr=2e-3,
+        learner__critic_lr=1e-2,
+        learner__zero_stage=1,
+    )
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     pad_id, eos_id = int(initial.config.pad_token_id), int(initial.config.eos_token_id)
     target, temperature = choose_target_and_temperature(first_token_logits(initial, prompts, pad_id))

@@ -112,8 +112,9 @@ def test_buckets_are_reused_only_when_nothing_can_read_them() -> None:
     first.readers = 0
     reused = copy_into_snapshot(3, layout, [("w", np.full(8, 3.0, np.float32))], 1024, buckets=first.buckets)
     assert reused.buckets[0] is first.buckets[0] and fresh.buckets[0].view(np.float32)[0] == 2.0
-    wrong_size = copy_into_snapshot(4, [("w", "float32", [9])], [("w", np.zeros(9, np.float32))], 1024,
-                                    buckets=first.buckets)
+    wrong_size = copy_into_snapshot(
+        4, [("w", "float32", [9])], [("w", np.zeros(9, np.float32))], 1024, buckets=first.buckets
+    )
     assert wrong_size.buckets[0] is not first.buckets[0]
 
 

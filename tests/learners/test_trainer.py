@@ -68,17 +68,20 @@ def test_zero_stages_give_the_same_update_as_stage_0(tiny_model_dir, dist, batch
 
 
 @pytest.mark.parametrize("micro_batch_size", [1, 3, 8])
-def test_micro_batches_add_up_to_one_step_on_the_global_batch(tiny_model_dir, dist, batch, reference_update,
-                                                               micro_batch_size) -> None:
-    update, _, trainer = one_update(tiny_model_dir, dist, batch, learner__zero_stage=0,
-                                    learner__micro_batch_size=micro_batch_size)
+def test_micro_batches_add_up_to_one_step_on_the_global_batch(
+    tiny_model_dir, dist, batch, reference_update, micro_batch_size
+) -> None:
+    update, _, trainer = one_update(
+        tiny_model_dir, dist, batch, learner__zero_stage=0, learner__micro_batch_size=micro_batch_size
+    )
     assert trainer.micro_steps == -(-8 // micro_batch_size)
     assert max_difference(update, reference_update) <= TOLERANCE
 
 
 def test_gradient_checkpointing_gives_the_same_update(tiny_model_dir, dist, batch, reference_update) -> None:
-    update, _, _ = one_update(tiny_model_dir, dist, batch, learner__zero_stage=0,
-                              learner__gradient_checkpointing=True, algo__estimator="grpo")
+    update, _, _ = one_update(
+        tiny_model_dir, dist, batch, learner__zero_stage=0, learner__gradient_checkpointing=True, algo__estimator="grpo"
+    )
     assert max_difference(update, reference_update) <= TOLERANCE
 
 
@@ -102,8 +105,15 @@ def test_reported_loss_is_the_policy_loss_of_the_whole_batch(tiny_model_dir, dis
     from learners.losses import logprobs_from_logits, policy_loss
 
     temperature = 0.7
-    _, stats, _ = one_update(tiny_model_dir, dist, batch, learner__micro_batch_size=3,
-                             generator__temperature=temperature, algo__correction="tis", algo__tis_cap=1.5)
+    _, stats, _ = one_update(
+        tiny_model_dir,
+        dist,
+        batch,
+        learner__micro_batch_size=3,
+        generator__temperature=temperature,
+        algo__correction="tis",
+        algo__tis_cap=1.5,
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     padded = pad_groups(*batch, pad_id=2)
     inputs = padded.model_inputs(slice(0, padded.size), torch.device("cpu"))
@@ -111,8 +121,17 @@ def test_reported_loss_is_the_policy_loss_of_the_whole_batch(tiny_model_dir, dis
         logits = model(**inputs.forward_kwargs(), logits_to_keep=inputs.num_predicted).logits[:, :-1] / temperature
         logprobs = logprobs_from_logits(logits, inputs.completion_tokens)
     advantages = broadcast_to_tokens(grpo_advantages(padded.rewards, padded.group_ids), inputs.loss_mask)
-    loss, parts = policy_loss(logprobs, logprobs, inputs.behaviour_logprobs, advantages, inputs.loss_mask,
-                              clip_low=0.2, clip_high=0.28, correction="tis", tis_cap=1.5)
+    loss, parts = policy_loss(
+        logprobs,
+        logprobs,
+        inputs.behaviour_logprobs,
+        advantages,
+        inputs.loss_mask,
+        clip_low=0.2,
+        clip_high=0.28,
+        correction="tis",
+        tis_cap=1.5,
+    )
     assert stats["loss/policy"] == pytest.approx(float(loss), abs=1e-5)
     assert stats["policy/iw_mean"] == pytest.approx(float(parts["is_weight_mean"]), abs=1e-5)
     assert stats["policy/iw_max"] == pytest.approx(min(float(parts["is_weight_max"]), 1.5), abs=1e-5)
@@ -120,8 +139,9 @@ def test_reported_loss_is_the_policy_loss_of_the_whole_batch(tiny_model_dir, dis
 
 
 def test_gae_trains_the_critic_and_the_kl_grows_from_zero(tiny_model_dir, dist, batch) -> None:
-    trainer = Trainer.from_config(learner_config(tiny_model_dir, algo__estimator="gae", algo__kl_coef=0.1,
-                                                 learner__critic_lr=1e-2), dist)
+    trainer = Trainer.from_config(
+        learner_config(tiny_model_dir, algo__estimator="gae", algo__kl_coef=0.1, learner__critic_lr=1e-2), dist
+    )
     head = trainer.critic.module.value_head.weight.detach().clone()
     first = trainer.train_step(*batch)
     second = trainer.train_step(*batch)
