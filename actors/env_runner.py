@@ -121,7 +121,7 @@ class EnvRunner:
         self._finished.clear()
 
     async def _run(self, fn: Callable[..., Any], args: tuple, timeout_s: float, submitted: float) -> CallOutcome:
-        remaining = lambda: max(0.0, timeout_s - (time.monotonic() - submitted))  # noqa: E731
+        remaining = lambda: max(0.0, timeout_s - (time.monotonic() - submitted))
         in_thread: asyncio.Future | None = None
         try:
             if inspect.iscoroutinefunction(fn):
@@ -131,7 +131,7 @@ class EnvRunner:
                 value = await asyncio.wait_for(asyncio.shield(in_thread), remaining())
                 if inspect.isawaitable(value):  # a plain function that returned a coroutine
                     value = await asyncio.wait_for(value, remaining())
-        except (asyncio.TimeoutError, TimeoutError):
+        except TimeoutError:
             if in_thread is not None and not in_thread.done():
                 self._count_stuck(in_thread)
             return CallOutcome(timed_out=True, seconds=time.monotonic() - submitted)

@@ -209,7 +209,7 @@ def _handler(server: AgentServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
+        def log_message(self, format: str, *args: Any) -> None:
             log.debug("%s " + format, self.address_string(), *args)
 
         def _send(self, status: int, body: dict[str, Any]) -> None:
@@ -232,13 +232,13 @@ def _handler(server: AgentServer) -> type[BaseHTTPRequestHandler]:
                 raise ValueError("the request body must be a JSON object")
             return body
 
-        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        def do_GET(self) -> None:
             if self.path.rstrip("/") == "/v1/models":
                 self._send(200, {"object": "list", "data": [{"id": "tandem", "object": "model"}]})
             else:
                 self._error(404, f"no such endpoint: GET {self.path}")
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             try:
                 body = self._body()
                 parts = self.path.strip("/").split("/")

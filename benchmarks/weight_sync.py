@@ -98,7 +98,7 @@ def measure_updates(model_dir: Path, updates: int) -> tuple[list[dict[str, float
                 target["version"] = version
                 buffer.add_prompts(prompt)
                 publisher.publish(version, arrays, dtypes)  # the same bytes each time: what is timed is the path
-                arrived = lambda v=version: any(g.prompt_id == v for g in buffer.groups.values())  # noqa: E731
+                arrived = lambda v=version: any(g.prompt_id == v for g in buffer.groups.values())
                 _wait(arrived, 120, f"a group at v{version}")
                 group = next(g for g in buffer.groups.values() if g.prompt_id == version)
                 assert (group.token_versions == version).all(), group.token_versions

@@ -33,7 +33,7 @@ class RunProgress:
         self.progress.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.refresh()
         self.progress.stop()
 

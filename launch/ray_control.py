@@ -59,7 +59,6 @@ def stop_fleet(run_name: str, address: str | None = None) -> dict[str, Any]:
     """Stop every role of the run in order; returns the outcome. The controller is then removed by the run's
     follower (`tandem ray CONFIG`, which reports the outcome and exits 130), or here if nobody follows it."""
     import ray
-
     from ray.exceptions import RayActorError
 
     handle = controller(run_name, address)

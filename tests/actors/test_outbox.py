@@ -6,8 +6,8 @@ import time
 
 import numpy as np
 
-from actors.groups import LeaseBook, build_group
 from actors.engine_api import FinishedSample
+from actors.groups import LeaseBook, build_group
 from actors.outbox import BufferLink, Outbox
 from actors.rewards import Score
 from common.sockets import SocketSecurity

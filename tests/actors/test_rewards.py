@@ -37,7 +37,7 @@ def test_a_misnamed_function_fails_at_start_with_the_spec_in_the_message():
 
 
 class _Endpoint(BaseHTTPRequestHandler):
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+    def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if body["metadata"].get("fail"):
             self.send_response(500)

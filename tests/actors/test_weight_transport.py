@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from actors.weights import (
+    SharedMemoryStaging,
     WeightsPoller,
     WeightsTransportError,
     WeightsUpdate,
     ZmqWeightsSource,
-    SharedMemoryStaging,
 )
 from common.sockets import SocketSecurity
 from common.types import WeightsHeader

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import msgpack
 import zmq
 
+from common.sockets import split_address
 from common.types import (
     BatchRequest,
     ErrorReply,
@@ -26,7 +27,6 @@ from common.types import (
     VersionReport,
     WeightsRequest,
 )
-from common.sockets import split_address
 from common.wire import decode, encode
 from tests.buffers.fakes import make_group
 

@@ -110,7 +110,7 @@ def test_arithmetic_prompt_shape() -> None:
     expression = record.metadata["expression"]
     assert record.messages == [{"role": "user", "content": f"What is {expression}? Put the final answer after '####'."}]
     assert set(record.metadata) == {"answer", "expression", "difficulty"}
-    assert record.metadata["answer"] == eval(expression)  # noqa: S307 - our own expression
+    assert record.metadata["answer"] == eval(expression)
 
 
 @pytest.mark.parametrize(
@@ -123,7 +123,7 @@ def test_difficulty_ranges(difficulty: int, operands: tuple[int, int], answers: 
         expression, answer = str(record.metadata["expression"]), int(record.metadata["answer"])
         numbers = [int(tok) for tok in expression.split() if tok.isdigit()]
         assert len(numbers) == 2 and all(operands[0] <= n <= operands[1] for n in numbers), expression
-        assert answers[0] <= answer <= answers[1] and answer == eval(expression)  # noqa: S307
+        assert answers[0] <= answer <= answers[1] and answer == eval(expression)
     if difficulty == 3:
         assert {"+", "-", "*"} <= {tok for r in records for tok in str(r.metadata["expression"]).split()}
 
@@ -133,7 +133,7 @@ def test_harder_levels_have_more_operands() -> None:
         for record in arithmetic_prompts(200, seed=0, difficulty=difficulty):
             expression = str(record.metadata["expression"])
             assert len([t for t in expression.replace("(", " ").replace(")", " ").split() if t.isdigit()]) == count
-            assert record.metadata["answer"] == eval(expression)  # noqa: S307
+            assert record.metadata["answer"] == eval(expression)
 
 
 def test_arithmetic_prompts_rejects_bad_arguments() -> None:

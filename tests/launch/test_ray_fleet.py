@@ -117,8 +117,8 @@ def test_scale_up_and_replace_dead_generators(tmp_path: Path, ray_cluster: str, 
 def test_dead_learner_stops_the_run_cleanly(tmp_path: Path, ray_cluster: str, curve_keys: Path) -> None:
     import ray
 
-    from learners.checkpoint import CheckpointManager
     from launch.ray_control import controller
+    from learners.checkpoint import CheckpointManager
 
     launch = RayLaunch(
         tmp_path,

@@ -6,7 +6,6 @@ staler than η, the buffer's accounting identity holds, and no process of the ru
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path

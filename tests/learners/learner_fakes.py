@@ -264,9 +264,8 @@ def fetch_weights(client: Client, have_version: int) -> tuple[object, dict[str, 
 
 def safetensors_bytes(path: Path) -> dict[str, bytes]:
     """name -> raw bytes of every tensor in a safetensors file (bfloat16 stays bfloat16)."""
-    from safetensors.torch import load_file
-
     import torch
+    from safetensors.torch import load_file
 
     return {
         name: (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()

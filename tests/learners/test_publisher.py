@@ -13,8 +13,8 @@ import torch
 from common.sockets import Client, SocketSecurity
 from common.types import ErrorReply, LeaseRequest, WeightsHeader, WeightsNotNewer
 from learners.publisher import (
-    buckets_reusable,
     ZmqWeightsPublisher,
+    buckets_reusable,
     copy_into_snapshot,
     open_weights_publisher,
 )
