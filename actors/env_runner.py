@@ -89,7 +89,7 @@ class _DaemonThreadPool(concurrent.futures.Executor):
                 continue
             try:
                 future.set_result(call())
-            except BaseException as error:  # handed to the waiting caller, which records it
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting caller, which records it
                 future.set_exception(error)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -135,7 +135,7 @@ class EnvRunner:
             if in_thread is not None and not in_thread.done():
                 self._count_stuck(in_thread)
             return CallOutcome(timed_out=True, seconds=time.monotonic() - submitted)
-        except Exception as error:  # an environment may raise anything: the caller records it
+        except Exception as error:  # noqa: BLE001 - an environment may raise anything: the caller records it
             return CallOutcome(error=f"{type(error).__name__}: {error}"[:500], seconds=time.monotonic() - submitted)
         return CallOutcome(value=value, seconds=time.monotonic() - submitted)
 

@@ -239,7 +239,7 @@ class EpisodeDriver:
         self.live[id(episode)] = episode
         try:
             episode.env = self.factory()
-        except Exception as error:  # user code: the episode fails, the generator stays up
+        except Exception as error:  # noqa: BLE001 - user code: the episode fails, the generator stays up
             self._finish(episode, f"env_error: factory: {type(error).__name__}: {error}"[:300])
             return
         self._call(episode, "resetting", episode.env.reset, group.prompt)
@@ -297,7 +297,7 @@ class EpisodeDriver:
             return
         try:
             tokens = self.engine.render_turn(episode.last_turn, result.observation)
-        except Exception as error:  # the chat template rejected the environment's messages (e.g. an unknown role)
+        except Exception as error:  # noqa: BLE001 - the chat template rejected the environment's messages (e.g. an unknown role)
             self._finish(episode, f"env_error: render: {type(error).__name__}: {error}"[:300])
             return
         trajectory = episode.trajectory

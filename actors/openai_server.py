@@ -44,7 +44,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, ClassVar
 
 from common.envs import StepResult, check_messages
 
@@ -141,7 +141,7 @@ class AgentEnvironment:
 class AgentServer:
     """The HTTP endpoint of one (host, port), shared by every `AgentEnvironment` of the process."""
 
-    _shared: dict[tuple[str, int], AgentServer] = {}
+    _shared: ClassVar[dict[tuple[str, int], AgentServer]] = {}
     _lock = threading.Lock()
 
     @classmethod

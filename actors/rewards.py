@@ -57,7 +57,7 @@ class RewardScorer:
             components = {str(name): float(value) for name, value in components.items()}
             if not math.isfinite(reward) or not all(math.isfinite(v) for v in components.values()):
                 raise ValueError(f"reward {reward} or components {components} are not finite")
-        except Exception as error:  # a user reward function may raise anything: fall back, count, log
+        except Exception as error:  # noqa: BLE001 - a user reward function may raise anything: fall back, count, log
             self.errors += 1
             message = f"{type(error).__name__}: {error}"[:300]
             fallback = self.env.fallback_reward

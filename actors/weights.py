@@ -192,7 +192,7 @@ class _Fetch:
     def _run(self, source: WeightsSource, have_version: int) -> None:
         try:
             self.result = source.fetch(have_version)
-        except Exception as error:  # handed to the loop's thread: survived if a transport fault, else re-raised
+        except Exception as error:  # noqa: BLE001 - handed to the loop's thread: survived if a transport fault, else re-raised
             self.error = error
         finally:
             self.finished.set()

@@ -215,7 +215,7 @@ def plot(sim: dict[str, Any] | None, real: dict[str, Any] | None):
         )
         for ax, (part, key) in zip(side_by_side(axes, len(panels), width=5 * len(panels)), panels):
             result = sim if part == "sim" else real
-            for name, run in result["runs"].items():
+            for run in result["runs"].values():
                 ax.plot(
                     [p["time"] for p in run["curve"]],
                     [p[key] for p in run["curve"]],

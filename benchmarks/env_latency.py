@@ -67,7 +67,7 @@ class InlineRunner:
         started = time.monotonic()
         try:
             future.set_result(CallOutcome(value=fn(*args), seconds=time.monotonic() - started))
-        except Exception as error:  # recorded like the real runner does
+        except Exception as error:  # noqa: BLE001 - recorded like the real runner does
             future.set_result(CallOutcome(error=f"{type(error).__name__}: {error}"))
         return EnvCall(future)
 

@@ -88,7 +88,7 @@ def launch(launcher: str, config: Path, root: Path, name: str, generators: int, 
     if launcher == "run":
         argv += override_args({**port_overrides(), **every_core_overrides()})
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}  # always a fresh local Ray
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"tandem {launcher} failed ({result.returncode}):\n{result.stderr[-3000:]}")
     records = read_metrics(root / name / "metrics.jsonl")

@@ -50,6 +50,7 @@ def has_quick(name: str) -> bool:
         capture_output=True,
         text=True,
         timeout=120,
+        check=False,
     ).stdout
     return "--quick" in help_text
 

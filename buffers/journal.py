@@ -84,7 +84,7 @@ def _parse_payload(payload: memoryview) -> Record | None:
     try:
         meta = msgpack.unpackb(payload[META_LENGTH.size : META_LENGTH.size + meta_length], raw=False)
         kind, lengths = meta.pop("k"), meta.pop("fl")
-    except Exception:  # a record that passed its CRC but does not parse: treat like corruption
+    except Exception:  # noqa: BLE001 - a record that passed its CRC but does not parse: treat like corruption
         return None
     frames, position = [], META_LENGTH.size + meta_length
     for length in lengths:

@@ -392,7 +392,7 @@ def _generate_vllm(path: Path, messages: list[dict[str, str]], max_new_tokens: i
     with tempfile.TemporaryDirectory(prefix="tandem-vllm-check-") as tmp:
         out = Path(tmp) / "result.json"
         argv = [sys.executable, "-c", _VLLM_PROBE, str(path), json.dumps(messages), str(max_new_tokens), str(out)]
-        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
         if proc.returncode != 0 or not out.exists():
             tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
             raise RuntimeError(f"vLLM could not load or generate with {path} (exit {proc.returncode}):\n{tail}")

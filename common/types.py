@@ -424,7 +424,7 @@ def to_fields(obj: Any) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, _SCALARS) or isinstance(value, np.ndarray):
+    if isinstance(value, (_SCALARS, np.ndarray)):
         return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return to_fields(value)

@@ -121,7 +121,7 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[A
         )
     except WireError:
         raise
-    except Exception as error:  # msgpack raises many types for garbage; all mean the same here
+    except Exception as error:  # noqa: BLE001 - msgpack raises many types for garbage; all mean the same here
         raise WireError(f"header is not valid msgpack: {type(error).__name__}: {error}", "garbage") from None
     if type(header) is not dict or header.keys() != {"p", "t", "a", "f"}:
         raise WireError("header must be a map with exactly the keys p, t, a, f", "garbage")
@@ -150,7 +150,7 @@ def _array_from_frame(code: int, data: bytes, views: list[memoryview], highest_f
         raise WireError(f"unknown msgpack extension type {code}", "garbage")
     try:
         index, dtype, shape = msgpack.unpackb(data, raw=False, max_array_len=64)
-    except Exception:
+    except Exception:  # noqa: BLE001 - msgpack raises many types for garbage; all mean the same here
         raise WireError("malformed array descriptor", "garbage") from None
     if type(index) is not int or not 1 <= index < len(views):
         raise WireError(f"array descriptor refers to frame {index!r} of {len(views)}", "bad_frames")

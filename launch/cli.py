@@ -49,8 +49,10 @@ def _parser() -> argparse.ArgumentParser:
         ("learner", "start one learner rank alone"),
         (
             "ray",
-            "place the fleets on a Ray cluster (RAY_ADDRESS, or a local one); then "
-            "`tandem ray scale RUN --generators N`, `tandem ray status RUN`, `tandem ray stop RUN`",
+            (
+                "place the fleets on a Ray cluster (RAY_ADDRESS, or a local one); then "
+                "`tandem ray scale RUN --generators N`, `tandem ray status RUN`, `tandem ray stop RUN`"
+            ),
         ),
         ("config", "print the resolved config"),
     ]:

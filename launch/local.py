@@ -77,7 +77,7 @@ class Role:
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group: stopping it stops vLLM's / torchrun's children too
             env={**role_environment(), **self.env},
-            preexec_fn=_child_setup(self.cores, self.stop_with_parent),
+            preexec_fn=_child_setup(self.cores, self.stop_with_parent),  # noqa: PLW1509 - only sched_setaffinity and prctl run there, no locks taken
         )
         out.close()
 

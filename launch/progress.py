@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -29,7 +29,7 @@ class RunProgress:
         )
         self.task = self.progress.add_task("train", total=total_steps, status="waiting for the first step")
 
-    def __enter__(self) -> RunProgress:
+    def __enter__(self) -> Self:
         self.progress.start()
         return self
 

@@ -17,6 +17,7 @@ Layout (B samples, T = the longest completion of the batch):
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -152,4 +153,4 @@ def split_rows(num_rows: int, micro_steps: int) -> list[slice]:
             "than configured (learner.groups_per_step / world_size groups of algo.group_size samples)"
         )
     bounds = np.linspace(0, num_rows, micro_steps + 1).round().astype(int)
-    return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    return [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]

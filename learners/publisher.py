@@ -206,7 +206,7 @@ class ZmqWeightsPublisher:
     def _serve(self, host: str, port: int, security: SocketSecurity, poll_ms: int) -> None:
         try:
             server = Server(host, port, security, name="weights-publisher")
-        except BaseException as error:  # reported to the constructor, which raises it
+        except BaseException as error:  # noqa: BLE001 - reported to the constructor, which raises it
             self._bind_error = error
             self._ready.set()
             return

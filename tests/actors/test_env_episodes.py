@@ -41,15 +41,15 @@ def runner():
 
 
 def limits(**overrides) -> EpisodeLimits:
-    values = dict(
-        max_turns=8,
-        max_total_tokens=4096,
-        turn_max_tokens=8,
-        max_model_len=8192,
-        step_timeout_s=5.0,
-        episode_timeout_s=30.0,
-        failure_reward=-1.0,
-    )
+    values = {
+        "max_turns": 8,
+        "max_total_tokens": 4096,
+        "turn_max_tokens": 8,
+        "max_model_len": 8192,
+        "step_timeout_s": 5.0,
+        "episode_timeout_s": 30.0,
+        "failure_reward": -1.0,
+    }
     values.update(overrides)
     return EpisodeLimits(**values)
 

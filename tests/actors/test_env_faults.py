@@ -37,15 +37,15 @@ def runner():
 
 
 def limits(**overrides) -> EpisodeLimits:
-    values = dict(
-        max_turns=6,
-        max_total_tokens=2048,
-        turn_max_tokens=6,
-        max_model_len=8192,
-        step_timeout_s=2.0,
-        episode_timeout_s=20.0,
-        failure_reward=FAILURE,
-    )
+    values = {
+        "max_turns": 6,
+        "max_total_tokens": 2048,
+        "turn_max_tokens": 6,
+        "max_model_len": 8192,
+        "step_timeout_s": 2.0,
+        "episode_timeout_s": 20.0,
+        "failure_reward": FAILURE,
+    }
     values.update(overrides)
     return EpisodeLimits(**values)
 

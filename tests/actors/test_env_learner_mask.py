@@ -106,7 +106,7 @@ def test_env_tokens_get_no_advantage_and_no_gradient(multi_turn_group: RolloutGr
         assert torch.all(advantages[~batch.loss_mask] == 0), estimator
         assert torch.any(advantages[batch.loss_mask] != 0), estimator
     values = torch.randn(batch.size, batch.width)
-    advantages, returns = batch_advantages(
+    advantages, _returns = batch_advantages(
         AlgoConfig(estimator="gae", group_size=GROUP_SIZE),
         batch.rewards,
         batch.group_ids,

@@ -124,7 +124,7 @@ for name, path in (("inside", "inside.txt"), ("outside", {str(tmp_path / "outsid
 print(json.dumps(outcome))
 """
     result = subprocess.run(
-        [sys.executable, "-I", "-S", "-c", code], cwd=root, capture_output=True, text=True, timeout=60
+        [sys.executable, "-I", "-S", "-c", code], cwd=root, capture_output=True, text=True, timeout=60, check=False
     )
     outcome = json.loads(result.stdout)
     granted = outcome["granted"]

@@ -43,7 +43,7 @@ def test_async_vs_sync_simulation_writes_its_figures(tmp_path: Path, monkeypatch
     sim = result["simulation"]
     assert {"ratio", "theoretical_ratio", "target_ratio", "runs", "gen_batch_s", "train_batch_s"} <= sim.keys()
     assert set(sim["runs"]) == {"eta0", "eta2"}
-    for name, run in sim["runs"].items():
+    for run in sim["runs"].values():
         assert RUN_KEYS <= run.keys(), RUN_KEYS - run.keys()
         assert run["steps"] == 6 and [p["step"] for p in run["curve"]] == list(range(1, 7))
         assert run["staleness_max"] <= run["eta"]

@@ -73,19 +73,19 @@ OP_MIX = ["lease"] * 2 + ["push"] * 3 + ["learn"] * 2 + ["sync"] * 2 + ["resend"
 
 
 def make_settings(**overrides: Any) -> BufferSettings:
-    values = dict(
-        capacity=400,
-        max_reuse=1,
-        sampling="fifo",
-        lease_timeout_s=10.0,
-        heartbeat_timeout_s=3.0,
-        epochs=0,
-        group_size=GROUP,
-        max_staleness=1,
-        groups_per_step=2,
-        sync_every=1,
-        seed=0,
-    )
+    values = {
+        "capacity": 400,
+        "max_reuse": 1,
+        "sampling": "fifo",
+        "lease_timeout_s": 10.0,
+        "heartbeat_timeout_s": 3.0,
+        "epochs": 0,
+        "group_size": GROUP,
+        "max_staleness": 1,
+        "groups_per_step": 2,
+        "sync_every": 1,
+        "seed": 0,
+    }
     values.update(overrides)
     return BufferSettings(**values)
 

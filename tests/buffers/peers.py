@@ -90,7 +90,7 @@ class Learner(threading.Thread):
                 step += 1
                 assert isinstance(call(client, VersionReport(step, step), self.deadline), Ok)
                 self.version = step
-        except BaseException as error:  # reported by the test thread
+        except BaseException as error:  # noqa: BLE001 - reported by the test thread
             self.error = error
         finally:
             client.close()
@@ -131,7 +131,7 @@ class Generator(threading.Thread):
                     assert isinstance(ack, GroupAck), ack
                     self.acks[ack.status].append((reply.lease_id, prompt.prompt_id, prompt.epoch))
                     call(client, Heartbeat(self.generator_id, version, [reply.lease_id]), self.deadline)
-        except BaseException as error:
+        except BaseException as error:  # noqa: BLE001 - re-raised by the test thread that joins this peer
             self.error = error
         finally:
             client.close()

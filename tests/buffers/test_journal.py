@@ -90,7 +90,7 @@ def _restart(settings_: dict, path: Path, now: float) -> BufferCore:
     half_step=st.booleans(),
 )
 def test_restart_from_the_journal_restores_the_state_exactly(ops, reuse, world_size, half_step) -> None:
-    settings_ = dict(max_staleness=1, max_reuse=reuse, capacity=6 * GROUP, heartbeat_timeout_s=50.0)
+    settings_ = {"max_staleness": 1, "max_reuse": reuse, "capacity": 6 * GROUP, "heartbeat_timeout_s": 50.0}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "journal.bin"
         core = make_core(prompts=12, journal=Journal(path), **settings_)

@@ -41,7 +41,7 @@ def test_round_trip_is_exact_and_buckets_respect_the_limit(shapes, dtype_index, 
         held = [s.nbytes for s in header.tensors if s.bucket == bucket and s.nbytes > 0]
         # a bucket exceeds the limit only when it holds a single tensor larger than the limit
         assert size <= bucket_bytes or (len(held) == 1 and held[0] > bucket_bytes)
-    out = dict((spec.name, (spec, view)) for spec, view in unpack_weights(header, buckets))
+    out = {spec.name: (spec, view) for spec, view in unpack_weights(header, buckets)}
     assert list(out) == list(arrays)  # order is the publisher's order
     for name, array in arrays.items():
         spec, view = out[name]
@@ -62,7 +62,7 @@ def test_buckets_are_filled_greedily_in_order():
 def test_views_are_zero_copy_over_received_frames():
     arrays = {"w": np.arange(12, dtype=np.float32).reshape(3, 4)}
     header, buckets = pack_weights(arrays, policy_version=1)
-    ((spec, view),) = unpack_weights(header, buckets)
+    ((_spec, view),) = unpack_weights(header, buckets)
     buckets[0][0:4] = np.float32(99).tobytes()
     assert view[0, 0] == 99  # the view reads the bucket's memory
 

@@ -21,7 +21,7 @@ def test_help_is_fast_and_imports_no_engine() -> None:
 def test_config_error_exits_2_naming_the_key(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text("[learner]\nlr = -1\n")
-    result = subprocess.run([*TANDEM, "config", str(path)], capture_output=True, text=True)
+    result = subprocess.run([*TANDEM, "config", str(path)], capture_output=True, text=True, check=False)
     assert result.returncode == 2
     assert "learner.lr: Input should be greater than 0 (got -1)" in result.stderr
 

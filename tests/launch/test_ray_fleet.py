@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -40,7 +41,7 @@ def scale_with_cli(name: str, address: str, generators: int) -> subprocess.Compl
         "--address",
         address,
     ]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
 
 
 def test_scale_up_and_replace_dead_generators(tmp_path: Path, ray_cluster: str, curve_keys: Path) -> None:
@@ -105,7 +106,7 @@ def test_scale_up_and_replace_dead_generators(tmp_path: Path, ray_cluster: str, 
             counters[f"{key}{unit}"] for key in ("trained", "dropped_stale", "evicted", "rejected", "buffered")
         )
     records = launch.records()
-    gaps = [b["time"] - a["time"] for a, b in zip(records, records[1:])]
+    gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(records)]
     assert max(gaps) < 20, f"the learner stalled {max(gaps):.1f}s (lease timeout 20s)"
     # The learner trained everything the buffer served, and what is left is less than one batch.
     assert records[-1]["learner/samples_trained"] == counters["trained"], (records[-1], counters)
@@ -170,7 +171,7 @@ def test_dead_learner_resumes_when_configured(tmp_path: Path, ray_cluster: str, 
     finally:
         launch.close()
     steps = [r["step"] for r in launch.records()]
-    resumed_at = next(i for i, (a, b) in enumerate(zip(steps, steps[1:])) if b <= a) + 1
+    resumed_at = next(i for i, (a, b) in enumerate(itertools.pairwise(steps)) if b <= a) + 1
     assert steps[resumed_at] % 5 == 1 and steps[resumed_at] > 1 and steps[-1] == 30, steps  # after checkpoint 5, 10...
     assert steps[resumed_at:] == list(range(steps[resumed_at], 31)), steps
     assert read_metrics(launch.run_dir / "ray.jsonl")[-1]["ray/learner_restarts"] == 1

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 
@@ -246,7 +247,7 @@ class LearnerProcess:
                 pass
             self.process.wait(timeout=30)
 
-    def __enter__(self) -> LearnerProcess:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -344,7 +344,7 @@ def test_policy_loss_sequence_tis_and_seq_mean_hand() -> None:
     # row 0: w = min(1.5 * 1.2, 2) = 1.8 on both tokens -> l = [-1.8, -1.8]
     # row 1: w = 1.5 (the masked log 100 is not in the product) -> l = -1.5
     # token_mean = (-1.8 - 1.8 - 1.5) / 3 = -1.7;  seq_mean = (-1.8 + -1.5) / 2 = -1.65 (empty row skipped)
-    kw = dict(correction="tis", tis_level="sequence", tis_cap=2.0)
+    kw = {"correction": "tis", "tis_level": "sequence", "tis_cap": 2.0}
     assert policy_loss(lp, prox, behaviour, adv, mask, **kw)[0].item() == approx(-1.7)
     assert policy_loss(lp, prox, behaviour, adv, mask, aggregation="seq_mean", **kw)[0].item() == approx(-1.65)
     # row 0 with cap 1.6: 1.8 truncated to 1.6 on both tokens -> truncated fraction 2/3
@@ -409,15 +409,15 @@ def test_policy_loss_matches_reference(
     prox = behaviour + 0.3 * torch.randn(batch, length, generator=gen, dtype=torch.float64)  # != behaviour
     current = prox + 0.4 * torch.randn(batch, length, generator=gen, dtype=torch.float64)  # != prox
     adv = torch.randn(batch, length, generator=gen, dtype=torch.float64)
-    kw = dict(
-        clip_low=0.2,
-        clip_high=0.28,
-        dual_clip=dual_clip,
-        correction=correction,
-        tis_level=tis_level,
-        tis_cap=1.5,
-        aggregation=aggregation,
-    )
+    kw = {
+        "clip_low": 0.2,
+        "clip_high": 0.28,
+        "dual_clip": dual_clip,
+        "correction": correction,
+        "tis_level": tis_level,
+        "tis_cap": 1.5,
+        "aggregation": aggregation,
+    }
     lp = with_garbage(current, mask).requires_grad_()
     loss, stats = policy_loss(
         lp, with_garbage(prox, mask), with_garbage(behaviour, mask), with_garbage(adv, mask), mask, **kw
@@ -470,11 +470,11 @@ def test_policy_loss_without_action_tokens_is_zero() -> None:
 def test_policy_loss_argument_errors() -> None:
     x, mask = torch.zeros(1, 2), torch.ones(1, 2)
     for kw, match in (
-        (dict(correction="tis"), "needs behaviour_logprobs"),
-        (dict(dual_clip=0.5), "dual_clip"),
-        (dict(aggregation="sum"), "aggregation"),
-        (dict(clip_low=1.0), "clip_low"),
-        (dict(correction="decoupled", tis_level="sequence"), "tis_level='sequence'"),
+        ({"correction": "tis"}, "needs behaviour_logprobs"),
+        ({"dual_clip": 0.5}, "dual_clip"),
+        ({"aggregation": "sum"}, "aggregation"),
+        ({"clip_low": 1.0}, "clip_low"),
+        ({"correction": "decoupled", "tis_level": "sequence"}, "tis_level='sequence'"),
     ):
         with pytest.raises(ValueError, match=match):
             policy_loss(x, x, None if kw.get("correction") == "tis" else x, x, mask, **kw)

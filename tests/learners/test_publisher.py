@@ -132,14 +132,14 @@ def test_weights_that_do_not_match_the_layout_are_refused() -> None:
 
 
 def test_other_messages_are_refused_and_the_publisher_stays_up(publisher_and_client) -> None:
-    publisher, client = publisher_and_client
+    _publisher, client = publisher_and_client
     reply, _ = client.request(LeaseRequest(generator_id=0, max_prompts=1, policy_version=0), timeout_s=10)
     assert isinstance(reply, ErrorReply) and "weights_request only" in reply.reason
     assert fetch_weights(client, -1)[0] == WeightsNotNewer(latest_version=-1)
 
 
 def test_a_busy_port_fails_at_construction_and_nccl_says_it_is_not_built(publisher_and_client) -> None:
-    publisher, client = publisher_and_client
+    _publisher, client = publisher_and_client
     with pytest.raises(OSError, match="cannot bind"):
         ZmqWeightsPublisher("127.0.0.1", client.port, SocketSecurity())
     with pytest.raises(ValueError, match="not part of this build.*use the 'zmq' transport"):

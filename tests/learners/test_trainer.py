@@ -55,14 +55,14 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 @pytest.fixture(scope="module")
 def reference_update(tiny_model_dir, dist, batch) -> dict[str, torch.Tensor]:
     """Stage 0, fp32, micro-batches of 4: the update every other configuration must reproduce."""
-    update, stats, _ = one_update(tiny_model_dir, dist, batch, learner__zero_stage=0)
+    update, _stats, _ = one_update(tiny_model_dir, dist, batch, learner__zero_stage=0)
     assert max(float(d.abs().max()) for d in update.values()) == pytest.approx(LR, rel=0.01)  # it moved
     return update
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stages_give_the_same_update_as_stage_0(tiny_model_dir, dist, batch, reference_update, stage) -> None:
-    update, stats, trainer = one_update(tiny_model_dir, dist, batch, learner__zero_stage=stage)
+    update, _stats, trainer = one_update(tiny_model_dir, dist, batch, learner__zero_stage=stage)
     assert max_difference(update, reference_update) <= TOLERANCE
     assert trainer.policy.optimizer_steps == 1
 
