@@ -22,6 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 # Estimators that normalise rewards within the group of one prompt: they need at least two samples a group.
 GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"})
+# Estimators with per-token rewards, the only ones that can take the KL into the reward (`algo.kl_in_reward`).
+KL_IN_REWARD_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")
 
 
 class ConfigError(ValueError):
@@ -144,7 +146,9 @@ class AlgoConfig(_Section):
     correction: Literal["none", "decoupled", "tis"] = Field(
         "tis", description="Off-policy correction against the behaviour log-probs vLLM returned."
     )
-    tis_level: Literal["token", "sequence"] = Field("token", description="Importance weight per token or sequence.")
+    tis_level: Literal["token", "sequence"] = Field(
+        "token", description="Importance weight per token or sequence; `sequence` only with correction = `tis`."
+    )
     tis_cap: float = Field(2.0, description="Importance weights are truncated at this value.", gt=0)
     clip_low: float = Field(0.2, description="PPO ratio lower clip: 1 - clip_low.", ge=0, lt=1)
     clip_high: float = Field(0.28, description="PPO ratio upper clip: 1 + clip_high.", ge=0)
@@ -152,16 +156,31 @@ class AlgoConfig(_Section):
     aggregation: Literal["token_mean", "seq_mean"] = Field("token_mean", description="Loss aggregation.")
     kl_coef: float = Field(0.0, description="KL penalty against the reference model (0 = no reference).", ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
-    kl_in_reward: bool = Field(False, description="Put the KL into the reward (REINFORCE++) instead of the loss.")
+    kl_in_reward: bool = Field(
+        False,
+        description="Put the KL into the per-token reward instead of the loss (estimator `reinforce_pp`, "
+        "`reinforce_pp_baseline` or `gae` only).",
+    )
     entropy_coef: float = Field(0.0, description="Entropy bonus coefficient.", ge=0)
     gamma: float = Field(1.0, description="Discount (gae).", ge=0, le=1)
     lam: float = Field(0.95, description="GAE lambda.", ge=0, le=1)
     value_clip: float = Field(0.2, description="Critic value clip (gae).", ge=0)
 
     @model_validator(mode="after")
-    def _group_estimators_need_groups(self) -> AlgoConfig:
+    def _rules_the_learner_enforces(self) -> AlgoConfig:
+        """Combinations the learner cannot train with fail here, at load, not at its first step."""
         if self.estimator in GROUP_ESTIMATORS and self.group_size < 2:
             raise ValueError(f"group_size: must be >= 2 for estimator '{self.estimator}' (got {self.group_size})")
+        if self.correction == "decoupled" and self.tis_level == "sequence":
+            raise ValueError(
+                "tis_level: 'sequence' needs correction = 'tis' (decoupled PPO weights each token); "
+                "set algo.tis_level = 'token' or algo.correction = 'tis'"
+            )
+        if self.kl_in_reward and self.estimator not in KL_IN_REWARD_ESTIMATORS:
+            raise ValueError(
+                f"kl_in_reward: only with estimator in {KL_IN_REWARD_ESTIMATORS} (got '{self.estimator}'); "
+                "set algo.kl_in_reward = false to put the KL in the loss"
+            )
         return self
 
 
@@ -354,11 +373,16 @@ class TandemConfig(_Section):
         return self
 
 
+_SECTION_RULE = re.compile(r"^[a-z_]+: ")
+
+
 def _format_validation_error(error: ValidationError) -> str:
     lines = []
     for item in error.errors():
         key = ".".join(str(part) for part in item["loc"])
         message = item["msg"].removeprefix("Value error, ")
+        if len(item["loc"]) == 1 and _SECTION_RULE.match(message):  # a section's rule names its key: `algo.tis_level`
+            key, message = f"{key}.{message.split(': ', 1)[0]}", message.split(": ", 1)[1]
         if item["type"] == "extra_forbidden":
             message = "unknown key"
         elif "input" in item and not isinstance(item["input"], dict):

@@ -45,7 +45,7 @@ from common.types import RolloutGroup
 from learners import engine as eng
 from learners.batching import ModelInputs, PaddedBatch, pad_groups, split_rows
 from learners.checkpoint import export_hf_model
-from learners.estimators import batch_advantages, check_kl_in_reward
+from learners.estimators import batch_advantages
 from learners.losses import entropy_from_logits, kl_estimate, logprobs_from_logits, policy_loss, value_loss
 from learners.models import ValueModel, load_policy, load_reference, torch_dtype
 from learners.rollout_stats import Reduce, rollout_summary
@@ -109,8 +109,6 @@ class Trainer:
         temperature: float,
         dist: eng.DistInfo,
     ) -> None:
-        if algo.kl_in_reward and algo.kl_coef > 0:
-            check_kl_in_reward(algo)
         if learner.groups_per_step % dist.world_size:
             raise ValueError(
                 f"learner.groups_per_step ({learner.groups_per_step}) must be a multiple of the "

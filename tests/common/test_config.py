@@ -48,12 +48,12 @@ def test_override_values_parse_like_toml() -> None:
         ("[learnr]\n", [], "learnr: unknown key"),
         ("", ["--learner.lr", "-1"], "learner.lr: Input should be greater than 0"),
         ("", ["--algo.estimator", "dpo"], "algo.estimator: Input should be 'grpo'"),
-        ("", ["--algo.group_size", "1"], "group_size: must be >= 2 for estimator 'grpo'"),
+        ("", ["--algo.group_size", "1"], "algo.group_size: must be >= 2 for estimator 'grpo'"),
         ("", ["--algo.max_staleness", "-1"], "algo.max_staleness: Input should be greater than or equal to 0"),
         ("", ["--generator.buffer_address", "127.0.0.1:7000"], "generator.buffer_address"),
         ("", ["--learner.sync_every", "5", "--algo.max_staleness", "1"], "learner.sync_every: must be <= "),
         ("", ["--learner.world_size", "3", "--learner.groups_per_step", "4"], "multiple of learner.world_size"),
-        ("", ["--env.kind", "file"], "source: required when kind = 'file'"),
+        ("", ["--env.kind", "file"], "env.source: required when kind = 'file'"),
         ("x = [", [], "not valid TOML"),
     ],
 )
@@ -61,6 +61,30 @@ def test_bad_config_names_the_key(tmp_path: Path, text: str, overrides: list[str
     with pytest.raises(ConfigError) as error:
         load_config(write(tmp_path, text), overrides)
     assert expected in str(error.value)
+
+
+# Combinations the learner cannot train with: refused at load, in one line that names the key to change.
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('[algo]\ncorrection = "decoupled"\ntis_level = "sequence"\n', "algo.tis_level: 'sequence' needs correction"),
+        ("[algo]\nkl_in_reward = true\n", "algo.kl_in_reward: only with estimator in"),
+        ('[algo]\nkl_in_reward = true\nestimator = "rloo"\nkl_coef = 0.1\n', "(got 'rloo')"),
+        ('[algo]\nkl_in_reward = true\nestimator = "dr_grpo"\n', "(got 'dr_grpo')"),
+    ],
+)
+def test_a_config_the_learner_would_refuse_fails_at_load(tmp_path: Path, text: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(write(tmp_path, text))
+    assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_combinations_the_learner_trains_with_load() -> None:
+    assert load_config(None, ["--algo.correction", "decoupled", "--algo.tis_level", "token"]).algo.correction
+    assert load_config(None, ["--algo.correction", "tis", "--algo.tis_level", "sequence"]).algo.tis_level
+    for estimator in ("reinforce_pp", "reinforce_pp_baseline", "gae"):
+        overrides = ["--algo.estimator", estimator, "--algo.kl_in_reward", "true", "--algo.kl_coef", "0.1"]
+        assert load_config(None, overrides).algo.kl_in_reward
 
 
 def test_missing_file_and_bad_override_syntax(tmp_path: Path) -> None:

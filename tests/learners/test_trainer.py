@@ -151,9 +151,3 @@ def test_gae_trains_the_critic_and_the_kl_grows_from_zero(tiny_model_dir, dist, 
     assert not torch.equal(trainer.critic.module.value_head.weight.detach(), head)
     for key in ("loss/policy", "policy/entropy", "policy/kl_behaviour", "critic/clip_frac", "policy/iw_max"):
         assert np.isfinite(second[key]), key
-
-
-def test_kl_in_reward_is_refused_for_group_estimators(tiny_model_dir, dist) -> None:
-    config = learner_config(tiny_model_dir, algo__estimator="grpo", algo__kl_coef=0.1, algo__kl_in_reward=True)
-    with pytest.raises(ValueError, match="algo.kl_in_reward: only with estimator"):
-        Trainer.from_config(config, dist)
