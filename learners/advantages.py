@@ -12,9 +12,11 @@ are constants of the policy loss: the estimators run under `torch.no_grad()`.
 
     adv = grpo_advantages(rewards, group_ids)                  # [B]       GRPO
     adv = broadcast_to_tokens(adv, mask)                       # [B, T]
-    ret = token_returns_with_kl(rewards, kl, mask, kl_coef)    # [B, T]    REINFORCE++
-    adv = masked_whiten(ret, mask)                             # [B, T]
+    ret = token_returns_with_kl(rewards, kl, mask, kl_coef)    # [B, T]    REINFORCE++ (KL in the reward)
     adv, ret = gae_advantages(token_rewards, values, mask, gamma=1.0, lam=0.95)   # PPO with a critic
+
+Normalisations over the whole batch (REINFORCE++'s whitening, GAE's advantage whitening) span the data-parallel
+ranks and live in `learners.estimators` (`whiten_across_ranks`, `batch_advantages`).
 """
 
 from __future__ import annotations
@@ -24,12 +26,11 @@ from torch import Tensor
 
 __all__ = [
     "broadcast_to_tokens",
+    "checked_rewards",
     "contiguous_group_ids",
     "gae_advantages",
     "grpo_advantages",
     "masked_mean",
-    "masked_whiten",
-    "reinforce_pp_advantages",
     "rloo_advantages",
     "token_returns_with_kl",
 ]
@@ -54,21 +55,6 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return total / count.clamp(min=1)
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
-    """Whiten `x` over all unmasked positions: (x - mu) / sqrt(var + eps), 0 where mask == 0.
-
-    mu and var are the masked mean and the masked *population* variance (divide by N, as OpenRLHF's
-    REINFORCE++ token whitening does) over every unmasked element of `x` (e.g. all action tokens of the batch).
-    shift_mean=False keeps the mean: x / sqrt(var + eps). x, mask: same shape; output: that shape.
-    """
-    m = action_mask(mask, x.shape)
-    x = torch.where(m, x, 0)  # garbage can't reach mu, var or gradients
-    mu = masked_mean(x, m)  # []
-    var = masked_mean((x - mu) ** 2, m)  # []
-    out = (x - mu) if shift_mean else x
-    return torch.where(m, out * torch.rsqrt(var + eps), 0)
-
-
 def contiguous_group_ids(num_samples: int, group_size: int, device: torch.device | str | None = None) -> Tensor:
     """Group ids [B] for the [G, n] layout (samples of a group adjacent): ids = [0]*n + [1]*n + ... .
 
@@ -80,7 +66,7 @@ def contiguous_group_ids(num_samples: int, group_size: int, device: torch.device
     return torch.arange(num_samples, device=device) // group_size
 
 
-def _checked_rewards(rewards: Tensor) -> Tensor:
+def checked_rewards(rewards: Tensor) -> Tensor:
     """rewards [B] as a float tensor; raises ValueError if empty, not 1-d, or not finite."""
     if rewards.dim() != 1 or rewards.numel() == 0:
         raise ValueError(f"rewards must be a non-empty [B] tensor, got shape {tuple(rewards.shape)}")
@@ -92,7 +78,7 @@ def _checked_rewards(rewards: Tensor) -> Tensor:
 
 def _group_index(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Checks the inputs; returns (rewards as float [B], inverse index [B] in [0, G), counts [G], ids [G])."""
-    r = _checked_rewards(rewards)
+    r = checked_rewards(rewards)
     if group_ids.shape != rewards.shape:
         raise ValueError(f"group_ids has shape {tuple(group_ids.shape)}, rewards {tuple(rewards.shape)}")
     if group_ids.is_floating_point() or group_ids.is_complex() or group_ids.dtype == torch.bool:
@@ -148,25 +134,6 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     return _group_deviation(r, inverse, counts) * scale[inverse]
 
 
-@torch.no_grad()
-def reinforce_pp_advantages(rewards: Tensor, group_ids: Tensor | None = None, eps: float = 1e-6) -> Tensor:
-    """REINFORCE++ sample advantages [B], normalised over the batch: A = (d - mean_B(d)) / (std_B(d) + eps).
-
-    group_ids=None: d_i = r_i (plain REINFORCE++, the global batch is the baseline).
-    group_ids given: d_i = r_i - mean_g (REINFORCE++-baseline: subtract the group mean, then batch-normalise).
-    std_B is the population std over the B samples (like OpenRLHF's REINFORCE++ whitening). If all d are
-    equal (a batch of equal rewards, or every group all-equal) A = 0 exactly.
-    For the token-level form with the KL in the reward see `token_returns_with_kl`.
-    """
-    if group_ids is None:
-        r = _checked_rewards(rewards)
-        dev = torch.where(r.max() == r.min(), 0, r - r.mean())  # [B]
-    else:
-        r, inverse, counts, _ = _group_index(rewards, group_ids)
-        dev = _group_deviation(r, inverse, counts)  # [B]
-    return (dev - dev.mean()) / (dev.std(correction=0) + eps)
-
-
 def broadcast_to_tokens(sample_values: Tensor, mask: Tensor) -> Tensor:
     """Sample-level values [B] onto tokens [B, T]: out[b, t] = v[b] where mask[b, t] else 0."""
     if sample_values.dim() != 1 or mask.dim() != 2 or sample_values.shape[0] != mask.shape[0]:
@@ -182,7 +149,7 @@ def token_returns_with_kl(rewards: Tensor, kl: Tensor, mask: Tensor, kl_coef: fl
     Token reward: r_t = -kl_coef * kl_t on every action token, plus the sample reward R on the last action
     token of the sequence. Return: G_t = sum_{s >= t, mask_s = 1} r_s on action tokens, 0 elsewhere
     (environment tokens earn nothing and do not stop the sum). REINFORCE++ then whitens G over all action
-    tokens of the batch: `masked_whiten(G, mask)`.
+    tokens of the global batch (`estimators.whiten_across_ranks`).
     rewards: [B]; kl: [B, T] per-token estimate of KL(pi_theta || pi_ref) (see `losses.kl_estimate`);
     mask: [B, T]. A row without action tokens has returns 0 (its reward has no token to land on).
     """

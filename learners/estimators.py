@@ -7,6 +7,15 @@ data-parallel ranks (identity with one rank), so that estimators that normalise 
 reinforce_pp_baseline, the whitening of GAE advantages) see the global batch whatever the number of ranks.
 Group estimators (grpo, dr_grpo, rloo) need no communication: a group never spans two ranks.
 
+REINFORCE++ (reinforce_pp, reinforce_pp_baseline) whitens its per-token returns over every action token of the
+global batch, with the KL in the reward or without it: a sample counts once per action token, so a long
+completion weighs more in the batch mean and variance than a short one. This is OpenRLHF's weighting
+(`compute_advantages_and_returns` in openrlhf/trainer/ppo_utils/experience_maker.py: the returns of
+`get_cumulative_returns` are normalised with `mean = (adv * action_mask).sum() / action_mask.sum()` and the
+masked population variance, for "reinforce" and "reinforce_baseline" alike), and it is continuous in
+`algo.kl_coef`: as kl_coef -> 0 the KL-shaped returns tend to the sample reward on every token, which is
+exactly the return without the KL.
+
 Shapes: rewards [B], group_ids [B], mask [B, T] bool (action tokens), old_values [B, T] (gae), kl [B, T] (the
 per-token KL estimate to put into the reward, or None). Returns advantages [B, T] (0 off the action tokens) and,
 for gae, the returns [B, T] the critic regresses on (else None).
@@ -18,9 +27,10 @@ from collections.abc import Callable
 
 import torch
 
-from common.config import AlgoConfig
+from common.config import KL_IN_REWARD_ESTIMATORS, AlgoConfig
 from learners.advantages import (
     broadcast_to_tokens,
+    checked_rewards,
     gae_advantages,
     grpo_advantages,
     rloo_advantages,
@@ -28,16 +38,6 @@ from learners.advantages import (
 )
 
 SumRanks = Callable[[torch.Tensor], torch.Tensor]
-KL_IN_REWARD_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")
-
-
-def check_kl_in_reward(algo: AlgoConfig) -> None:
-    """Raise ValueError, saying what to change, when the KL is to go into the reward of a group estimator."""
-    if algo.estimator not in KL_IN_REWARD_ESTIMATORS:
-        raise ValueError(
-            f"algo.kl_in_reward: only with estimator in {KL_IN_REWARD_ESTIMATORS} "
-            f"(got '{algo.estimator}'); set algo.kl_in_reward = false to put the KL in the loss"
-        )
 
 
 def _alone(tensor: torch.Tensor) -> torch.Tensor:
@@ -47,10 +47,13 @@ def _alone(tensor: torch.Tensor) -> torch.Tensor:
 def whiten_across_ranks(
     x: torch.Tensor, mask: torch.Tensor, sum_ranks: SumRanks = _alone, eps: float = 1e-8
 ) -> torch.Tensor:
-    """`advantages.masked_whiten(x, mask)` over the union of every rank's `x` (a collective when ranks > 1).
+    """Whiten `x` over the unmasked elements of every rank's `x` (a collective when ranks > 1).
 
-    (x - mu) / sqrt(var + eps) on unmasked positions, 0 elsewhere; mu and the population var are over all
-    unmasked elements of all ranks (two sums of two scalars across ranks).
+    (x - mu) / sqrt(var + eps) on unmasked positions, 0 elsewhere; mu and the population variance (divide by N)
+    are over all unmasked elements of all ranks (two sums of two scalars across ranks), computed in float64.
+    Values at masked positions never reach mu, var or the output (they may be inf/NaN). x, mask: same shape;
+    returns float32 of that shape. Elements that are all equal give exactly 0 when their count is below 2**29
+    and they are float32 values (the float64 sums are then exact).
     """
     m = mask.bool()
     x = torch.where(m, x, 0).double()
@@ -82,21 +85,26 @@ def batch_advantages(
     """(advantages [B, T], returns [B, T] or None) for `algo.estimator` (see the module docstring).
 
     `kl` (already an estimate per token) goes into the reward, scaled by `algo.kl_coef`: as REINFORCE++'s
-    per-token penalty (reinforce_pp*) or into GAE's token rewards. Raises ValueError when `kl` is given to a
-    group estimator, or gae gets no `old_values`.
+    per-token penalty (reinforce_pp*) or into GAE's token rewards. The config refuses `algo.kl_in_reward` for the
+    other estimators; this function raises ValueError when `kl` is passed to one of them anyway (it has no
+    per-token reward to put it in), or when gae gets no `old_values`.
     """
-    if kl is not None:
-        check_kl_in_reward(algo)
+    if kl is not None and algo.estimator not in KL_IN_REWARD_ESTIMATORS:
+        raise ValueError(f"kl: estimator '{algo.estimator}' has no per-token reward (only {KL_IN_REWARD_ESTIMATORS})")
     if algo.estimator in ("grpo", "dr_grpo"):
         return broadcast_to_tokens(grpo_advantages(rewards, group_ids, algo.estimator == "grpo"), mask), None
     if algo.estimator == "rloo":
         return broadcast_to_tokens(rloo_advantages(rewards, group_ids), mask), None
     if algo.estimator in ("reinforce_pp", "reinforce_pp_baseline"):
-        base = rewards if algo.estimator == "reinforce_pp" else grpo_advantages(rewards, group_ids, False)  # [B]
-        if kl is not None:
-            return whiten_across_ranks(token_returns_with_kl(base, kl, mask, algo.kl_coef), mask, sum_ranks), None
-        sample = whiten_across_ranks(base, torch.ones_like(base, dtype=torch.bool), sum_ranks)  # [B]
-        return broadcast_to_tokens(sample, mask), None
+        if algo.estimator == "reinforce_pp":
+            base = checked_rewards(rewards)  # [B]
+        else:
+            base = grpo_advantages(rewards, group_ids, scale_by_std=False)  # [B]  r - mean of its group
+        if kl is None:
+            returns = broadcast_to_tokens(base, mask)  # [B, T]  the sample reward on each of its action tokens
+        else:
+            returns = token_returns_with_kl(base, kl, mask, algo.kl_coef)  # [B, T]  reward-to-go with the KL
+        return whiten_across_ranks(returns, mask, sum_ranks), None  # each action token once (see the docstring)
     if old_values is None:
         raise ValueError("estimator 'gae' needs the critic's values (old_values)")
     token_rewards = terminal_rewards(rewards, mask)  # [B, T]

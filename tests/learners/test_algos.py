@@ -1,4 +1,4 @@
-"""Unit tests for the learner's algorithm math (learners.advantages, learners.losses).
+"""Unit tests for the learner's algorithm math (learners.advantages, learners.estimators, learners.losses).
 
 Hand-worked numbers (arithmetic in the comments), python-loop reference implementations on random inputs
 (masks with environment-token holes, empty rows, behaviour != proximal != current), gradient sanity checks
@@ -17,17 +17,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.config import AlgoConfig
 from learners.advantages import (
     broadcast_to_tokens,
     contiguous_group_ids,
     gae_advantages,
     grpo_advantages,
     masked_mean,
-    masked_whiten,
-    reinforce_pp_advantages,
     rloo_advantages,
     token_returns_with_kl,
 )
+from learners.estimators import batch_advantages, whiten_across_ranks
 from learners.losses import entropy_from_logits, kl_estimate, logprobs_from_logits, policy_loss, value_loss
 
 L = math.log
@@ -54,6 +54,13 @@ def random_mask(batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
     return mask
 
 
+def reinforce_pp(rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The learner's REINFORCE++ advantages [B, T] (reinforce_pp, or reinforce_pp_baseline with group_ids)."""
+    estimator = "reinforce_pp" if group_ids is None else "reinforce_pp_baseline"
+    ids = torch.zeros(len(rewards), dtype=torch.long) if group_ids is None else group_ids
+    return batch_advantages(AlgoConfig(estimator=estimator, group_size=2), rewards, ids, mask)[0]
+
+
 def with_garbage(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """x with NaN/inf/huge values on the masked positions."""
     junk = torch.tensor([NAN, INF, -INF, 1e30], dtype=x.dtype).repeat(x.numel() // 4 + 1)[: x.numel()]
@@ -67,19 +74,22 @@ def test_masked_mean_and_whiten_hand() -> None:
     assert masked_mean(x, mask).item() == approx(2.0)  # (1 + 3) / 2
     assert masked_mean(x, mask, dim=1).tolist() == approx([2.0, 0.0])  # empty row -> 0, not NaN
     assert masked_mean(x, torch.zeros_like(mask)).item() == 0.0
-    # x = [1, 2, 3] unmasked, 100 masked: mu = 2, population var = (1 + 0 + 1) / 3 = 2/3, 1/sqrt(2/3) = 1.224745
-    w = masked_whiten(t64([[1.0, 2.0, 3.0, NAN]]), t64([[1, 1, 1, 0]]))
-    assert w.tolist()[0] == approx([-1.2247449, 0.0, 1.2247449, 0.0], rel=1e-6)
-    # shift_mean=False: x / sqrt(2/3) = [1.224745, 2.449490, 3.674235]
-    w = masked_whiten(t64([[1.0, 2.0, 3.0]]), t64([[1, 1, 1]]), shift_mean=False)
-    assert w.tolist()[0] == approx([1.2247449, 2.4494897, 3.6742346], rel=1e-6)
+    # x = [1, 2, 3] unmasked, NaN masked: mu = 2, population var = (1 + 0 + 1) / 3 = 2/3, 1/sqrt(2/3) = 1.224745
+    # (the float32 result of float64 statistics: rel 1e-6 is ~10 float32 ulps)
+    w = whiten_across_ranks(t64([[1.0, 2.0, 3.0, NAN]]), torch.tensor([[1, 1, 1, 0]]))
+    assert w.dtype == torch.float32 and w.tolist()[0] == approx([-1.2247449, 0.0, 1.2247449, 0.0], rel=1e-6)
 
 
-def test_masked_whiten_gradient_ignores_garbage() -> None:
-    x = t64([[1.0, INF, 3.0], [NAN, 5.0, 2.0]]).requires_grad_()
-    mask = t64([[1, 0, 1], [0, 1, 1]])
-    masked_whiten(x, mask).pow(3).sum().backward()
-    assert torch.isfinite(x.grad).all() and x.grad[mask == 0].abs().sum() == 0
+def test_whiten_ignores_garbage_and_matches_a_python_reference() -> None:
+    gen = torch.Generator().manual_seed(1)
+    mask = random_mask(6, 9, gen)
+    x = torch.randn(6, 9, generator=gen, dtype=torch.float64)
+    got = whiten_across_ranks(with_garbage(x, mask), mask)
+    kept = x[mask].tolist()
+    mu, var = statistics.fmean(kept), statistics.pvariance(kept)  # population variance, as OpenRLHF
+    expected = torch.where(mask, (x - mu) / math.sqrt(var + 1e-8), 0)
+    assert torch.isfinite(got).all() and (got[~mask] == 0).all()
+    torch.testing.assert_close(got, expected.float(), rtol=1e-6, atol=1e-6)  # float32 output: ~10 ulps
 
 
 # ------------------------------------------------------------------------------------- group advantages
@@ -117,11 +127,14 @@ def test_grpo_hand() -> None:
 def test_grpo_equal_rewards_and_singletons_give_exact_zero() -> None:
     rewards = t64([0.1, 0.1, 0.1, 1e8 + 0.1, 1e8 + 0.1, 3.0])  # 0.3/3 != 0.1 in floats: no rounding residue
     ids = torch.tensor([0, 0, 0, 1, 1, 2])  # group 2 has one sample
+    # REINFORCE++ with float32 rewards (as the learner has them): the float64 sums of equal float32 values are
+    # exact, so the batch mean is the value itself and the advantages are 0 exactly (here over 3 tokens each)
+    tokens = torch.ones(4, 3, dtype=torch.bool)
     for adv in (
         grpo_advantages(rewards, ids),
         grpo_advantages(rewards, ids, scale_by_std=False),
-        reinforce_pp_advantages(rewards, ids),
-        reinforce_pp_advantages(torch.full((4,), 0.1)),
+        reinforce_pp(rewards, torch.ones(6, 3, dtype=torch.bool), ids),
+        reinforce_pp(torch.full((4,), 0.1), tokens),
     ):
         assert torch.equal(adv, torch.zeros_like(adv))
     assert torch.equal(rloo_advantages(rewards[:5], ids[:5]), torch.zeros(5, dtype=torch.float64))
@@ -169,14 +182,25 @@ def test_rloo_hand_and_singleton_error() -> None:
 
 
 def test_reinforce_pp_hand() -> None:
-    # no groups: r = [1, 2, 3, 6], mean 3, d = [-2, -1, 0, 3], population var (4 + 1 + 0 + 9)/4 = 3.5,
-    # std 1.870829 -> [-1.069045, -0.534522, 0, 1.603567]
-    adv = reinforce_pp_advantages(t64([1.0, 2.0, 3.0, 6.0]), eps=0.0)
+    # One action token per sample. No groups: r = [1, 2, 3, 6], mean 3, d = [-2, -1, 0, 3], population var
+    # (4 + 1 + 0 + 9)/4 = 3.5, 1/sqrt(3.5 + 1e-8) -> [-1.069045, -0.534522, 0, 1.603567]
+    one = torch.ones(4, 1, dtype=torch.bool)
+    adv = reinforce_pp(t64([1.0, 2.0, 3.0, 6.0]), one)[:, 0]
     assert adv.tolist() == approx([-1.0690450, -0.5345225, 0.0, 1.6035675])
     # baseline variant: groups [1, 3] and [2, 6] -> means 2, 4 -> d = [-1, 1, -2, 2]; batch mean 0,
     # population std sqrt((1 + 1 + 4 + 4)/4) = 1.581139 -> [-0.632456, 0.632456, -1.264911, 1.264911]
-    adv = reinforce_pp_advantages(t64([1.0, 3.0, 2.0, 6.0]), torch.tensor([0, 0, 1, 1]), eps=0.0)
+    adv = reinforce_pp(t64([1.0, 3.0, 2.0, 6.0]), one, torch.tensor([0, 0, 1, 1]))[:, 0]
     assert adv.tolist() == approx([-0.6324555, 0.6324555, -1.2649111, 1.2649111])
+
+
+def test_reinforce_pp_weighs_each_action_token_once() -> None:
+    # r = [1, 0] on 3 and 1 action tokens (t=1 of row 0 is an environment token): the whitened values are
+    # [1, 1, 1, 0], mean 3/4, population var (3 * 1/16 + 9/16) / 4 = 3/16, 1/sqrt(3/16) = 2.309401
+    # -> row 0: 1/4 * 2.309401 = 0.577350 on its action tokens, row 1: -3/4 * 2.309401 = -1.732051.
+    # (Weighing each sample once would give +-1.)
+    mask = torch.tensor([[1, 0, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    adv = reinforce_pp(torch.tensor([1.0, 0.0]), mask)
+    assert adv.tolist() == [approx([0.5773503, 0.0, 0.5773503, 0.5773503]), approx([-1.7320508, 0.0, 0.0, 0.0])]
 
 
 def test_reward_validation() -> None:
@@ -185,7 +209,9 @@ def test_reward_validation() -> None:
     with pytest.raises(ValueError, match="integer"):
         grpo_advantages(t64([1.0, 2.0]), t64([0.0, 0.0]))
     with pytest.raises(ValueError, match="non-empty"):
-        reinforce_pp_advantages(t64([]))
+        reinforce_pp(t64([]), torch.ones(0, 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="inf/NaN"):
+        reinforce_pp(t64([1.0, INF]), torch.ones(2, 1, dtype=torch.bool))
 
 
 # --------------------------------------------------------------------------------- token-level returns

@@ -1,16 +1,17 @@
 """Advantages for each estimator over a batch split across ranks equal those over the whole batch (two ranks
-simulated by two threads whose sums meet at a barrier), and agree with the single-batch math."""
+simulated by two threads whose sums meet at a barrier), agree with a python reference of the batch math, and
+REINFORCE++'s advantages are continuous in algo.kl_coef."""
 
 from __future__ import annotations
 
+import statistics
 import threading
 
 import pytest
 import torch
 
 from common.config import AlgoConfig
-from learners.advantages import masked_whiten, reinforce_pp_advantages
-from learners.estimators import batch_advantages, terminal_rewards, whiten_across_ranks
+from learners.estimators import batch_advantages, terminal_rewards
 
 
 class TwoRanks:
@@ -94,15 +95,34 @@ def test_two_ranks_get_the_advantages_of_the_whole_batch(estimator: str, use_kl:
         assert whole_returns is None
 
 
-def test_one_rank_matches_the_batch_math_of_learners_advantages() -> None:
+@pytest.mark.parametrize("estimator", ["reinforce_pp", "reinforce_pp_baseline"])
+def test_one_rank_matches_a_python_reference_weighing_each_action_token_once(estimator: str) -> None:
     data = batch(seed=3)
-    mask = data["mask"]
-    torch.testing.assert_close(
-        whiten_across_ranks(data["old_values"], mask), masked_whiten(data["old_values"], mask), rtol=1e-5, atol=1e-6
-    )
-    adv, _ = advantages(AlgoConfig(estimator="reinforce_pp", group_size=4), data, slice(0, 8), use_kl=False)
-    expected = reinforce_pp_advantages(data["rewards"])  # (r - mean) / (std + 1e-6) vs * rsqrt(var + 1e-8)
-    torch.testing.assert_close(adv[:, 0][mask[:, 0]], expected[mask[:, 0]], rtol=1e-4, atol=1e-5)
+    mask, rewards = data["mask"], data["rewards"].tolist()
+    groups = data["group_ids"].tolist()
+    if estimator == "reinforce_pp_baseline":  # subtract the mean of the sample's group first
+        means = {g: statistics.fmean(r for r, h in zip(rewards, groups) if h == g) for g in set(groups)}
+        rewards = [r - means[g] for r, g in zip(rewards, groups)]
+    tokens = [r for r, row in zip(rewards, mask) for _ in range(int(row.sum()))]  # one entry per action token
+    mu, var = statistics.fmean(tokens), statistics.pvariance(tokens)
+    expected = torch.where(mask, (torch.tensor(rewards)[:, None] - mu) / (var + 1e-8) ** 0.5, 0)
+    adv, _ = advantages(AlgoConfig(estimator=estimator, group_size=4), data, slice(0, 8), use_kl=False)
+    torch.testing.assert_close(adv, expected, rtol=1e-5, atol=1e-6)  # float32 rewards and output: ~100 ulps
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_pp", "reinforce_pp_baseline"])
+def test_reinforce_pp_is_continuous_in_kl_coef(estimator: str) -> None:
+    """The KL in the reward does not change how the batch is weighed: kl_coef -> 0 gives the advantages of no KL."""
+    data = batch(seed=5)
+    without, _ = advantages(AlgoConfig(estimator=estimator, group_size=4), data, slice(0, 8), use_kl=False)
+    for kl_coef, tolerance in ((0.0, 0.0), (1e-9, 1e-6), (1e-3, 1e-2)):
+        algo = AlgoConfig(estimator=estimator, group_size=4, kl_coef=kl_coef, kl_in_reward=True)
+        with_kl, _ = advantages(algo, data, slice(0, 8), use_kl=True)
+        # kl in [0, 1) on <= 6 tokens: the returns move by < 6 * kl_coef, the whitened advantages by about that
+        # over the std of the rewards (~0.5): 1e-9 -> < 2e-8 (1e-6 is float32 rounding), 1e-3 -> < 1.2e-2
+        torch.testing.assert_close(with_kl, without, rtol=0, atol=tolerance)
+    far, _ = advantages(AlgoConfig(estimator=estimator, group_size=4, kl_coef=0.3), data, slice(0, 8), use_kl=True)
+    assert (far - without).abs().max() > 0.05  # and the KL does act when its coefficient is not tiny
 
 
 def test_terminal_rewards_sit_on_the_last_action_token() -> None:
@@ -111,9 +131,9 @@ def test_terminal_rewards_sit_on_the_last_action_token() -> None:
     assert terminal_rewards(rewards, mask).tolist() == [[0, 0, 0, 2.0, 0], [0] * 5, [-1.0, 0, 0, 0, 0]]
 
 
-def test_kl_in_the_reward_of_a_group_estimator_and_gae_without_values_are_refused() -> None:
+def test_a_kl_passed_to_a_group_estimator_and_gae_without_values_are_refused() -> None:
     data = batch(seed=0)
-    with pytest.raises(ValueError, match="algo.kl_in_reward: only with estimator"):
+    with pytest.raises(ValueError, match="kl: estimator 'rloo' has no per-token reward"):
         advantages(AlgoConfig(estimator="rloo", group_size=4), data, slice(0, 8), use_kl=True)
     with pytest.raises(ValueError, match="needs the critic's values"):
         batch_advantages(AlgoConfig(estimator="gae", group_size=4), data["rewards"], data["group_ids"], data["mask"])
