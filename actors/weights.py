@@ -6,11 +6,10 @@ are handed to vLLM's worker processes (`SharedMemoryStaging`).
     if update is not None:
         engine.load_weights(update, inflight=False)
 
-Transports. `WeightsSource.fetch` is the seam: the CPU path (`ZmqWeightsSource`) pulls the learner's publisher
-(`WeightsRequest` -> `WeightsHeader` + bucket frames laid out by `common.weights`, or `WeightsNotNewer`).
-A GPU NCCL broadcast would be another `WeightsSource` whose `fetch` reads the header over ZeroMQ (transport
-"nccl") and receives the buckets by broadcast into device memory; it is not part of this build, and a header
-announcing transport "nccl" is refused with `WeightsTransportError` rather than misread.
+Transport. `WeightsSource.fetch` is the seam; this build has one source, `ZmqWeightsSource`, on CPU and GPU
+machines alike: it pulls the learner's publisher (`WeightsRequest` -> `WeightsHeader` + bucket frames laid out
+by `common.weights`, or `WeightsNotNewer`). A header announcing any transport but "zmq" is refused with
+`WeightsTransportError` rather than misread.
 
 Failure modes: an unreachable publisher is not an error for the generator (it keeps sampling with the weights it
 has and asks again after a back-off); a malformed reply raises `WeightsTransportError`, which the poller counts,

@@ -268,7 +268,8 @@ class WeightsRequest:
 @message("weights_header")
 class WeightsHeader:
     """Learner -> generator: the header of a weights update; the buckets follow as raw frames.
-    `transport` says how the payload travels: 'zmq' (frames follow this header) or 'nccl' (broadcast)."""
+    `transport` says how the payload travels: 'zmq' (the frames follow this header), the only one this build
+    sends or accepts."""
 
     policy_version: int
     tensors: list[TensorSpec]
