@@ -1,7 +1,7 @@
 # The two commands of the README:
 #   make demo   set up, then run the embedded default (SmolLM2-135M-Instruct, arithmetic, async GRPO)
-#   make test   set up, then run the test suite
-.PHONY: setup demo test bench clean
+#   make test   set up, lint (ruff check, ruff format --check), then run the whole test suite
+.PHONY: setup demo lint test test-fast bench clean
 
 setup:
 	@scripts/setup.sh
@@ -9,7 +9,11 @@ setup:
 demo: setup
 	.venv/bin/tandem demo
 
-test: setup
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+test: lint
 	.venv/bin/python -m pytest tests -q -ra --durations=15
 
 bench: setup
