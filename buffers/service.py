@@ -1,6 +1,6 @@
 """`tandem buffer CONFIG`: the buffer service, one process with one request socket.
 
-    tandem buffer examples/demo.toml --buffer.port 5555
+    tandem buffer demo --buffer.port 5555
     python -m launch.cli buffer run.toml --buffer.persist true      # resume from <run_dir>/buffer/journal.bin
 
 It owns the dataset cursor, the prompt leases and the replay buffer (see `buffers.core` for the answer to each

@@ -1,7 +1,7 @@
 """The `tandem` command. It parses and validates the config first and imports torch/vLLM/DeepSpeed after,
 so `tandem --help` and config errors answer at once.
 
-    tandem demo                                   # the embedded default run (examples/demo.toml)
+    tandem demo                                   # the embedded default run (= tandem run demo)
     tandem run CONFIG [--section.key VALUE ...]   # every role on this machine
     tandem buffer CONFIG                          # one role alone (fleets launched separately)
     tandem generator CONFIG --generator.index 1
@@ -11,6 +11,10 @@ so `tandem --help` and config errors answer at once.
     tandem ray status RUN | tandem ray stop RUN
     tandem prepare-model [--check]                # build the embedded SmolLM2 model in the cache
     tandem config CONFIG                          # print the resolved config as JSON
+
+CONFIG is a TOML file, or the name of a config shipped in the package (`launch/configs/`, installed with the
+wheel): `demo` (the embedded default) or `gpu_cluster` (a `tandem ray` fleet on GPU nodes). A file of that
+name in the working directory wins over the packaged one.
 """
 
 from __future__ import annotations
@@ -31,7 +35,24 @@ ROLES = {
     "ray": "launch.ray_launch:run",
 }
 RAY_ACTIONS = ("scale", "status", "stop")  # `tandem ray ACTION RUN ...` (launch.ray_control), not a config
-DEMO_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "demo.toml"
+# Package data (pyproject: [tool.setuptools.package-data]); examples/demo.toml and examples/gpu_cluster.toml in the
+# repository are symbolic links to these files.
+PACKAGED_CONFIGS = Path(__file__).resolve().parent / "configs"
+DEMO_CONFIG = PACKAGED_CONFIGS / "demo.toml"
+
+
+def packaged_configs() -> dict[str, Path]:
+    """Name -> path of every config shipped with the package (`demo`, `gpu_cluster`)."""
+    return {path.stem: path for path in sorted(PACKAGED_CONFIGS.glob("*.toml"))}
+
+
+def resolve_config_path(argument: str) -> Path:
+    """The config that CONFIG names: an existing file, else a packaged config of that name (with or without
+    `.toml`), else the path as given (loading it then fails with "no such config file")."""
+    path = Path(argument)
+    if path.exists():
+        return path
+    return packaged_configs().get(argument.removesuffix(".toml"), path)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,7 +78,10 @@ def _parser() -> argparse.ArgumentParser:
         ("config", "print the resolved config"),
     ]:
         cmd = sub.add_parser(role, help=text)
-        cmd.add_argument("config", type=Path, help="TOML run config")
+        names = ", ".join(packaged_configs())
+        cmd.add_argument(
+            "config", type=resolve_config_path, help=f"TOML run config, or a packaged one by name ({names})"
+        )
     prep = sub.add_parser("prepare-model", help="prepare the embedded SmolLM2-135M-Instruct model in the cache")
     prep.add_argument("--check", action="store_true", help="also load it with transformers and vLLM")
     return parser
@@ -82,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(config_path, overrides)
     except ConfigError as error:
-        print(f"tandem: config error in {config_path}:\n{error}", file=sys.stderr)
+        hint = "" if config_path.exists() else f"\n(packaged configs by name: {', '.join(packaged_configs())})"
+        print(f"tandem: config error in {config_path}:\n{error}{hint}", file=sys.stderr)
         return 2
     if args.command == "config":
         print(config.model_dump_json(indent=2))

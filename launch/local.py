@@ -1,6 +1,6 @@
 """`tandem run CONFIG`: every role on this machine, each its own process, supervised.
 
-    tandem run examples/demo.toml --run.name my-run
+    tandem run demo --run.name my-run              # a packaged config by name, or a TOML file
 
 Order: buffer, then the learner rank(s) (whose publisher serves the initial weights), then the generator(s).
 Each child runs `python -m launch.cli ROLE <run_dir>/config.json ...` in its own session (so that vLLM's and

@@ -1,8 +1,8 @@
 """`tandem ray CONFIG`: the buffer, the learner rank(s) and the generators as Ray actors on a Ray cluster.
 
     ray start --head                                        # once per cluster (docs/ray.md: the other nodes)
-    RAY_ADDRESS=auto tandem ray examples/gpu_cluster.toml --run.name exp1
-    tandem ray examples/demo.toml --run.simulate true       # no address: a local Ray on this machine
+    RAY_ADDRESS=auto tandem ray gpu_cluster --run.name exp1 # a packaged config by name, or a TOML file
+    tandem ray demo --run.simulate true                     # no address: a local Ray on this machine
     tandem ray scale exp1 --generators 12                   # from any shell that reaches the cluster
     tandem ray status exp1
     tandem ray stop exp1
