@@ -23,6 +23,7 @@ import ipaddress
 import itertools
 import logging
 import os
+import socket
 import struct
 import time
 from collections import Counter
@@ -74,6 +75,14 @@ def split_address(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"address '{address}' must look like host:port")
     return host.strip("[]"), int(port)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` right now. Whoever binds it a moment later may find it taken by another
+    process in between (then the bind fails with "address in use"): a race to live with, not to hide."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def _tcp(host: str, port: int) -> str:

@@ -36,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+from common.sockets import free_port
 from launch.local import Role
 
 POLL_S = 0.1
@@ -53,14 +54,6 @@ def ensure_file(path: Path, text: str) -> bool:
     tmp.write_text(text)
     tmp.replace(path)
     return True
-
-
-def reserve_port(host: str) -> int:
-    """A TCP port that is free on `host` now. The role binds it a moment later; if another process took it in
-    between, the role exits with "address in use" and `wait_listening` reports that exit."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def is_listening(pid: int, port: int) -> bool:
@@ -98,7 +91,9 @@ class RoleProcess:
         }
 
     def reserve_port(self, host: str) -> int:
-        return reserve_port(host)
+        """A TCP port that is free on `host` now. The role binds it a moment later; if another process took it in
+        between, the role exits with "address in use" and `wait_listening` reports that exit."""
+        return free_port(host)
 
     def start(self, argv_tail: list[str], env: dict[str, str], config_text: str) -> int:
         """Write the run's resolved config on this node (if it is not there already, identical) and start

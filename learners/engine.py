@@ -26,13 +26,14 @@ Failure modes: every call here is collective under data parallelism (forward/bac
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from common.sockets import free_port
 
 GATHER_CHUNK_BYTES = 256 << 20  # ZeRO-3: parameters gathered together at most (bounds the transient memory)
 
@@ -42,12 +43,6 @@ class DistInfo:
     rank: int
     world_size: int
     local_rank: int
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def init_distributed() -> DistInfo:
@@ -61,7 +56,7 @@ def init_distributed() -> DistInfo:
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return DistInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0")))

@@ -15,20 +15,14 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from common.config import TandemConfig, parse_cores, write_resolved
+from common.sockets import free_port
 
 log = logging.getLogger("tandem.learner.ranks")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def torchrun_command(config_path: Path, world_size: int, master_port: int) -> list[str]:
@@ -57,7 +51,7 @@ def launch_ranks(config: TandemConfig) -> int:
     Interrupting this process (Ctrl-C, SIGTERM from a launcher) terminates torchrun, which stops the ranks.
     """
     path = write_resolved(config, config.run.run_dir)
-    command = torchrun_command(path, config.learner.world_size, _free_port())
+    command = torchrun_command(path, config.learner.world_size, free_port())
     log.info("starting %d learner ranks: %s", config.learner.world_size, " ".join(command))
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // config.learner.world_size)))
