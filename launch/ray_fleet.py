@@ -173,12 +173,6 @@ class FleetController:
                 self._end(f"stopped: {reason}", 130)
         return self.outcome
 
-    def member_pid(self, name: str) -> int | None:
-        """The pid of a member's role process (tests use it to play a crash), None if there is no such member."""
-        with self.lock:
-            everyone = [self.buffer, *self.learners, *self.generators]
-            return next((m.pid for m in everyone if m is not None and m.name == name), None)
-
     # ------------------------------------------------------------------------------------------ start
     def _start_fleet(self) -> None:
         [self.buffer] = self._spawn("buffer", [0], self.pools["buffer"].acquire(1))

@@ -99,6 +99,16 @@ def samples_per_s(records: list[dict[str, Any]], first_step: int, last_step: int
     return samples / (end["time"] - start["time"])
 
 
+def member_pid(run_name: str, member: str) -> int:
+    """The pid of a fleet member's role process ("generator-1", "learner-0"), from the controller's status (what
+    `tandem ray status` shows); StopIteration if the fleet has no such member now."""
+    from launch.ray_control import fleet_status
+
+    status = fleet_status(run_name)
+    members = [status["buffer"], *status["learners"], *status["generators"]]
+    return next(m["pid"] for m in members if m is not None and m["name"] == member)
+
+
 def buffer_counters(run_dir: Path) -> dict[str, Any]:
     """The buffer's last record (written as it stops), without the `buffer/` prefix."""
     final = read_metrics(run_dir / "buffer.jsonl")[-1]

@@ -19,7 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.ray_runs import SIM_CONFIG, RayLaunch, buffer_counters, processes_of, samples_per_s, wait_for
+from tests.launch.ray_runs import (
+    SIM_CONFIG,
+    RayLaunch,
+    buffer_counters,
+    member_pid,
+    processes_of,
+    samples_per_s,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,10 +52,19 @@ def scale_with_cli(name: str, address: str, generators: int) -> subprocess.Compl
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
 
 
+def saved_steps(run_dir: Path) -> list[int]:
+    """The steps of a live run's complete checkpoints, read without a CheckpointManager (whose rank-0 constructor
+    removes the .tmp directory that the learner may be writing)."""
+    from learners.checkpoint import STATE_FILE
+
+    found = (run_dir / "checkpoints").glob("step-*")
+    return sorted(int(p.name[5:]) for p in found if p.name[5:].isdigit() and (p / STATE_FILE).is_file())
+
+
 def test_scale_up_and_replace_dead_generators(tmp_path: Path, ray_cluster: str, curve_keys: Path) -> None:
     import ray
 
-    from launch.ray_control import controller, fleet_status, stop_fleet
+    from launch.ray_control import fleet_status, stop_fleet
     from launch.ray_plan import NAMESPACE, actor_name
 
     launch = RayLaunch(
@@ -80,8 +97,7 @@ def test_scale_up_and_replace_dead_generators(tmp_path: Path, ray_cluster: str, 
 
         left = PROMPTS - GROUPS_PER_STEP * len(launch.records())
         assert left >= PROMPTS // 4, f"only {left} prompts left to kill generators mid-epoch: raise PROMPTS"
-        handle = controller("scale")
-        os.kill(ray.get(handle.member_pid.remote("generator-1")), signal.SIGKILL)  # a crash: its leases stay out
+        os.kill(member_pid("scale", "generator-1"), signal.SIGKILL)  # a crash: its leases stay out
         ray.kill(ray.get_actor(actor_name("scale", "generator-2"), namespace=NAMESPACE))  # its actor dies
         status = wait_for(
             lambda: (s := fleet_status("scale"))["restarts"]["generator"] == 2 and s,
@@ -116,9 +132,7 @@ def test_scale_up_and_replace_dead_generators(tmp_path: Path, ray_cluster: str, 
 
 
 def test_dead_learner_stops_the_run_cleanly(tmp_path: Path, ray_cluster: str, curve_keys: Path) -> None:
-    import ray
 
-    from launch.ray_control import controller
     from learners.checkpoint import CheckpointManager
 
     launch = RayLaunch(
@@ -133,9 +147,10 @@ def test_dead_learner_stops_the_run_cleanly(tmp_path: Path, ray_cluster: str, cu
         "5",
     )
     try:
-        launch.wait_steps(12, timeout_s=120)
-        pid = ray.get(controller("learner-dies").member_pid.remote("learner-0"))
-        os.kill(pid, signal.SIGKILL)
+        # the state the kill needs (a checkpoint after step 10), not a step count that a machine reaches with or
+        # without it
+        wait_for(lambda: any(s >= 10 for s in saved_steps(launch.run_dir)), 120, "checkpoint 10", launch)
+        os.kill(member_pid("learner-dies", "learner-0"), signal.SIGKILL)
         assert launch.wait_exit(timeout_s=90) == 1
     finally:
         launch.close()
@@ -146,10 +161,8 @@ def test_dead_learner_stops_the_run_cleanly(tmp_path: Path, ray_cluster: str, cu
 
 
 def test_dead_learner_resumes_when_configured(tmp_path: Path, ray_cluster: str, curve_keys: Path) -> None:
-    import ray
 
     from common.metrics import read_metrics
-    from launch.ray_control import controller
 
     launch = RayLaunch(
         tmp_path,
@@ -165,13 +178,17 @@ def test_dead_learner_resumes_when_configured(tmp_path: Path, ray_cluster: str, 
         "1",
     )
     try:
-        launch.wait_steps(12, timeout_s=120)
-        os.kill(ray.get(controller("learner-resumes").member_pid.remote("learner-0")), signal.SIGKILL)
+        # kill once a checkpoint exists (whichever: 5, 10, ...), and while steps are left to resume into
+        wait_for(lambda: saved_steps(launch.run_dir), 120, "a first checkpoint", launch)
+        assert len(launch.records()) < 30, "the run ended before the kill: raise learner.total_steps"
+        os.kill(member_pid("learner-resumes", "learner-0"), signal.SIGKILL)
         assert launch.wait_exit(timeout_s=120) == 0, launch.tail()
     finally:
         launch.close()
     steps = [r["step"] for r in launch.records()]
-    resumed_at = next(i for i, (a, b) in enumerate(itertools.pairwise(steps)) if b <= a) + 1
+    resumed_at = next((i for i, (a, b) in enumerate(itertools.pairwise(steps)) if b <= a), None)
+    assert resumed_at is not None, f"no step was repeated: the learner did not resume ({steps})"
+    resumed_at += 1
     assert steps[resumed_at] % 5 == 1 and steps[resumed_at] > 1 and steps[-1] == 30, steps  # after checkpoint 5, 10...
     assert steps[resumed_at:] == list(range(steps[resumed_at], 31)), steps
     assert read_metrics(launch.run_dir / "ray.jsonl")[-1]["ray/learner_restarts"] == 1
