@@ -378,23 +378,3 @@ class EpisodeDriver:
             self.stats.failures += 1
         elif reason in ("env_timeout", "episode_timeout"):
             self.stats.timeouts += 1
-
-
-def drive_until_done(driver: EpisodeDriver, timeout_s: float, idle_wait_s: float = 0.005) -> list[EpisodeGroup]:
-    """Run the driver's engine until every started episode has ended; the complete groups, in completion order.
-
-    The generator's loop in miniature (without leases, weights or sockets), for tests, benchmarks and tools.
-    Raises TimeoutError when episodes are still running after `timeout_s`.
-    """
-    deadline = time.monotonic() + timeout_s
-    groups: list[EpisodeGroup] = []
-    while driver.active():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"episodes still running after {timeout_s}s")
-        groups.extend(driver.advance(submit=True))
-        if driver.engine.num_unfinished():
-            for sample in driver.engine.step():
-                driver.on_turn(sample)
-        elif driver.active():
-            driver.wait(idle_wait_s)
-    return groups

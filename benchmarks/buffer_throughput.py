@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import multiprocessing as mp
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +43,7 @@ from common.types import (
     StatsRequest,
     VersionReport,
 )
-from tests.conftest import free_port
+from launch.testing import RoleUnderTest, run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SECURITY = SocketSecurity()
@@ -123,34 +122,26 @@ def learner_process(address: str, num_groups: int, stop_at: float, out: Any) -> 
 
 
 class BufferUnderTest:
-    """The buffer service in a subprocess, every thread pinned to BUFFER_CORE; killed on exit."""
+    """The buffer service in a subprocess, pinned to BUFFER_CORE before it starts (so are all its threads); killed
+    on exit."""
 
     def __init__(self, workdir: Path, samples: int, groups_per_step: int) -> None:
-        port, weights = free_port(), free_port()
-        self.address = f"127.0.0.1:{port}"
-        capacity = samples * 256  # 256 groups held at most: the ingest phase evicts on every arrival
-        self.config = workdir / "bench.toml"
-        self.config.write_text(
-            f'[run]\nname = "bench"\nroot = "{workdir}"\n'
-            f"[buffer]\nport = {port}\ncapacity = {capacity}\nlease_timeout_s = 600.0\nheartbeat_timeout_s = 600.0\n"
-            f"[algo]\ngroup_size = {samples}\nmax_staleness = 100000\n"
-            f"[env]\nnum_prompts = 4096\n"
-            f'[generator]\nbuffer_address = "{self.address}"\nweights_address = "127.0.0.1:{weights}"\n'
-            f'[learner]\nbuffer_address = "{self.address}"\nweights_port = {weights}\n'
-            f"groups_per_step = {groups_per_step}\n"
+        config = run_config(
+            workdir,
+            "bench",
+            buffer={
+                "capacity": samples * 256,  # 256 groups held at most: the ingest phase evicts on every arrival
+                "lease_timeout_s": 600.0,
+                "heartbeat_timeout_s": 600.0,
+            },
+            algo={"group_size": samples, "max_staleness": 100000},
+            env={"num_prompts": 4096},
+            learner={"groups_per_step": groups_per_step},
         )
-        self.log = (workdir / "buffer.out").open("w")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "launch.cli", "buffer", str(self.config)],
-            cwd=ROOT,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        os.sched_setaffinity(self.process.pid, {BUFFER_CORE})
+        self.address = config.generator.buffer_address
+        self.role = RoleUnderTest(config, "buffer", cores={BUFFER_CORE}).start()
         self.client = Client(self.address, SECURITY, identity="bench-stats")
         self.stats()  # waits until it answers
-        for task in os.listdir(f"/proc/{self.process.pid}/task"):  # threads started since (ZeroMQ I/O, TB writer)
-            os.sched_setaffinity(int(task), {BUFFER_CORE})
 
     def stats(self) -> dict[str, int]:
         deadline = time.monotonic() + 60
@@ -158,18 +149,16 @@ class BufferUnderTest:
             try:
                 return self.client.request(StatsRequest(), timeout_s=2)[0].counters
             except PeerUnavailable:
-                if time.monotonic() > deadline or self.process.poll() is not None:
-                    raise RuntimeError("the buffer does not answer (see buffer.out)") from None
+                if time.monotonic() > deadline or self.role.poll() is not None:
+                    raise RuntimeError(f"the buffer does not answer (see {self.role.output_path})") from None
 
     def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(f"/proc/{self.role.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, all threads
 
     def close(self) -> None:
         self.client.close()
-        self.process.kill()
-        self.process.wait(timeout=20)
-        self.log.close()
+        self.role.kill()
 
 
 def run_phase(

@@ -25,35 +25,38 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import save
-from benchmarks.generator_rig import arithmetic_items, benchmark_model, generator_process
+from benchmarks.generator_rig import benchmark_model, task_items
 from common.types import PromptItem
-from tests.actors.fakes import FakeBuffer, FakePublisher, write_config
-from tests.conftest import free_port
+from launch.testing import FakeBuffer, FakePublisher, RoleUnderTest, run_config
 
 TEMPERATURE = 1.0
 SEED = 0
 
 
 def run_pipeline(model_dir: Path, warmup: list[PromptItem], timed: list[PromptItem], args: Any) -> dict[str, float]:
-    buffer = FakeBuffer(free_port(), warmup, lease_size=len(timed), when_empty="full")
-    buffer.retry_after_s = 0.01
-    publisher = FakePublisher(free_port())
-    buffer.start()
-    publisher.start()
     tmp = Path(tempfile.mkdtemp(prefix="bench-gen-"))
-    config = write_config(
-        tmp / "gen.toml",
+    config = run_config(
         tmp / "runs",
-        buffer.port,
-        publisher.port,
+        "gen",
         model={"path": str(model_dir), "max_model_len": 1024},
         algo={"group_size": args.group_size},
         env={"reward_fn": "common.tasks:arithmetic_reward"},
-        generator={"max_tokens": args.max_tokens, "temperature": TEMPERATURE, "prompts_in_flight": len(timed)},
+        generator={
+            "max_tokens": args.max_tokens,
+            "temperature": TEMPERATURE,
+            "prompts_in_flight": len(timed),
+            "reconnect_max_s": 0.5,
+        },
         run={"seed": SEED},
     )
+    buffer = FakeBuffer(config, warmup, lease_size=len(timed), when_empty="full")
+    buffer.retry_after_s = 0.01
+    publisher = FakePublisher(config.learner.weights_port)
+    buffer.start()
+    publisher.start()
+    generator = RoleUnderTest(config, "generator")
     try:
-        with generator_process(config, tmp / "generator.log"):
+        with generator:
             buffer.wait_for_groups(len(warmup), timeout_s=600)
             start = time.time()
             buffer.add_prompts(timed)
@@ -62,6 +65,7 @@ def run_pipeline(model_dir: Path, warmup: list[PromptItem], timed: list[PromptIt
             mine = [g for g in groups if g.prompt_id in timed_ids]
             seconds = max(buffer.group_times[g.group_id] for g in mine) - start
             tokens = sum(g.num_tokens for g in mine)
+            generator.stop()
     finally:
         buffer.stop()
         publisher.stop()
@@ -139,7 +143,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model_dir, model_name = benchmark_model()
-    warmup, timed = arithmetic_items(args.prompts), arithmetic_items(args.prompts, first_id=args.prompts)
+    warmup, timed = task_items(args.prompts), task_items(args.prompts, first_id=args.prompts)
     print(f"model: {model_name}; {args.prompts} prompts x {args.group_size} samples, <= {args.max_tokens} tokens")
     results = {"pipeline": run_pipeline(model_dir, warmup, timed, args)}
     print("pipeline", results["pipeline"], flush=True)

@@ -96,7 +96,7 @@ def measure_training(trainer: Any, steps: int) -> dict[str, float]:
 
 def measure_publishing(trainer: Any) -> dict[str, float]:
     from learners.publisher import ZmqWeightsPublisher
-    from tests.conftest import free_port
+    from launch.testing import free_port
 
     port = free_port()
     publisher = ZmqWeightsPublisher("127.0.0.1", port, SocketSecurity())

@@ -4,8 +4,9 @@
     rate = trained_rate(outcome.records, first_step=2)        # trained samples/s, steady state
     cpu_s = outcome.cpu_between("buffer", start_wall, end_wall)
 
-A run is `python -m launch.cli run CONFIG --section.key VALUE ...` as a subprocess (the real launcher and the real
-roles, never a re-implementation), on two free loopback ports, with its stdout/stderr in `<root>/<name>.out`.
+A run is `python -m launch.cli run <run_dir>/config.json` as a subprocess (`launch.testing.RoleUnderTest`: the real
+launcher and the real roles, never a re-implementation), its config CONFIG with the overrides on two free loopback
+ports, its stdout/stderr in `<run_dir>/logs/run-0.out`.
 While it runs, a `RunWatcher` thread samples, every `WATCH_S` seconds: the CPU time (user + system, from
 /proc/<pid>/stat) of each role the launcher started, its process and its descendants (vLLM's engine core and
 workers count for their generator; a descendant that exited keeps its last sample), when each learner step
@@ -21,9 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -31,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from common.metrics import read_metrics
-from tests.conftest import free_port
+from launch.testing import RoleFailed, RoleUnderTest, free_port, loopback_overrides, run_config
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO / "examples" / "demo.toml"
@@ -78,14 +76,7 @@ class RunOutcome:
 
 def port_overrides() -> dict[str, Any]:
     """Two free loopback ports wired into every role's addresses (buffer and weight publisher)."""
-    buffer_port, weights_port = free_port(), free_port()
-    return {
-        "buffer.port": buffer_port,
-        "generator.buffer_address": f"127.0.0.1:{buffer_port}",
-        "learner.buffer_address": f"127.0.0.1:{buffer_port}",
-        "learner.weights_port": weights_port,
-        "generator.weights_address": f"127.0.0.1:{weights_port}",
-    }
+    return loopback_overrides(free_port(), free_port())
 
 
 def every_core_overrides() -> dict[str, Any]:
@@ -112,35 +103,27 @@ def override_args(overrides: dict[str, Any]) -> list[str]:
 def launch_run(config: Path, root: Path, name: str, overrides: dict[str, Any], timeout_s: float) -> RunOutcome:
     """Run `tandem run config` to completion under `root/name` with `overrides` (+ fresh ports); see the module
     docstring. Raises RunFailed on a non-zero exit or a timeout."""
-    argv = [
-        sys.executable,
-        "-m",
-        "launch.cli",
-        "run",
-        str(config),
-        *override_args({"run.root": str(root), "run.name": name, **port_overrides(), **overrides}),
-    ]
-    run_dir = root / name
-    out_path = root / f"{name}.out"
-    root.mkdir(parents=True, exist_ok=True)
+    sections: dict[str, dict[str, Any]] = {}
+    for dotted, value in overrides.items():
+        section, key = dotted.split(".", 1)
+        sections.setdefault(section, {})[key] = value
+    launcher = RoleUnderTest(run_config(root, name, base=config, **sections), "run")
     started = time.time()
-    with out_path.open("wb") as out:
-        process = subprocess.Popen(
-            argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-        )
-    watcher = RunWatcher(process.pid, run_dir)
-    watcher.start()
-    try:
-        code = process.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        code = None
-    finally:
-        watcher.stop()
-        _stop_group(process)
+    with launcher:
+        watcher = RunWatcher(launcher.pid, launcher.run_dir)
+        watcher.start()
+        try:
+            code: int | None = launcher.wait(timeout_s)
+        except RoleFailed:
+            code = None
+        finally:
+            watcher.stop()
+            launcher.stop(grace_s=60)  # the launcher stops its roles in order; what is left is killed
     if code != 0:
-        tail = "\n".join(out_path.read_text(errors="replace").splitlines()[-40:])
         why = f"ran past {timeout_s:.0f}s" if code is None else f"exited with {code}"
-        raise RunFailed(f"tandem run {name} {why}; output {out_path}:\n{tail}")
+        tail = "\n".join(launcher.output().splitlines()[-40:])
+        raise RunFailed(f"tandem run {name} {why}; output {launcher.output_path}:\n{tail}")
+    run_dir = launcher.run_dir
     buffer_path = run_dir / "buffer.jsonl"
     return RunOutcome(
         name=name,
@@ -153,17 +136,6 @@ def launch_run(config: Path, root: Path, name: str, overrides: dict[str, Any], t
         cpu_samples=watcher.cpu_samples,
         load_avg=os.getloadavg()[0],
     )
-
-
-def _stop_group(process: subprocess.Popen) -> None:
-    """SIGTERM the launcher's process group (it stops its roles in order), SIGKILL what is left after a grace."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 class RunWatcher:

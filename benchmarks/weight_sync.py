@@ -29,10 +29,9 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import best_seconds, save
-from benchmarks.generator_rig import arithmetic_items, benchmark_model, generator_process
+from benchmarks.generator_rig import benchmark_model, task_items
 from common.types import LeaseRefused
-from tests.actors.fakes import FakeBuffer, FakePublisher, write_config
-from tests.conftest import free_port
+from launch.testing import FakeBuffer, FakePublisher, RoleUnderTest, run_config
 
 LOAD_LINE = re.compile(r"weights v(\d+) -> v(\d+) \(([\d.]+) MB\) loaded in ([\d.]+)s \(([\d.]+)s since received\)")
 
@@ -71,30 +70,29 @@ def _wait(condition: Any, timeout_s: float, what: str) -> None:
 def measure_updates(model_dir: Path, updates: int) -> tuple[list[dict[str, float]], int, str]:
     arrays, dtypes = checkpoint_arrays(model_dir)
     nbytes = sum(a.nbytes for a in arrays.values())
-    buffer = FakeBuffer(free_port(), [], lease_size=1, when_empty="full")
+    tmp = Path(tempfile.mkdtemp(prefix="bench-sync-"))
+    config = run_config(
+        tmp / "runs",
+        "gen",
+        model={"path": str(model_dir), "max_model_len": 1024},
+        algo={"group_size": 2},
+        generator={"max_tokens": 1, "prompts_in_flight": 1, "reconnect_max_s": 0.5},
+    )
+    buffer = FakeBuffer(config, [], lease_size=1, when_empty="full")
     buffer.retry_after_s = 0.005
     target = {"version": 0}
     buffer.refusal = lambda r: None if r.policy_version >= target["version"] else LeaseRefused("full", 0, 0.005)
-    publisher = FakePublisher(free_port(), bucket_bytes=64 << 20, hold_s=20.0)
+    publisher = FakePublisher(config.learner.weights_port, bucket_bytes=64 << 20, hold_s=20.0)
     buffer.start()
     publisher.start()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-sync-"))
-    config = write_config(
-        tmp / "gen.toml",
-        tmp / "runs",
-        buffer.port,
-        publisher.port,
-        model={"path": str(model_dir), "max_model_len": 1024},
-        algo={"group_size": 2},
-        generator={"max_tokens": 1, "prompts_in_flight": 1},
-    )
+    generator = RoleUnderTest(config, "generator")
     rows = []
     try:
-        with generator_process(config, tmp / "generator.log"):
-            buffer.add_prompts(arithmetic_items(1))  # warm-up: the first prefill of a process is slow
+        with generator:
+            buffer.add_prompts(task_items(1))  # warm-up: the first prefill of a process is slow
             _wait(lambda: buffer.groups, 600, "the warm-up group (engine start)")
             for version in range(1, updates + 1):
-                prompt = arithmetic_items(1, first_id=version)
+                prompt = task_items(1, first_id=version)
                 target["version"] = version
                 buffer.add_prompts(prompt)
                 publisher.publish(version, arrays, dtypes)  # the same bytes each time: what is timed is the path
@@ -114,7 +112,8 @@ def measure_updates(model_dir: Path, updates: int) -> tuple[list[dict[str, float
                     }
                 )
                 print(f"v{version}: {rows[-1]}", flush=True)
-        log = (tmp / "generator.log").read_text()
+            generator.stop()
+        log = generator.output()
     finally:
         buffer.stop()
         publisher.stop()

@@ -1,11 +1,11 @@
-"""Weights on the wire: a name -> array dict packed into buckets of at most N MiB, and unpacked to zero-copy views.
+"""Weights on the wire: a name -> array dict laid out in buckets of at most N MiB, checked and viewed without copies.
 
 The learner's publisher and the generator's receiver both follow this layout, and nothing else:
 
-    publisher (learner)                                    receiver (generator)
-    header, buckets = pack_weights(arrays, version,        reply, payload = client.request(WeightsRequest(...))
-                                   dtypes={"w": "bfloat16"})   # reply: WeightsHeader, payload: the buckets
-    server.reply(request, header, payload=buckets)         for spec, array in unpack_weights(reply, payload): ...
+    publisher (learner, learners/publisher.py)              receiver (generator, actors/weights.py)
+    specs, sizes = plan_buckets(layout, bucket_bytes)       reply, payload = client.request(WeightsRequest(...))
+    # copy each tensor into bucket spec.bucket at spec.offset   views = check_frames(reply, payload)
+    server.reply(request, header, payload=buckets)          # tensor = views[spec.bucket][spec.offset:...]
 
 Layout (one update = one `WeightsHeader` + `len(bucket_sizes)` raw frames):
   * Tensors are laid out in the order given (the publisher's `named_parameters()` order), greedily: a tensor
@@ -15,9 +15,10 @@ Layout (one update = one `WeightsHeader` + `len(bucket_sizes)` raw frames):
     the gaps are zero bytes. `TensorSpec.offset` is that start, `TensorSpec.nbytes` the tensor's exact size.
   * Bytes are the tensor's C-order memory, little-endian. `TensorSpec.dtype` is the dtype *name*
     (`float32`, `float16`, `bfloat16`, `int64`, ...). bfloat16 has no numpy dtype: it travels as its raw 2-byte
-    words; `unpack_weights` returns it as a `uint16` view and the role that has torch reinterprets it
+    words (`storage_dtype("bfloat16")` is uint16) and the role that has torch reinterprets them
     (`torch.from_numpy(a).view(torch.bfloat16)`).
   * `bucket_sizes[i]` = bytes of frame i (the end of its last tensor; no trailing padding).
+`launch.testing.pack_weights` / `unpack_weights` build and read a whole update from numpy arrays (fakes, tests).
 
 Request/reply (what the generator's receiver expects of the publisher): `WeightsRequest(generator_id, have_version)`
 is answered with `WeightsHeader` (transport "zmq") + the buckets as payload frames when the publisher's version is
@@ -26,14 +27,14 @@ that has nothing newer (a long poll, with a deferred reply) and answer it the mo
 `WeightsNotNewer` after at most 60 s (the generator waits up to 120 s for a reply). Holding cuts the sync latency
 by the generator's polling period (1 s, 0.2 s while the buffer is waiting for a newer version).
 
-Failure modes: `pack_weights` raises `ValueError` for a non-contiguous array, a dtype name it does not know, or an
-itemsize that does not match the dtype name; `unpack_weights` raises `WeightsLayoutError` when the frames do not
-match the header (count, sizes, a spec whose bytes disagree with its shape). Imports numpy only (no torch).
+Failure modes: `plan_buckets` and `storage_dtype` raise `ValueError` for a bucket size <= 0 or a dtype name they do
+not know; `check_frames` raises `WeightsLayoutError` when the frames do not match the header (count, sizes, a spec
+whose bytes disagree with its shape or lie outside its bucket). Imports numpy only (no torch).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -92,40 +93,6 @@ def plan_buckets(
     return specs, sizes
 
 
-def pack_weights(
-    arrays: Mapping[str, np.ndarray],
-    policy_version: int,
-    bucket_bytes: int = int(DEFAULT_BUCKET_MB * (1 << 20)),
-    dtypes: Mapping[str, str] | None = None,
-) -> tuple[WeightsHeader, list[bytearray]]:
-    """Copy `arrays` into buckets; returns the header and the bucket frames (send them as the reply's payload).
-
-    `dtypes` names the true dtype of arrays whose numpy dtype only carries their bytes, e.g.
-    `{"lm_head.weight": "bfloat16"}` for `tensor.view(torch.uint16).numpy()`; others use `array.dtype.name`.
-    """
-    dtypes = dtypes or {}
-    names = list(arrays)
-    for name in names:
-        array = arrays[name]
-        if not array.flags.c_contiguous:
-            raise ValueError(f"weights '{name}': array must be C-contiguous (call np.ascontiguousarray first)")
-        dtype_name = dtypes.get(name, array.dtype.name)
-        if storage_dtype(dtype_name).itemsize != array.dtype.itemsize:
-            raise ValueError(
-                f"weights '{name}': dtype '{dtype_name}' needs {storage_dtype(dtype_name).itemsize}-byte items, "
-                f"the array has {array.dtype.itemsize}-byte {array.dtype}"
-            )
-    layout = [(name, dtypes.get(name, arrays[name].dtype.name), arrays[name].shape) for name in names]
-    specs, sizes = plan_buckets(layout, bucket_bytes)
-    buckets = [bytearray(size) for size in sizes]
-    targets = [np.frombuffer(bucket, dtype=np.uint8) for bucket in buckets]
-    for spec in specs:
-        source = arrays[spec.name].reshape(-1).view(np.uint8)
-        targets[spec.bucket][spec.offset : spec.offset + spec.nbytes] = source
-    header = WeightsHeader(policy_version=policy_version, tensors=specs, bucket_sizes=sizes)
-    return header, buckets
-
-
 def check_frames(header: WeightsHeader, buckets: Sequence[Any]) -> list[memoryview]:
     """The buckets as byte memoryviews, after checking they match the header; raises `WeightsLayoutError`."""
     views = [_byte_view(b) for b in buckets]
@@ -147,16 +114,6 @@ def check_frames(header: WeightsHeader, buckets: Sequence[Any]) -> list[memoryvi
 def _byte_view(frame: Any) -> memoryview:
     view = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)  # zmq.Frame or any buffer
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def unpack_weights(header: WeightsHeader, buckets: Sequence[Any]) -> Iterator[tuple[TensorSpec, np.ndarray]]:
-    """(spec, zero-copy view) per tensor, in the header's order. Views share the buckets' memory: keep the
-    buckets alive while the views are used, and copy before writing (received frames are read-only)."""
-    views = check_frames(header, buckets)
-    for spec in header.tensors:
-        dtype = storage_dtype(spec.dtype)
-        array = np.frombuffer(views[spec.bucket], dtype=dtype, count=spec.nbytes // dtype.itemsize, offset=spec.offset)
-        yield spec, array.reshape(spec.shape)
 
 
 def total_bytes(header: WeightsHeader) -> int:

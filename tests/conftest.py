@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
+
+from launch.testing import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -20,13 +21,6 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from common.model_prep import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
-
-
-def free_port() -> int:
-    """A TCP port on loopback that is free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture

@@ -18,9 +18,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from actors.env_runner import EnvRunner
-from actors.episodes import EpisodeDriver, EpisodeLimits, drive_until_done
+from actors.episodes import EpisodeDriver, EpisodeLimits
 from actors.trajectory import build_episode_group
 from common.types import PromptItem, RolloutGroup
+from launch.testing import drive_until_done
 from tests.actors.env_fakes import ScriptedEngine, ScriptedEnv, ScriptedFactory, Turn
 
 TASK = PromptItem(prompt_id=7, epoch=0, messages=[{"role": "user", "content": "Guess my number."}], metadata={})

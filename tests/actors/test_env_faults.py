@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from actors.env_runner import EnvRunner
-from actors.episodes import EpisodeDriver, EpisodeLimits, drive_until_done
+from actors.episodes import EpisodeDriver, EpisodeLimits
 from actors.trajectory import build_episode_group
 from common.types import PromptItem
+from launch.testing import drive_until_done
 from tests.actors.env_fakes import AsyncScriptedEnv, ScriptedEngine, ScriptedEnv, ScriptedFactory, Turn
 
 TASK = PromptItem(prompt_id=1, epoch=0, messages=[{"role": "user", "content": "Play."}], metadata={})

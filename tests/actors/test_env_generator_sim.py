@@ -9,8 +9,6 @@ without waiting for the stuck environment threads.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 
 import numpy as np
@@ -19,7 +17,7 @@ import pytest
 from actors.sim_engine import SIM_END_OF_TURN
 from common.metrics import read_metrics
 from common.types import PromptItem
-from tests.actors.fakes import REPO, generator_command, running_peers, write_config
+from launch.testing import FakeBuffer, FakePublisher, RoleUnderTest, run_config
 
 GROUP_SIZE = 3
 SIM_TOKENS = 5
@@ -36,18 +34,10 @@ def items() -> list[PromptItem]:
     return prompts
 
 
-@pytest.fixture
-def peers(ports):
-    with running_peers(ports, items()) as started:
-        yield started
-
-
-def test_multi_turn_groups_faults_survived_and_counted(tmp_path, ports, peers) -> None:
-    buffer, _ = peers
-    config = write_config(
-        tmp_path / "gen.toml",
+def test_multi_turn_groups_faults_survived_and_counted(tmp_path) -> None:
+    config = run_config(
         tmp_path / "runs",
-        *ports,
+        "gen",
         run={"simulate": True},
         algo={"group_size": GROUP_SIZE},
         env={
@@ -56,23 +46,16 @@ def test_multi_turn_groups_faults_survived_and_counted(tmp_path, ports, peers) -
             "failure_reward": FAILURE,
             "max_turns": 4,
         },
-        generator={"sim_tokens": SIM_TOKENS, "sim_token_s": 0.002, "prompts_in_flight": 4},
+        generator={"sim_tokens": SIM_TOKENS, "sim_token_s": 0.002, "prompts_in_flight": 4, "reconnect_max_s": 0.5},
     )
-    process = subprocess.Popen(
-        generator_command(config),
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    started = time.monotonic()
-    try:
-        _, err = process.communicate(timeout=90)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-    assert process.returncode == 0, err[-3000:]
+    with (
+        FakeBuffer(config, items(), lease_size=2) as buffer,
+        FakePublisher(config.learner.weights_port),
+        RoleUnderTest(config, "generator") as generator,
+    ):
+        started = time.monotonic()
+        code, err = generator.wait(90), generator.output()
+    assert code == 0, err[-3000:]
     assert time.monotonic() - started < 45, "a stuck environment thread must not keep the generator alive"
     groups = {g.prompt_id: g for g in buffer.wait_for_groups(8, timeout_s=1)}
     assert sorted(groups) == list(range(8))

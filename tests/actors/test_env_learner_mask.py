@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from actors.env_runner import EnvRunner
-from actors.episodes import EpisodeDriver, EpisodeLimits, drive_until_done
+from actors.episodes import EpisodeDriver, EpisodeLimits
 from actors.trajectory import build_episode_group
 from common.config import AlgoConfig
 from common.types import PromptItem, RolloutGroup
+from launch.testing import drive_until_done
 from learners.batching import pad_groups
 from learners.estimators import batch_advantages
 from learners.losses import logprobs_from_logits, policy_loss

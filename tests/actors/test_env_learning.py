@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from actors.env_runner import EnvRunner
-from actors.episodes import EpisodeDriver, EpisodeLimits, drive_until_done
+from actors.episodes import EpisodeDriver, EpisodeLimits
 from actors.trajectory import build_episode_group
 from common.envs import StepResult
 from common.types import PromptItem, RolloutGroup
+from launch.testing import drive_until_done
 from learners.engine import init_distributed
 from learners.trainer import Trainer
 from tests.actors.hf_engine import HfEngine

@@ -12,15 +12,13 @@ Checked on every sample:
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.actors.fakes import REPO, FakeBuffer, FakePublisher, arithmetic_items, generator_command, write_config
+from launch.testing import FakeBuffer, FakePublisher, RoleUnderTest, arithmetic_items, run_config
 
 pytestmark = pytest.mark.vllm
 
@@ -44,7 +42,7 @@ def sharpened_model(tiny_model_dir: Path, out: Path) -> Path:
     return out
 
 
-def test_two_turn_episodes_with_vllm_are_token_exact(tiny_model_dir: Path, tmp_path: Path, ports) -> None:
+def test_two_turn_episodes_with_vllm_are_token_exact(tiny_model_dir: Path, tmp_path: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -55,34 +53,26 @@ def test_two_turn_episodes_with_vllm_are_token_exact(tiny_model_dir: Path, tmp_p
     renderer = ChatTurnRenderer(tokenizer)
     env_length = len(renderer.render_turn(np.array([5]), OBSERVATION))  # a turn that did not end on <|im_end|>
     budget = TURN_TOKENS + env_length + 5  # turn 2 gets 5 tokens of room when turn 1 used all 8
-    buffer = FakeBuffer(ports[0], arithmetic_items(3), lease_size=3).start()
-    publisher = FakePublisher(ports[1]).start()
-    config = write_config(
-        tmp_path / "gen.toml",
+    config = run_config(
         tmp_path / "runs",
-        *ports,
+        "gen",
         model={"path": str(model_dir), "max_model_len": 512},
         algo={"group_size": GROUP_SIZE},
         env={"environment": "tests.actors.env_fakes:TwoTurnEnv", "max_total_tokens": budget, "max_turns": 4},
-        generator={"max_tokens": TURN_TOKENS, "temperature": TEMPERATURE, "prompts_in_flight": 3},
+        generator={
+            "max_tokens": TURN_TOKENS,
+            "temperature": TEMPERATURE,
+            "prompts_in_flight": 3,
+            "reconnect_max_s": 0.5,
+        },
     )
-    process = subprocess.Popen(
-        generator_command(config),
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        start_new_session=True,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        _, err = process.communicate(timeout=300)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, 9)
-            process.communicate()
-        buffer.stop()
-        publisher.stop()
-    assert process.returncode == 0, err[-3000:]
+    with (
+        FakeBuffer(config, arithmetic_items(3), lease_size=3) as buffer,
+        FakePublisher(config.learner.weights_port),
+        RoleUnderTest(config, "generator") as generator,
+    ):
+        code, err = generator.wait(300), generator.output()
+    assert code == 0, err[-3000:]
     groups = list(buffer.groups.values())
     assert len(groups) == 3
 

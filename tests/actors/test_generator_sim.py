@@ -6,53 +6,51 @@ loopback ports; the engine is the simulation stand-in, everything else is the pr
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from common.config import TandemConfig
 from common.metrics import read_metrics
 from common.types import LeaseRefused
-from tests.actors.fakes import REPO, arithmetic_items, generator_command, running_peers, write_config
+from launch.testing import FakeBuffer, FakePublisher, RoleUnderTest, arithmetic_items, run_config
 
 GROUP_SIZE = 3
 
 
-def _config(tmp_path: Path, ports: tuple[int, int], **generator: object) -> Path:
-    return write_config(
-        tmp_path / "gen.toml",
+def _config(tmp_path: Path, ports: tuple[int, int], **generator: object) -> TandemConfig:
+    return run_config(
         tmp_path / "runs",
-        *ports,
+        "gen",
+        ports=ports,
         run={"simulate": True},
         algo={"group_size": GROUP_SIZE},
         env={"reward_fn": "tests.actors.reward_fns:explode_or_length", "fallback_reward": -1.0},
-        generator={"sim_tokens": 6, "sim_token_s": 0.002, "prompts_in_flight": 4, **generator},
+        generator={"sim_tokens": 6, "sim_token_s": 0.002, "prompts_in_flight": 4, "reconnect_max_s": 0.5, **generator},
     )
 
 
-def _start(config: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen(generator_command(config), cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+def _start(config: TandemConfig) -> RoleUnderTest:
+    return RoleUnderTest(config, "generator").start()
 
 
-def _finish(process: subprocess.Popen, timeout_s: float) -> tuple[int, str]:
+def _finish(generator: RoleUnderTest, timeout_s: float) -> tuple[int, str]:
+    """The exit code and the output; the process group is killed whatever happened."""
     try:
-        _, err = process.communicate(timeout=timeout_s)
-        return process.returncode, err
+        return generator.wait(timeout_s), generator.output()
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+        generator.kill()
 
 
 @pytest.fixture
-def peers(ports):
-    with running_peers(ports, arithmetic_items(10, explode_every=4)) as started:
-        yield started
+def peers(tmp_path, ports):
+    """A buffer leasing 10 prompts two at a time (0, 4 and 8 explode in the reward function) and a publisher."""
+    buffer = FakeBuffer(_config(tmp_path, ports), arithmetic_items(10, explode_every=4), lease_size=2)
+    with buffer, FakePublisher(ports[1]) as publisher:
+        yield buffer, publisher
 
 
 def _check_group(group, generator_id: int = 0) -> None:
@@ -93,8 +91,7 @@ def test_stale_refusal_loads_newer_weights_and_later_samples_carry_the_version(t
         publisher.publish(1, {"w": np.ones(8, np.float32)})
         code, err = _finish(process, timeout_s=60)
     finally:
-        if process.poll() is None:
-            process.kill()
+        process.kill()
     assert code == 0, err[-3000:]
     groups = buffer.wait_for_groups(10, timeout_s=1)
     assert all((g.token_versions == 1).all() and (g.versions == 1).all() for g in groups)
@@ -112,8 +109,7 @@ def test_buffer_restart_loses_no_group(tmp_path, ports, peers):
         buffer.start()
         code, err = _finish(process, timeout_s=60)
     finally:
-        if process.poll() is None:
-            process.kill()
+        process.kill()
     assert code == 0, err[-3000:]
     assert sorted(buffer.groups) == sorted((lease, p.prompt_id) for lease, ps in buffer.leases.items() for p in ps)
     assert len(buffer.groups) == 10 and buffer.arrivals.index(max(buffer.groups)) > 2
@@ -134,8 +130,7 @@ def test_sigterm_finishes_or_returns_every_leased_prompt(tmp_path, ports, peers)
         process.send_signal(signal.SIGTERM)
         code, err = _finish(process, timeout_s=30)
     finally:
-        if process.poll() is None:
-            process.kill()
+        process.kill()
     assert code == 0, err[-3000:]
     leased = {(lease, p.prompt_id) for lease, prompts in buffer.leases.items() for p in prompts}
     returned = {(r.lease_id, pid) for r in buffer.returns for pid in r.prompt_ids}

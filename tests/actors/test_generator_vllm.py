@@ -1,6 +1,7 @@
 """One real generator process (vLLM on the tiny model) against a fake buffer and a fake weight publisher on loopback.
 
-The tests run in file order against the same process (starting vLLM costs ~20-40 s here), one phase each:
+One test runs the phases in order against the same process (starting vLLM costs ~20-40 s here; each phase needs
+the state the ones before it left, so they are one test, which any `-k` selection runs whole or not at all):
   A  v0 groups are consistent, and their behaviour log-probs are those of a transformers forward pass;
   B  the "learner" publishes v1 (a sharpened copy of the weights) while the generator idles: later samples carry
      v1 and follow the new weights;
@@ -19,9 +20,7 @@ coarser: the wrong weights, or a token shifted by one position, miss by several 
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import numpy as np
 import pytest
 
 from common.metrics import read_metrics
-from tests.actors.fakes import REPO, FakeBuffer, FakePublisher, arithmetic_items, generator_command, write_config
+from launch.testing import FakeBuffer, FakePublisher, RoleUnderTest, arithmetic_items, run_config
 
 pytestmark = pytest.mark.vllm
 
@@ -109,19 +108,14 @@ def _groups_of(buffer: FakeBuffer, prompts, timeout_s: float) -> list:
     return [g for g in buffer.groups.values() if g.prompt_id in ids]
 
 
-@pytest.fixture(scope="module")
-def rig(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+@pytest.fixture
+def rig(tiny_model_dir: Path, tmp_path: Path):
     from common.model_prep import make_tiny_model
-    from tests.conftest import free_port
 
-    tmp = tmp_path_factory.mktemp("vllm-generator")
-    ports = free_port(), free_port()
-    buffer = FakeBuffer(ports[0], arithmetic_items(4), lease_size=2, when_empty="full").start()
-    publisher = FakePublisher(ports[1], bucket_bytes=4 << 20).start()
-    config = write_config(
-        tmp / "gen.toml",
+    tmp = tmp_path
+    config = run_config(
         tmp / "runs",
-        *ports,
+        "gen",
         model={"path": str(tiny_model_dir), "max_model_len": 512},
         algo={"group_size": GROUP_SIZE},
         env={"reward_fn": "tests.actors.reward_fns:explode_or_length", "fallback_reward": -1.0},
@@ -132,10 +126,12 @@ def rig(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
             "inflight_weight_update": True,
             "drain_timeout_s": 0.5,
             "kv_cache_gib": 1.0,
+            "reconnect_max_s": 0.5,
         },
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen(generator_command(config), cwd=REPO, env=env, start_new_session=True)
+    buffer = FakeBuffer(config, arithmetic_items(4), lease_size=2, when_empty="full").start()
+    publisher = FakePublisher(config.learner.weights_port, bucket_bytes=4 << 20).start()
+    process = RoleUnderTest(config, "generator").start()
     rig = {
         "buffer": buffer,
         "publisher": publisher,
@@ -148,13 +144,7 @@ def rig(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     try:
         yield rig
     finally:
-        if process.poll() is None:  # a phase failed before SIGTERM: stop it cleanly so vLLM frees its shared memory
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        process.stop(grace_s=30)  # a phase failed before SIGTERM: stop it cleanly so vLLM frees its shared memory
         buffer.stop()
         publisher.stop()
 
@@ -170,7 +160,16 @@ def _check_logprobs(reference: Reference, group) -> list[float]:
     return errors
 
 
-def test_a_groups_are_consistent_and_logprobs_match_transformers(rig):
+def test_generator_samples_follows_weights_survives_a_buffer_restart_and_exits_on_sigterm(rig):
+    """The phases A to E of the module docstring, in order (each needs the state the previous ones left)."""
+    _phase_a_groups_are_consistent_and_logprobs_match_transformers(rig)
+    _phase_b_published_weights_change_the_version_and_the_outputs(rig)
+    _phase_c_inflight_update_stamps_each_token_with_its_weights(rig)
+    _phase_d_buffer_restart_loses_no_group(rig)
+    _phase_e_sigterm_returns_unfinished_leases_and_exits_zero(rig)
+
+
+def _phase_a_groups_are_consistent_and_logprobs_match_transformers(rig):
     from common.tasks import render_prompt
 
     reference, prompts = rig["reference"], arithmetic_items(4)
@@ -187,7 +186,7 @@ def test_a_groups_are_consistent_and_logprobs_match_transformers(rig):
     rig["v0_groups"] = groups
 
 
-def test_b_published_weights_change_the_version_and_the_outputs(rig):
+def _phase_b_published_weights_change_the_version_and_the_outputs(rig):
     buffer, publisher, reference = rig["buffer"], rig["publisher"], rig["reference"]
     arrays, dtypes = rig["v1"]
     reference.add_version(1, arrays)
@@ -208,7 +207,7 @@ def test_b_published_weights_change_the_version_and_the_outputs(rig):
     assert v1_mean > v0_mean + 2.0  # sharpened: far more confident than the near-uniform random model
 
 
-def test_c_inflight_update_stamps_each_token_with_its_weights(rig):
+def _phase_c_inflight_update_stamps_each_token_with_its_weights(rig):
     buffer, publisher, reference = rig["buffer"], rig["publisher"], rig["reference"]
     arrays, dtypes = rig["v2"]
     reference.add_version(2, arrays)
@@ -244,7 +243,7 @@ def test_c_inflight_update_stamps_each_token_with_its_weights(rig):
     assert max(g.versions.max() for g in groups) == 2
 
 
-def test_d_buffer_restart_loses_no_group(rig):
+def _phase_d_buffer_restart_loses_no_group(rig):
     buffer = rig["buffer"]
     prompts = arithmetic_items(4, first_id=300)
     leases_before = len(buffer.leases)
@@ -274,7 +273,7 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-def test_e_sigterm_returns_unfinished_leases_and_exits_zero(rig):
+def _phase_e_sigterm_returns_unfinished_leases_and_exits_zero(rig):
     buffer, process = rig["buffer"], rig["process"]
     prompts = arithmetic_items(8, first_id=400)
     leases_before = len(buffer.leases)
@@ -283,7 +282,7 @@ def test_e_sigterm_returns_unfinished_leases_and_exits_zero(rig):
     children = _descendants(process.pid)
     assert children, "vLLM runs its engine in child processes"
     process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == 0
+    assert process.wait(60) == 0
     leased = {(lease, p.prompt_id) for lease, items in buffer.leases.items() for p in items if p.prompt_id >= 400}
     returned = {(r.lease_id, prompt_id) for r in buffer.returns for prompt_id in r.prompt_ids}
     delivered = {g.group_id for g in buffer.groups.values() if g.prompt_id >= 400}

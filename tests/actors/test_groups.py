@@ -10,7 +10,7 @@ from actors.groups import LeaseBook, build_group, parse_request_id, sample_reque
 from actors.rewards import Score
 from common.types import LeaseGrant, RolloutGroup
 from common.wire import decode, encode
-from tests.actors.fakes import arithmetic_items
+from launch.testing import arithmetic_items
 
 
 def _sample(request_id: str, length: int, versions: list[int] | None = None, start: int = 3) -> FinishedSample:

@@ -9,8 +9,6 @@ end only their own episode; `tandem generator` serves agents end to end (SIMULAT
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import threading
 import time
 import urllib.error
@@ -20,13 +18,20 @@ import numpy as np
 import pytest
 
 from actors.env_runner import EnvRunner
-from actors.episodes import EpisodeDriver, EpisodeLimits, drive_until_done
+from actors.episodes import EpisodeDriver, EpisodeLimits
 from actors.openai_server import EPISODE_HEADER, AgentEnvironment, AgentServer
 from actors.trajectory import build_episode_group
 from common.types import PromptItem
+from launch.testing import (
+    FakeBuffer,
+    FakePublisher,
+    RoleUnderTest,
+    arithmetic_items,
+    drive_until_done,
+    free_port,
+    run_config,
+)
 from tests.actors.env_fakes import ScriptedEngine
-from tests.actors.fakes import REPO, FakeBuffer, FakePublisher, arithmetic_items, generator_command, write_config
-from tests.conftest import free_port
 
 TASK = PromptItem(
     prompt_id=4, epoch=0, messages=[{"role": "user", "content": "What is 6 * 7?"}], metadata={"answer": 42}
@@ -159,29 +164,24 @@ def test_protocol_mistakes_are_refused_with_what_to_change(served) -> None:
     assert [r.reward for r in done.results] == [-1.0, 2.0]
 
 
-def test_tandem_generator_serves_agents_end_to_end(tmp_path, ports) -> None:
+def test_tandem_generator_serves_agents_end_to_end(tmp_path) -> None:
     """`tandem generator` (SIMULATION engine) with the endpoint as its environment; agents run every episode."""
     http_port = free_port()
-    buffer = FakeBuffer(ports[0], arithmetic_items(2), lease_size=1).start()
-    publisher = FakePublisher(ports[1]).start()
-    config = write_config(
-        tmp_path / "gen.toml",
+    config = run_config(
         tmp_path / "runs",
-        *ports,
+        "gen",
         run={"simulate": True},
         algo={"group_size": 2},
-        env={"environment": "actors.openai_server:AgentEnvironment", "step_timeout_s": 20.0},
-        generator={"sim_tokens": 4, "sim_token_s": 0.001, "prompts_in_flight": 1},
+        env={
+            "environment": "actors.openai_server:AgentEnvironment",
+            "environment_args": {"port": http_port},
+            "step_timeout_s": 20.0,
+        },
+        generator={"sim_tokens": 4, "sim_token_s": 0.001, "prompts_in_flight": 1, "reconnect_max_s": 0.5},
     )
-    text = config.read_text()  # write_config writes flat values only: add the table by hand
-    config.write_text(text.replace("[env]\n", f"[env]\nenvironment_args = {{ port = {http_port} }}\n"))
-    process = subprocess.Popen(
-        generator_command(config),
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    buffer = FakeBuffer(config, arithmetic_items(2), lease_size=1).start()
+    publisher = FakePublisher(config.learner.weights_port).start()
+    process = RoleUnderTest(config, "generator").start()
     try:
         deadline = time.monotonic() + 30
         finished = 0
@@ -191,14 +191,12 @@ def test_tandem_generator_serves_agents_end_to_end(tmp_path, ports) -> None:
                 finished += 1
             except (AssertionError, urllib.error.URLError):
                 time.sleep(0.2)  # the endpoint is not up yet, or no episode is offered right now
-        _, err = process.communicate(timeout=60)
+        code, err = process.wait(60), process.output()
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+        process.kill()
         buffer.stop()
         publisher.stop()
-    assert process.returncode == 0, err[-3000:]
+    assert code == 0, err[-3000:]
     groups = sorted(buffer.groups.values(), key=lambda g: g.prompt_id)
     assert len(groups) == 2
     assert sorted(float(r) for g in groups for r in g.rewards) == [0.0, 1.0, 2.0, 3.0]

@@ -11,29 +11,33 @@ from actors.groups import LeaseBook, build_group
 from actors.outbox import BufferLink, Outbox
 from actors.rewards import Score
 from common.sockets import SocketSecurity
-from common.types import GroupAck, LeaseGrant, LeaseRequest, RolloutGroup
-from tests.actors.fakes import FakeBuffer, arithmetic_items
-from tests.conftest import free_port
+from common.types import LeaseGrant, LeaseRequest, RolloutGroup
+from launch.testing import FakeBuffer, arithmetic_items, free_port, run_config
 
 
-def _groups(count: int) -> list[RolloutGroup]:
+def _groups(grant: LeaseGrant) -> list[RolloutGroup]:
+    """One single-sample group per prompt of `grant` (the buffer's `algo.group_size` is 1 here)."""
     book, groups = LeaseBook(group_size=1), []
-    for prompt in arithmetic_items(count):
-        book.add_grant(LeaseGrant(lease_id=1, deadline=0.0, prompts=[prompt]))
-        pending = book.start(1, prompt, [1, 2])
+    book.add_grant(grant)
+    for prompt in grant.prompts:
+        pending = book.start(grant.lease_id, prompt, [1, 2])
         tokens = np.ones(3, np.int32)
-        book.record(FinishedSample(f"1:{prompt.prompt_id}:0", tokens, -np.ones(3, np.float32), tokens * 0, "stop", 0))
+        book.record(
+            FinishedSample(
+                f"{grant.lease_id}:{prompt.prompt_id}:0", tokens, -np.ones(3, np.float32), tokens * 0, "stop", 0
+            )
+        )
         groups.append(build_group(pending, [Score(1.0, {"r": 1.0})], generator_id=0))
     return groups
 
 
-def test_groups_are_kept_while_the_buffer_is_away_and_delivered_when_it_returns():
-    port = free_port()
-    buffer = FakeBuffer(port, prompts=[]).start()
-    link = BufferLink(f"127.0.0.1:{port}", SocketSecurity(), generator_id=0, reconnect_max_s=0.2, timeout_s=0.3)
+def test_groups_are_kept_while_the_buffer_is_away_and_delivered_when_it_returns(tmp_path):
+    config = run_config(tmp_path, "outbox", algo={"group_size": 1, "estimator": "reinforce_pp"})
+    buffer = FakeBuffer(config, arithmetic_items(5), lease_size=5).start()
+    link = BufferLink(config.generator.buffer_address, SocketSecurity(), 0, reconnect_max_s=0.2, timeout_s=0.3)
     outbox = Outbox(capacity=3)
-    groups = _groups(5)
     try:
+        groups = _groups(link.call(LeaseRequest(0, 5, 0)))
         outbox.add(groups[0])
         assert outbox.flush(link) == 1 and len(outbox) == 0
         outbox.add(groups[0])  # re-sent: the buffer already has it
@@ -57,22 +61,16 @@ def test_groups_are_kept_while_the_buffer_is_away_and_delivered_when_it_returns(
         link.close()
 
 
-class _RejectingBuffer(FakeBuffer):
-    def handle(self, message):
-        if isinstance(message, RolloutGroup):
-            return GroupAck(message.lease_id, message.prompt_id, "rejected", "malformed on purpose"), []
-        return super().handle(message)
-
-
-def test_rejected_groups_are_counted_and_dropped():
-    port = free_port()
-    buffer = _RejectingBuffer(port, prompts=[]).start()
-    link = BufferLink(f"127.0.0.1:{port}", SocketSecurity(), generator_id=0, reconnect_max_s=0.2, timeout_s=2.0)
+def test_rejected_groups_are_counted_and_dropped(tmp_path):
+    config = run_config(tmp_path, "outbox", algo={"group_size": 2})  # 2 samples a group, 1 came
+    buffer = FakeBuffer(config, arithmetic_items(2)).start()
+    link = BufferLink(config.generator.buffer_address, SocketSecurity(), 0, reconnect_max_s=0.2, timeout_s=2.0)
     outbox = Outbox(capacity=8)
     try:
-        for group in _groups(2):
+        for group in _groups(link.call(LeaseRequest(0, 2, 0))):
             outbox.add(group)
         assert outbox.flush(link) == 2 and len(outbox) == 0 and outbox.acks["rejected"] == 2
+        assert buffer.counters()["rejected_wrong_group_size"] == 2
     finally:
         buffer.stop()
         link.close()

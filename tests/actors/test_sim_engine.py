@@ -9,7 +9,7 @@ import pytest
 
 from actors.sim_engine import SimEngine
 from actors.weights import WeightsUpdate
-from common.weights import pack_weights
+from launch.testing import pack_weights
 
 
 def _update(version: int) -> WeightsUpdate:

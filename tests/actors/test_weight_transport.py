@@ -17,8 +17,7 @@ from actors.weights import (
 from common.sockets import SocketSecurity
 from common.types import WeightsHeader
 from common.weights import storage_dtype
-from tests.actors.fakes import FakePublisher
-from tests.conftest import free_port
+from launch.testing import FakePublisher, free_port
 
 ARRAYS = {
     "model.embed_tokens.weight": np.arange(6 * 40, dtype=np.uint16).reshape(6, 40),
@@ -98,8 +97,8 @@ def test_poller_never_blocks_and_backs_off_while_the_publisher_is_away():
 
 
 class _NcclPublisher(FakePublisher):
-    def handle(self, message):
-        return WeightsHeader(policy_version=9, tensors=[], bucket_sizes=[], transport="nccl"), []
+    def answer(self, server, request):
+        return [(request, WeightsHeader(policy_version=9, tensors=[], bucket_sizes=[], transport="nccl"), [])]
 
 
 def test_an_unsupported_transport_is_refused_not_misread():

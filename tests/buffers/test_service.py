@@ -18,79 +18,45 @@ import pytest
 
 from common.sockets import Client
 from common.types import VersionReport
+from launch.testing import RoleUnderTest, run_config
 from tests.buffers.peers import SECURITY, Generator, Learner, call, stats
-from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUP = 4
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return json.dumps(str(value)) if isinstance(value, (str, Path)) else repr(value)
-
-
-class BufferProcess:
-    """`tandem buffer` in a subprocess with a config written to `tmp_path`; always stopped by the fixture."""
+class BufferProcess(RoleUnderTest):
+    """`tandem buffer` from a test config under `tmp_path`; answers stats once started; always killed by the fixture."""
 
     def __init__(self, tmp_path: Path, **sections: dict[str, Any]) -> None:
-        self.port, weights_port = free_port(), free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        config = {
-            "run": {"name": "buffer-test", "root": tmp_path / "runs", "seed": 0},
-            "buffer": {
-                "port": self.port,
-                "capacity": 64,
-                "heartbeat_timeout_s": 1.0,
-                "lease_timeout_s": 30.0,
-                "epochs": 1,
-            },
+        defaults: dict[str, dict[str, Any]] = {
+            "run": {"seed": 0},
+            "buffer": {"capacity": 64, "heartbeat_timeout_s": 1.0, "lease_timeout_s": 30.0, "epochs": 1},
             "algo": {"group_size": GROUP, "max_staleness": 1},
             "env": {"num_prompts": 24},
-            "generator": {"buffer_address": self.address, "weights_address": f"127.0.0.1:{weights_port}"},
-            "learner": {"buffer_address": self.address, "weights_port": weights_port, "groups_per_step": 2},
+            "learner": {"groups_per_step": 2},
         }
         for section, values in sections.items():
-            config[section].update(values)
-        self.run_dir = tmp_path / "runs" / "buffer-test"
-        self.config_path = tmp_path / "buffer.toml"
-        self.config_path.write_text(
-            "".join(
-                f"[{name}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in values.items())
-                for name, values in config.items()
-            )
-        )
-        self.output = tmp_path / "buffer-output.log"
-        self.process: subprocess.Popen | None = None
+            defaults[section].update(values)
+        config = run_config(tmp_path / "runs", "buffer-test", **defaults)
+        super().__init__(config, "buffer")
+        self.address = config.generator.buffer_address
 
     def start(self) -> BufferProcess:
-        with self.output.open("a") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "launch.cli", "buffer", str(self.config_path)],
-                cwd=ROOT,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, f"buffer exited early:\n{self.output.read_text()[-3000:]}"
-            try:
-                stats(self.address, timeout_s=1.0)
-                return self
-            except TimeoutError:
-                continue
-        raise TimeoutError(f"buffer did not answer within 60 s:\n{self.output.read_text()[-3000:]}")
+        super().start()
+        self.wait_until(lambda: _answers(self.address), 60, "the buffer's first answer")
+        return self
 
     def signal(self, signum: int) -> int:
-        assert self.process is not None
-        self.process.send_signal(signum)
-        return self.process.wait(timeout=20)
+        return self.stop(grace_s=20, signum=signum)
 
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=20)
+
+def _answers(address: str) -> bool:
+    try:
+        stats(address, timeout_s=1.0)
+        return True
+    except TimeoutError:
+        return False
 
 
 @pytest.fixture
@@ -104,7 +70,7 @@ def buffers(tmp_path: Path):
 
     yield make
     for buffer in made:
-        buffer.stop()
+        buffer.kill()
 
 
 def _assert_balanced(counters: dict[str, int]) -> None:
@@ -202,7 +168,7 @@ def test_ten_thousand_fuzzed_messages_are_answered_counted_and_survived(buffers)
     outcome = fuzz_buffer(buffer.address, count=10_000, seed=0)
     print(outcome)
     assert outcome.sent == 10_000 and outcome.unanswered == 0
-    assert buffer.process.poll() is None
+    assert buffer.poll() is None
     counters = stats(buffer.address)
     rejected_by_kind = {k: v for k, v in counters.items() if k.startswith("rejected_") and k != "rejected_groups"}
     # every refusal is counted under a kind: ErrorReplies, envelopes too broken to answer, and groups acked "rejected"

@@ -14,7 +14,7 @@ import zmq.auth
 from common.sockets import Client, PeerUnavailable, SecurityError, Server, SocketSecurity, is_loopback, split_address
 from common.types import ErrorReply, Ok, VersionReport
 from common.wire import decode
-from tests.conftest import free_port
+from launch.testing import free_port
 
 
 class EchoServer:

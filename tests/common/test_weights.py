@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.types import WeightsHeader
-from common.weights import ALIGN, WeightsLayoutError, pack_weights, plan_buckets, unpack_weights
+from common.weights import ALIGN, WeightsLayoutError, plan_buckets
 from common.wire import decode, encode
+from launch.testing import pack_weights, unpack_weights
 
 DTYPES = ["float32", "float16", "int64", "uint8", "bfloat16"]
 

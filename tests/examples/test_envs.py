@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from actors.env_runner import EnvRunner
-from actors.episodes import EpisodeDriver, EpisodeLimits, drive_until_done
+from actors.episodes import EpisodeDriver, EpisodeLimits
 from common.config import load_config
 from common.envs import check_step_result, environment_factory
 from common.tasks import load_prompts
@@ -25,6 +25,7 @@ from examples.envs.calculator import CalcError, CalculatorEnv, calculator_prompt
 from examples.envs.code_task import CodeEnv, code_prompts
 from examples.envs.guessing import GuessingEnv, guessing_prompts
 from examples.envs.prompt_sets import to_jsonl
+from launch.testing import drive_until_done
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = {"calculator": calculator_prompts, "guessing": guessing_prompts, "code": code_prompts}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from common.metrics import read_metrics
-from tests.conftest import free_port
+from launch.testing import free_port
 from tests.launch.ray_runs import buffer_counters, processes_of
 
 REQUIRED_KEYS = {

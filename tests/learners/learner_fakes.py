@@ -2,20 +2,14 @@
 
 group = synthetic_group(rng, prompt_len=6, lengths=[3, 5], version=0)
 buffer = FakeBuffer(port, groups_per_step=2, group_size=4, gate=2)   # real `Server` in a thread
-with LearnerProcess(config, tmp_path / "learner.log") as learner: ...   # `tandem learner`, killed after
+config = process_config(model_dir, tmp_path, buffer_port, weights_port)   # for launch.testing.RoleUnderTest
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Self
 
 import numpy as np
 
@@ -31,7 +25,7 @@ from common.types import (
     WeightsHeader,
     WeightsRequest,
 )
-from common.weights import unpack_weights
+from launch.testing import loopback_overrides, unpack_weights
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -174,85 +168,9 @@ def learner_config(model_dir: object, **overrides: object) -> TandemConfig:
 def process_config(
     model_dir: object, run_root: Path, buffer_port: int, weights_port: int, **overrides: object
 ) -> TandemConfig:
-    """`learner_config` wired to a fake buffer and a weights port on loopback, with its run dir under `run_root`."""
-    return learner_config(
-        model_dir,
-        run__root=str(run_root),
-        run__name="run",
-        buffer__port=buffer_port,
-        learner__buffer_address=f"127.0.0.1:{buffer_port}",
-        generator__buffer_address=f"127.0.0.1:{buffer_port}",
-        learner__weights_port=weights_port,
-        generator__weights_address=f"127.0.0.1:{weights_port}",
-        **overrides,
-    )
-
-
-DIST_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def clean_environment() -> dict[str, str]:
-    """This process's environment without the torch.distributed variables that an in-process engine set
-    (a child must start its own process group, like a learner launched from a shell)."""
-    return {key: value for key, value in os.environ.items() if key not in DIST_VARIABLES}
-
-
-class LearnerProcess:
-    """`tandem learner CONFIG` as a subprocess in its own session (so torchrun's ranks die with it).
-
-    The output goes to `log_path`; `kill()` SIGKILLs the whole process group; use as a context manager so that
-    nothing outlives the test.
-    """
-
-    def __init__(self, config: TandemConfig, log_path: Path, extra_args: list[str] | None = None) -> None:
-        config_path = log_path.with_suffix(".json")
-        config_path.write_text(config.model_dump_json())
-        self.log_path = log_path
-        self._log = open(log_path, "w")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "launch.cli", "learner", str(config_path), *(extra_args or [])],
-            cwd=REPO,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=clean_environment(),
-        )
-
-    def wait_until(self, condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-        """Poll `condition` until true; fail with the log's tail if the learner exits or time runs out."""
-        deadline = time.monotonic() + timeout_s
-        while not condition():
-            if self.process.poll() is not None:
-                raise AssertionError(f"learner exited ({self.process.returncode}) before {what}:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout_s}s waiting for {what}:\n{self.log_tail()}")
-            time.sleep(0.1)
-
-    def wait_exit(self, timeout_s: float) -> int:
-        try:
-            return self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"learner still running after {timeout_s}s:\n{self.log_tail()}") from None
-
-    def log_tail(self, chars: int = 4000) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.process.wait(timeout=30)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.kill()
-        self._log.close()
+    """`learner_config` wired to a fake buffer and a weights port on loopback, with its run dir `run_root/run`."""
+    wiring = {key.replace(".", "__"): value for key, value in loopback_overrides(buffer_port, weights_port).items()}
+    return learner_config(model_dir, run__root=str(run_root), run__name="run", **wiring, **overrides)
 
 
 def fetch_weights(client: Client, have_version: int) -> tuple[object, dict[str, np.ndarray]]:

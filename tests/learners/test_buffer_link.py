@@ -10,7 +10,7 @@ import pytest
 from common.sockets import Server, SocketSecurity
 from common.types import ErrorReply, VersionReport
 from learners.buffer_link import BufferLink
-from tests.conftest import free_port
+from launch.testing import free_port
 from tests.learners.learner_fakes import FakeBuffer
 
 

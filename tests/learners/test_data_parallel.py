@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import free_port
-from tests.learners.learner_fakes import FakeBuffer, LearnerProcess, process_config, synthetic_batch
+from launch.testing import RoleUnderTest, free_port
+from tests.learners.learner_fakes import FakeBuffer, process_config, synthetic_batch
 from tests.learners.test_trainer import Step, one_step, update_excess
 
 LR = 1e-3  # test_trainer's LR, which its UPDATE_TOLERANCE is relative to
@@ -55,8 +55,8 @@ def test_two_ranks_make_the_update_of_one_rank(tiny_model_dir, tmp_path: Path, o
     )
     buffer = FakeBuffer(buffer_port, groups_per_step=2, group_size=4)
     try:
-        with LearnerProcess(config, tmp_path / "ranks.log") as learner:
-            assert learner.wait_exit(240) == 0, learner.log_tail()
+        with RoleUnderTest(config, "learner") as learner:
+            assert learner.wait(240) == 0, learner.tail()
     finally:
         buffer.close()
     assert sorted((r.step, r.rank, r.world_size) for r in buffer.requests) == [(0, 0, 2), (0, 1, 2)]

@@ -13,11 +13,10 @@ import pytest
 from common.metrics import read_metrics
 from common.sockets import Client, SocketSecurity
 from common.types import WeightsNotNewer
+from launch.testing import RoleUnderTest, free_port
 from learners.sim_trainer import SimulatedTrainer
-from tests.conftest import free_port
 from tests.learners.learner_fakes import (
     FakeBuffer,
-    LearnerProcess,
     fetch_weights,
     learner_config,
     process_config,
@@ -73,7 +72,7 @@ def test_learner_trains_publishes_checkpoints_survives_sigkill_and_resumes(tiny_
     buffer = FakeBuffer(buffer_port, groups_per_step=2, group_size=4, gate=0)
     generator = Client(f"127.0.0.1:{weights_port}", SocketSecurity(), identity="fake-generator")
     try:
-        with LearnerProcess(config, tmp_path / "first.log") as learner:
+        with RoleUnderTest(config, "learner") as learner:
             learner.wait_until(lambda: any(r.step == 0 for r in buffer.requests), 120, "the first batch request")
             header, initial = fetch_weights(generator, -1)  # version 0 = the initial weights, served at once
             assert header.policy_version == 0
@@ -89,11 +88,11 @@ def test_learner_trains_publishes_checkpoints_survives_sigkill_and_resumes(tiny_
             assert received_bytes(v2) == safetensors_bytes(checkpoints / "step-000002" / "hf" / "model.safetensors")
             assert sum(v2[n].tobytes() != initial[n].tobytes() for n in v2) == len(v2)  # every tensor trained
             learner.kill()
-            assert learner.process.returncode == -9
+            assert learner.poll() == -9
         assert [(r.policy_version, r.step) for r in buffer.reports] == [(0, 0), (1, 1), (2, 2)]
         before = len(buffer.requests), len(buffer.reports)
         buffer.set_gate(4)
-        with LearnerProcess(config, tmp_path / "resumed.log", ["--learner.resume", "true"]) as learner:
+        with RoleUnderTest(config, "learner", "--learner.resume", "true") as learner:
             learner.wait_until(
                 lambda: (checkpoints / "step-000004").is_dir() and any(r.step == 4 for r in buffer.requests),
                 120,
@@ -105,7 +104,7 @@ def test_learner_trains_publishes_checkpoints_survives_sigkill_and_resumes(tiny_
             assert received_bytes(v4) == safetensors_bytes(checkpoints / "step-000004" / "hf" / "model.safetensors")
             assert fetch_weights(generator, 4)[0] == WeightsNotNewer(latest_version=4)
             buffer.set_gate(None)
-            assert learner.wait_exit(120) == 0, learner.log_tail()
+            assert learner.wait(120) == 0, learner.tail()
         assert [(r.policy_version, r.step) for r in buffer.reports[before[1] :]] == [(2, 2), (3, 3), (4, 4), (5, 5)]
         assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000004", "step-000005"]  # keep 2
         records = read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -133,20 +132,20 @@ def test_simulated_learner_serves_real_bytes_and_real_versions(tmp_path: Path) -
     buffer = FakeBuffer(buffer_port, groups_per_step=2, group_size=4, gate=2)
     generator = Client(f"127.0.0.1:{weights_port}", SocketSecurity(), identity="fake-generator")
     try:
-        with LearnerProcess(config, tmp_path / "sim.log") as learner:
+        with RoleUnderTest(config, "learner") as learner:
             learner.wait_until(lambda: any(r.step == 2 for r in buffer.requests), 60, "step 2's batch request")
             header, weights = fetch_weights(generator, -1)
             assert header.policy_version == 2
             assert sum(a.nbytes for a in weights.values()) == 3 << 20
             assert all(a[0] == 2.0 for a in weights.values())
             buffer.set_gate(None)
-            assert learner.wait_exit(60) == 0, learner.log_tail()
+            assert learner.wait(60) == 0, learner.tail()
         assert [r.policy_version for r in buffer.reports] == [0, 1, 2, 3]
         records = read_metrics(tmp_path / "run" / "metrics.jsonl")
         assert [r["step"] for r in records] == [1, 2, 3]
         assert records[0]["reward/mean"] > 0 and records[0]["perf/samples"] == 8
         assert not any(key.startswith("loss/") for key in records[0])  # nothing pretends to be a loss
-        assert "deepspeed" not in learner.log_tail(100_000).lower()  # the simulation never starts DeepSpeed
+        assert "deepspeed" not in learner.tail(100_000).lower()  # the simulation never starts DeepSpeed
     finally:
         generator.close()
         buffer.close()

@@ -18,7 +18,7 @@ from learners.publisher import (
     copy_into_snapshot,
     open_weights_publisher,
 )
-from tests.conftest import free_port
+from launch.testing import free_port
 from tests.learners.learner_fakes import fetch_weights
 
 
