@@ -12,6 +12,7 @@ naming the dotted key and what is allowed, e.g. ``learner.lr: must be > 0 (got -
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import tomllib
@@ -28,6 +29,16 @@ KL_IN_REWARD_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")
 
 class ConfigError(ValueError):
     """A config file, key or value is not allowed; the message says which and what is allowed."""
+
+
+def is_loopback(host: str) -> bool:
+    """True for `localhost` and loopback IPs (127.0.0.0/8, ::1): binding them exposes nothing beyond this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class _Section(BaseModel):
@@ -234,7 +245,11 @@ class GeneratorConfig(_Section):
 class BufferConfig(_Section):
     """The buffer service: prompt leases, the replay buffer, the staleness bound, batches."""
 
-    host: str = Field("127.0.0.1", description="Address the buffer binds (loopback by default).")
+    host: str = Field(
+        "127.0.0.1",
+        description="Address the buffer binds (loopback by default; any other needs run.curve_keys_dir or "
+        "run.insecure).",
+    )
     port: int = Field(5555, description="Port of the buffer's request socket.", ge=1, le=65535)
     capacity: int = Field(4096, description="Replay capacity in samples; oldest groups are evicted first.", ge=1)
     max_reuse: int = Field(1, description="Times a sample may be trained on.", ge=1)
@@ -252,7 +267,11 @@ class LearnerConfig(_Section):
 
     world_size: int = Field(1, description="Data-parallel ranks.", ge=1, le=1024)
     buffer_address: str = Field("127.0.0.1:5555", description="host:port of the buffer service.")
-    weights_host: str = Field("127.0.0.1", description="Address the weight publisher binds.")
+    weights_host: str = Field(
+        "127.0.0.1",
+        description="Address the weight publisher binds (loopback by default; any other needs run.curve_keys_dir "
+        "or run.insecure).",
+    )
     weights_port: int = Field(5556, description="Port of the weight publisher.", ge=1, le=65535)
     groups_per_step: int = Field(4, description="Groups (prompts) in one global batch.", ge=1)
     micro_batch_size: int = Field(8, description="Sequences per forward/backward on one rank.", ge=1)
@@ -341,6 +360,13 @@ class TandemConfig(_Section):
                 f"generator.weights_address: '{self.generator.weights_address}' does not reach the learner's "
                 f"publisher {self.learner.weights_host}:{self.learner.weights_port}"
             )
+        if self.run.curve_keys_dir is None and not self.run.insecure:
+            for key, host in (("buffer.host", self.buffer.host), ("learner.weights_host", self.learner.weights_host)):
+                if not is_loopback(host):
+                    problems.append(
+                        f"{key}: binding '{host}' exposes the socket beyond this machine: set run.curve_keys_dir "
+                        "(CurveZMQ keys) or run.insecure = true on a trusted network"
+                    )
         if self.learner.weights_port == self.buffer.port and self.learner.weights_host == self.buffer.host:
             problems.append(f"learner.weights_port: must differ from buffer.port ({self.buffer.port})")
         if self.learner.sync_every > self.algo.max_staleness + 1:

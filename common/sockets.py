@@ -19,7 +19,6 @@ the total checked by `common.wire.decode`).
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import logging
 import os
@@ -34,6 +33,7 @@ from typing import Any
 
 import zmq
 
+from common.config import is_loopback
 from common.types import ErrorReply
 from common.wire import WireError, decode, encode
 
@@ -59,15 +59,6 @@ class SocketSecurity:
     @classmethod
     def from_run(cls, run: Any) -> SocketSecurity:
         return cls(run.curve_keys_dir, run.insecure, int(run.max_message_mb * (1 << 20)))
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def split_address(address: str) -> tuple[str, int]:
