@@ -178,19 +178,27 @@ def test_dead_learner_resumes_when_configured(tmp_path: Path, ray_cluster: str, 
         "1",
     )
     try:
-        # kill once a checkpoint exists (whichever: 5, 10, ...), and while steps are left to resume into
-        wait_for(lambda: saved_steps(launch.run_dir), 120, "a first checkpoint", launch)
+        # The state the kill needs: a checkpoint (whichever: 5, 10, ...) and a step logged after it, so that the
+        # restarted learner repeats that step; and steps left to resume into.
+        wait_for(
+            lambda: (saved := saved_steps(launch.run_dir)) and len(launch.records()) > saved[-1],
+            120,
+            "a step after a checkpoint",
+            launch,
+        )
         assert len(launch.records()) < 30, "the run ended before the kill: raise learner.total_steps"
         os.kill(member_pid("learner-resumes", "learner-0"), signal.SIGKILL)
         assert launch.wait_exit(timeout_s=120) == 0, launch.tail()
     finally:
         launch.close()
+    # A record is logged before its step's checkpoint is saved, so the steps read 1..k, then c+1..30 for the
+    # checkpoint c <= k it resumed from; c == k (another checkpoint saved between the wait and the kill) repeats none.
     steps = [r["step"] for r in launch.records()]
-    resumed_at = next((i for i, (a, b) in enumerate(itertools.pairwise(steps)) if b <= a), None)
-    assert resumed_at is not None, f"no step was repeated: the learner did not resume ({steps})"
-    resumed_at += 1
-    assert steps[resumed_at] % 5 == 1 and steps[resumed_at] > 1 and steps[-1] == 30, steps  # after checkpoint 5, 10...
-    assert steps[resumed_at:] == list(range(steps[resumed_at], 31)), steps
+    resumed_at = next((i + 1 for i, (a, b) in enumerate(itertools.pairwise(steps)) if b <= a), None)
+    if resumed_at is not None:
+        assert steps[resumed_at] % 5 == 1 and steps[resumed_at] > 1, steps  # after checkpoint 5, 10, ... not 0
+        assert steps[:resumed_at] == list(range(1, resumed_at + 1)), steps
+    assert steps[resumed_at or 0 :] == list(range(steps[resumed_at or 0], 31)), steps
     assert read_metrics(launch.run_dir / "ray.jsonl")[-1]["ray/learner_restarts"] == 1
     assert not processes_of(launch.run_dir), processes_of(launch.run_dir)
 
