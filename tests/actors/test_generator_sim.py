@@ -86,8 +86,9 @@ def test_stale_refusal_loads_newer_weights_and_later_samples_carry_the_version(t
     buffer.refusal = lambda request: None if request.policy_version >= 1 else LeaseRefused("stale", 1, 0.1)
     process = _start(_config(tmp_path, ports))
     try:
-        time.sleep(1.5)
-        assert not buffer.groups and process.poll() is None  # waits for v1, does not lease or spin
+        # the state under test: refused at v0 and asking again (not 1.5 s that a slow start may not fill)
+        process.wait_until(lambda: len(buffer.lease_requests) >= 2, 60, "a second lease request refused at v0")
+        assert not buffer.groups and not buffer.leases  # waits for v1, does not lease
         publisher.publish(1, {"w": np.ones(8, np.float32)})
         code, err = _finish(process, timeout_s=60)
     finally:
@@ -105,7 +106,9 @@ def test_buffer_restart_loses_no_group(tmp_path, ports, peers):
     try:
         buffer.wait_for_groups(2, timeout_s=30)
         buffer.stop()
-        time.sleep(5.0)  # > the link's 3 s request timeout: the generator sees the buffer gone, fills its outbox
+        # the state the restart needs: the generator has seen the buffer gone (after the link's 3 s request
+        # timeout) and fills its outbox; not a fixed 5 s
+        process.wait_until(lambda: "does not answer" in process.output(), 60, "the generator to see the buffer gone")
         buffer.start()
         code, err = _finish(process, timeout_s=60)
     finally:
