@@ -24,17 +24,23 @@ def _run_to_end(engine: SimEngine) -> list:
     return finished
 
 
-def test_a_step_costs_the_same_whatever_the_batch():
+def test_a_step_costs_the_same_whatever_the_batch(monkeypatch):
     engine = SimEngine(sim_tokens=10, sim_token_s=0.01, max_num_seqs=64, seed=0)
+    engine.add("real", [1, 2])
+    start = time.monotonic()
+    _run_to_end(engine)
+    assert time.monotonic() - start >= 0.1 - 1e-3  # it really sleeps: 10 steps of 0.01 s (a lower bound holds anywhere)
+    # what each step costs, read from the sleeps it asks for, not from a wall clock that a loaded machine stretches
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
     for batch in (1, 32):
+        slept.clear()
         for i in range(batch):
             engine.add(f"{batch}:{i}", [1, 2])
-        start = time.monotonic()
         finished = _run_to_end(engine)
-        elapsed = time.monotonic() - start
         assert len(finished) == batch
         assert all(len(s.completion_tokens) == 10 and s.finish_reason == "length" for s in finished)
-        assert 0.09 <= elapsed < 0.3, (batch, elapsed)  # 10 steps of 0.01 s, batch or not
+        assert slept == [0.01] * 10, (batch, slept)  # 10 steps of 0.01 s, batch or not
 
 
 def test_requests_join_the_running_batch_and_respect_max_num_seqs():
