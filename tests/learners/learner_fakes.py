@@ -1,31 +1,34 @@
-"""Fakes beside the learner's tests: synthetic rollout groups and a fake buffer service over real sockets.
+"""Fakes beside the learner's tests: synthetic rollout groups and a buffer fed with them over real sockets.
 
 group = synthetic_group(rng, prompt_len=6, lengths=[3, 5], version=0)
-buffer = FakeBuffer(port, groups_per_step=2, group_size=4, gate=2)   # real `Server` in a thread
+buffer = SyntheticBuffer(port, groups_per_step=2, group_size=4, gate=2)   # the real BufferCore, fed these
 config = process_config(model_dir, tmp_path, buffer_port, weights_port)   # for launch.testing.RoleUnderTest
 """
 
 from __future__ import annotations
 
-import threading
+import dataclasses
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from buffers.core import BufferCore, RequestRejected
+from buffers.state import BufferSettings, BufferState
 from common.config import TandemConfig, load_config
-from common.sockets import Client, Server, SocketSecurity
+from common.sockets import Client, Server
 from common.types import (
-    Batch,
-    BatchNotReady,
     BatchRequest,
-    Ok,
+    LeaseGrant,
+    LeaseRequest,
     RolloutGroup,
     VersionReport,
     WeightsHeader,
     WeightsRequest,
 )
-from launch.testing import loopback_overrides, unpack_weights
+from launch.testing import ServerThread, loopback_overrides, unpack_weights
+from tests.buffers.fakes import fake_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -81,71 +84,90 @@ def synthetic_batch(seed: int, num_groups: int, group_size: int, version: int = 
     ]
 
 
-class FakeBuffer:
-    """The buffer's learner-facing protocol over a real `Server` in a daemon thread.
+class SyntheticBuffer(ServerThread):
+    """The buffer as learners see it: the real `BufferCore`, fed `synthetic_batch(step, num_groups, group_size)`
+    as generators would feed it (leased, pushed, acked), so any process can rebuild the batch of a step.
 
-    Serves `synthetic_batch(seed=step, groups_per_step, group_size)` for each step (so any process can rebuild
-    the batch of a step), split into equal contiguous shares by rank like the real buffer. Steps >= `gate`
-    are answered `BatchNotReady` until `open_gate()`. Records every BatchRequest and VersionReport.
+    The groups of step s are stamped with version s (staleness 0 when drawn at step s) and fed when a rank first
+    asks for step s, unless s >= `gate` (`set_gate`): the core then holds the request and answers BatchNotReady at
+    its timeout, as a buffer without enough groups does. With `stale_at` = s, one extra group of version 0 goes in
+    first at step s: the core drops it as too stale (η = MAX_STALENESS), so `Batch.dropped_stale` counts its
+    samples from then on. Everything else (shares by rank, held requests, the step a VersionReport allows, the
+    rejections) is the core's. Records every BatchRequest and VersionReport. Started on construction.
     """
 
+    name = "fake-buffer"
+    MAX_STALENESS = 2
+
     def __init__(
-        self, port: int, groups_per_step: int, group_size: int, gate: int | None = None, hold_s: float = 0.2
+        self, port: int, groups_per_step: int, group_size: int, gate: int | None = None, stale_at: int | None = None
     ) -> None:
-        self.port, self.groups_per_step, self.group_size, self.gate, self.hold_s = (
-            port,
-            groups_per_step,
-            group_size,
-            gate,
-            hold_s,
+        super().__init__(port)
+        settings = BufferSettings(
+            capacity=1 << 16,
+            max_reuse=1,
+            sampling="fifo",
+            lease_timeout_s=300.0,
+            heartbeat_timeout_s=300.0,
+            epochs=0,
+            group_size=group_size,
+            max_staleness=self.MAX_STALENESS,
+            groups_per_step=groups_per_step,
+            sync_every=1,
+            seed=0,
         )
+        self.core = BufferCore(BufferState(settings, fake_prompts(1 << 12), journal=None))
+        self.group_size, self.gate, self.stale_at = group_size, gate, stale_at
+        self.fed: set[int] = set()  # steps whose groups are in the core
         self.requests: list[BatchRequest] = []
         self.reports: list[VersionReport] = []
-        self.learner_version = 0
-        self.lock = threading.Lock()
-        self._stop = threading.Event()
-        self._server = Server("127.0.0.1", port, SocketSecurity(), name="fake-buffer")
-        self._thread = threading.Thread(target=self._serve, daemon=True, name="fake-buffer")
-        self._thread.start()
+        self.start()
 
     def set_gate(self, step: int | None) -> None:
-        """Answer BatchNotReady for steps >= `step` from now on (None: serve every step)."""
+        """Feed no groups for steps >= `step` from now on (None: feed every step)."""
         with self.lock:
             self.gate = step
 
-    def _serve(self) -> None:
-        try:
-            while not self._stop.is_set():
-                request = self._server.poll(timeout_ms=20)
-                if request is not None:
-                    self._server.reply(request, self._answer(request.message))
-        finally:
-            self._server.close()
-
-    def _answer(self, message: object) -> object:
-        with self.lock:
-            if isinstance(message, VersionReport):
-                self.reports.append(message)
-                self.learner_version = message.step
-                return Ok(learner_version=self.learner_version)
-            assert isinstance(message, BatchRequest), message
+    def answer(self, server: Server, request: Any) -> list[tuple[Any, Any, list[Any]]]:
+        message, replies = request.message, []
+        if isinstance(message, BatchRequest):
             self.requests.append(message)
-            if self.gate is not None and message.step >= self.gate:
-                gated = True
-            else:
-                gated = False
-        if gated:
-            time.sleep(self.hold_s)  # a real buffer holds the request before answering
-            return BatchNotReady(step=message.step, buffered=0)
-        groups = synthetic_batch(message.step, message.num_groups, self.group_size)
-        share = message.num_groups // message.world_size
-        mine = groups[message.rank * share : (message.rank + 1) * share]
-        staleness = [np.zeros(g.size, dtype=np.int32) for g in mine]
-        return Batch(step=message.step, rank=message.rank, groups=mine, staleness=staleness, dropped_stale=3)
+            if self.gate is None or message.step < self.gate:
+                replies = self._feed(message.step, message.num_groups)
+        elif isinstance(message, VersionReport):
+            self.reports.append(message)
+        try:
+            replies += self.core.handle(message, request, request.sender, time.time())
+        except RequestRejected as refusal:
+            server.reject(request, refusal.reason, refusal.kind)
+        return [(reply_to, reply, []) for reply_to, reply in replies]
+
+    def housekeeping(self) -> list[tuple[Any, Any, list[Any]]]:
+        return [(reply_to, reply, []) for reply_to, reply in self.core.tick(time.time())]
+
+    def _feed(self, step: int, num_groups: int) -> list[tuple[Any, Any]]:
+        """Lease and push the groups of `step` (once); the replies that pushing made due to held requests."""
+        if step in self.fed:
+            return []
+        self.fed.add(step)
+        groups = synthetic_batch(step, num_groups, self.group_size, version=step)
+        if step == self.stale_at:
+            groups.insert(0, synthetic_batch(1_000_000 + step, 1, self.group_size, version=0)[0])  # another seed
+        now = time.time()
+        ((_, grant),) = self.core.handle(LeaseRequest(0, len(groups), step), None, "fake-generator", now)
+        if not isinstance(grant, LeaseGrant) or len(grant.prompts) != len(groups):
+            raise RuntimeError(f"the core would not lease {len(groups)} prompts for step {step}: {grant}")
+        due = []
+        for group, prompt in zip(groups, grant.prompts):
+            group = dataclasses.replace(group, lease_id=grant.lease_id, prompt_id=prompt.prompt_id, epoch=prompt.epoch)
+            (_, ack), *served = self.core.handle(group, None, "fake-generator", now)
+            if ack.status != "accepted":
+                raise RuntimeError(f"the core did not accept a synthetic group of step {step}: {ack}")
+            due += served
+        return due
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self.stop()
 
 
 def learner_config(model_dir: object, **overrides: object) -> TandemConfig:

@@ -9,9 +9,9 @@ import pytest
 
 from common.sockets import Server, SocketSecurity
 from common.types import ErrorReply, VersionReport
-from learners.buffer_link import BufferLink
 from launch.testing import free_port
-from tests.learners.learner_fakes import FakeBuffer
+from learners.buffer_link import BufferLink
+from tests.learners.learner_fakes import SyntheticBuffer
 
 
 def link(port: int, rank: int = 0, world_size: int = 1) -> BufferLink:
@@ -31,12 +31,13 @@ def test_fetch_outlives_a_buffer_that_starts_late_and_is_not_ready_at_first() ->
     port = free_port()
     client = link(port, rank=1, world_size=2)
     result: dict[str, object] = {}
-    thread = threading.Thread(target=lambda: result.update(zip(("batch", "wait"), client.fetch_batch(3))))
+    # step 1: a buffer that has heard no VersionReport yet serves steps 0 and 1 (sync_every = 1)
+    thread = threading.Thread(target=lambda: result.update(zip(("batch", "wait"), client.fetch_batch(1))))
     thread.start()
     try:
         thread.join(timeout=1.5)  # no buffer yet: requests time out and are retried with back-off
         assert thread.is_alive() and client.counters["buffer_unavailable"] >= 2
-        buffer = FakeBuffer(port, groups_per_step=2, group_size=4, gate=4)
+        buffer = SyntheticBuffer(port, groups_per_step=2, group_size=4, gate=4)
         try:
             thread.join(timeout=20)
         finally:
@@ -45,13 +46,13 @@ def test_fetch_outlives_a_buffer_that_starts_late_and_is_not_ready_at_first() ->
         thread.join(timeout=20)
         client.close()
     batch = result["batch"]
-    assert (batch.step, batch.rank, len(batch.groups)) == (3, 1, 1)
+    assert (batch.step, batch.rank, len(batch.groups)) == (1, 1, 1)
     assert result["wait"] >= 1.0
 
 
 def test_not_ready_is_asked_again_and_versions_are_reported() -> None:
     port = free_port()
-    buffer = FakeBuffer(port, groups_per_step=2, group_size=4, gate=0, hold_s=0.05)
+    buffer = SyntheticBuffer(port, groups_per_step=2, group_size=4, gate=0)
     client = link(port)
     try:
         timer = threading.Timer(0.5, buffer.set_gate, args=(None,))

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from launch.testing import RoleUnderTest, free_port
-from tests.learners.learner_fakes import FakeBuffer, process_config, synthetic_batch
+from tests.learners.learner_fakes import SyntheticBuffer, process_config, synthetic_batch
 from tests.learners.test_trainer import Step, one_step, update_excess
 
 LR = 1e-3  # test_trainer's LR, which its UPDATE_TOLERANCE is relative to
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.deepspeed
 
 @pytest.fixture(scope="module")
 def one_rank_step(tiny_model_dir) -> Step:
-    """One rank, in this process: the step of step 0's global batch (what FakeBuffer serves for step 0)."""
+    """One rank, in this process: the step of step 0's global batch (what SyntheticBuffer serves for step 0)."""
     from learners.engine import init_distributed
 
     groups = synthetic_batch(0, 2, 4)
@@ -53,7 +53,7 @@ def test_two_ranks_make_the_update_of_one_rank(tiny_model_dir, tmp_path: Path, o
         learner__total_steps=1,
         learner__lr=LR,
     )
-    buffer = FakeBuffer(buffer_port, groups_per_step=2, group_size=4)
+    buffer = SyntheticBuffer(buffer_port, groups_per_step=2, group_size=4)
     try:
         with RoleUnderTest(config, "learner") as learner:
             assert learner.wait(240) == 0, learner.tail()

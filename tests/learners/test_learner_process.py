@@ -16,7 +16,7 @@ from common.types import WeightsNotNewer
 from launch.testing import RoleUnderTest, free_port
 from learners.sim_trainer import SimulatedTrainer
 from tests.learners.learner_fakes import (
-    FakeBuffer,
+    SyntheticBuffer,
     fetch_weights,
     learner_config,
     process_config,
@@ -69,7 +69,7 @@ def test_learner_trains_publishes_checkpoints_survives_sigkill_and_resumes(tiny_
         learner__save_every=2,
     )
     checkpoints = tmp_path / "run" / "checkpoints"
-    buffer = FakeBuffer(buffer_port, groups_per_step=2, group_size=4, gate=0)
+    buffer = SyntheticBuffer(buffer_port, groups_per_step=2, group_size=4, gate=0, stale_at=3)
     generator = Client(f"127.0.0.1:{weights_port}", SocketSecurity(), identity="fake-generator")
     try:
         with RoleUnderTest(config, "learner") as learner:
@@ -111,7 +111,8 @@ def test_learner_trains_publishes_checkpoints_survives_sigkill_and_resumes(tiny_
         assert [r["step"] for r in records][-3:] == [3, 4, 5]
         for key in REQUIRED_METRICS:
             assert all(r.get(key) is not None for r in records), key
-        assert records[-1]["buffer/dropped_stale"] == 3 and records[-1]["policy_version"] == 5
+        # the buffer dropped one group of 4 samples as too stale at step 3 (stale_at): its count reaches the metrics
+        assert records[-1]["buffer/dropped_stale"] == 4 and records[-1]["policy_version"] == 5
     finally:
         generator.close()
         buffer.close()
@@ -129,7 +130,7 @@ def test_simulated_learner_serves_real_bytes_and_real_versions(tmp_path: Path) -
         learner__sim_sample_s=0.05,
         learner__total_steps=3,
     )
-    buffer = FakeBuffer(buffer_port, groups_per_step=2, group_size=4, gate=2)
+    buffer = SyntheticBuffer(buffer_port, groups_per_step=2, group_size=4, gate=2)
     generator = Client(f"127.0.0.1:{weights_port}", SocketSecurity(), identity="fake-generator")
     try:
         with RoleUnderTest(config, "learner") as learner:
