@@ -8,12 +8,34 @@ import time
 from pathlib import Path
 
 TANDEM = [sys.executable, "-m", "launch.cli"]
+ENGINES = ("torch", "vllm", "deepspeed", "ray", "transformers")
+# `tandem ARGS` as `python -m launch.cli` runs it, then the engines it imported, on stderr's last line
+HELP_PROBE = f"""
+import runpy, sys
+sys.argv = ["tandem", *sys.argv[1:]]
+try:
+    runpy.run_module("launch.cli", run_name="__main__", alter_sys=True)
+except SystemExit as exit:
+    assert exit.code in (0, None), exit.code
+print(sorted({{name.split(".")[0] for name in sys.modules}} & set({ENGINES!r})), file=sys.stderr)
+"""
+
+
+def run_help(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    """(`tandem *args` run through HELP_PROBE, seconds it took); the engines it imported are checked to be none."""
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-c", HELP_PROBE, *args], capture_output=True, text=True, check=False)
+    seconds = time.perf_counter() - start
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "[]", result.stderr  # no engine imported for --help
+    return result, seconds
 
 
 def test_help_is_fast_and_imports_no_engine() -> None:
-    start = time.perf_counter()
-    result = subprocess.run([*TANDEM, "--help"], capture_output=True, text=True, check=True)
-    assert time.perf_counter() - start < 2.0
+    # "fast" is what importing no engine buys (checked by run_help, on any machine); the wall-clock bound is only
+    # a backstop, loose enough for a loaded 2-core machine (it answers in ~0.3 s; an engine import takes seconds)
+    result, seconds = run_help("--help")
+    assert seconds < 10.0
     for command in ("demo", "run", "buffer", "generator", "learner", "ray"):
         assert command in result.stdout
 

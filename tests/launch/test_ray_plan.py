@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from launch.ray_plan import (
     learner_processes,
     resource_demand,
 )
+from tests.launch.test_cli import run_help
 
 REPO = Path(__file__).resolve().parents[2]
 TANDEM = [sys.executable, "-m", "launch.cli"]
@@ -116,10 +116,9 @@ def test_example_gpu_cluster_config_validates() -> None:
 
 
 def test_ray_control_commands_answer_help_at_once() -> None:
-    start = time.perf_counter()
-    result = subprocess.run([*TANDEM, "ray", "scale", "--help"], capture_output=True, text=True, cwd=REPO, check=False)
-    assert result.returncode == 0 and "--generators" in result.stdout
-    assert time.perf_counter() - start < 5  # no Ray import for --help
+    result, seconds = run_help("ray", "scale", "--help")  # checks that no engine, Ray included, was imported
+    assert "--generators" in result.stdout
+    assert seconds < 10.0  # only a backstop for a loaded machine: importing no Ray is what makes it answer at once
     missing = subprocess.run(
         [*TANDEM, "ray", "scale", "some-run"], capture_output=True, text=True, cwd=REPO, check=False
     )
