@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 from actors.engine_api import FinishedSample
 from actors.groups import LeaseBook, build_group
@@ -34,7 +35,8 @@ def _groups(grant: LeaseGrant) -> list[RolloutGroup]:
 def test_groups_are_kept_while_the_buffer_is_away_and_delivered_when_it_returns(tmp_path):
     config = run_config(tmp_path, "outbox", algo={"group_size": 1, "estimator": "reinforce_pp"})
     buffer = FakeBuffer(config, arithmetic_items(5), lease_size=5).start()
-    link = BufferLink(config.generator.buffer_address, SocketSecurity(), 0, reconnect_max_s=0.2, timeout_s=0.3)
+    # timeout_s: how long an answer may take on a loaded machine before the buffer counts as away (1 s, not 0.3 s)
+    link = BufferLink(config.generator.buffer_address, SocketSecurity(), 0, reconnect_max_s=0.2, timeout_s=1.0)
     outbox = Outbox(capacity=3)
     try:
         groups = _groups(link.call(LeaseRequest(0, 5, 0)))
@@ -47,7 +49,9 @@ def test_groups_are_kept_while_the_buffer_is_away_and_delivered_when_it_returns(
         for group in groups[1:]:
             outbox.add(group)
         assert outbox.flush(link) == 0 and len(outbox) == 4 and outbox.full()
-        assert not link.up and not link.ready(time.monotonic())  # backing off, no busy retry
+        # backing off, no busy retry: the next attempt is the first delay (0.1 s) after the moment it went down
+        # (read from the link, not from a clock that a paused test may have moved past it)
+        assert not link.up and link.next_attempt - link.down_since == pytest.approx(0.1)
 
         buffer.start()
         deadline = time.monotonic() + 10
