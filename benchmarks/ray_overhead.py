@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import save
-from benchmarks.runs import every_core_overrides, override_args, port_overrides, trained_rate
+from benchmarks.runs import every_core_overrides, trained_rate
 from common.metrics import read_metrics
+from launch.testing import free_port, loopback_overrides, override_args
 
 GROUPS_PER_STEP, GROUP_SIZE = 8, 4
 GENERATOR_SAMPLES_S, LEARNER_SAMPLES_S = 50.0, 400.0  # what the sim costs below amount to
@@ -86,7 +87,7 @@ def launch(launcher: str, config: Path, root: Path, name: str, generators: int, 
         str(steps),
     ]
     if launcher == "run":
-        argv += override_args({**port_overrides(), **every_core_overrides()})
+        argv += override_args({**loopback_overrides(free_port(), free_port()), **every_core_overrides()})
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}  # always a fresh local Ray
     result = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, check=False)
     if result.returncode != 0:

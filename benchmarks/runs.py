@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from common.metrics import read_metrics
-from launch.testing import RoleFailed, RoleUnderTest, free_port, loopback_overrides, run_config
+from launch.testing import RoleFailed, RoleUnderTest, run_config
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO / "examples" / "demo.toml"
@@ -74,30 +74,10 @@ class RunOutcome:
         return later[0] if later else max(self.step_wall, default=0)
 
 
-def port_overrides() -> dict[str, Any]:
-    """Two free loopback ports wired into every role's addresses (buffer and weight publisher)."""
-    return loopback_overrides(free_port(), free_port())
-
-
 def every_core_overrides() -> dict[str, Any]:
     """Every core to every role (no pinning): simulated roles stand for separate machines and mostly sleep."""
     every_core = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     return {"generator.cpu_cores": every_core, "learner.cpu_cores": every_core}
-
-
-def override_args(overrides: dict[str, Any]) -> list[str]:
-    """`{"algo.max_staleness": 0, "generator.cpu_cores": "0,1"}` -> `--algo.max_staleness 0 --generator...
-    '"0,1"'`: strings are JSON-quoted so that they parse back as strings (a bare `1` would be an integer)."""
-    args: list[str] = []
-    for key, value in overrides.items():
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        elif isinstance(value, str):
-            text = json.dumps(value)
-        else:
-            text = str(value)
-        args += [f"--{key}", text]
-    return args
 
 
 def launch_run(config: Path, root: Path, name: str, overrides: dict[str, Any], timeout_s: float) -> RunOutcome:

@@ -21,6 +21,7 @@ time raises `RoleFailed` with the tail of the role's output.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import sys
@@ -63,10 +64,12 @@ __all__ = [
     "FakePublisher",
     "RoleFailed",
     "RoleUnderTest",
+    "ServerThread",
     "arithmetic_items",
     "drive_until_done",
     "free_port",
     "loopback_overrides",
+    "override_args",
     "pack_weights",
     "run_config",
     "unpack_weights",
@@ -111,6 +114,17 @@ def run_config(
     return load_config(base, overrides)
 
 
+def override_args(overrides: Mapping[str, Any]) -> list[str]:
+    """`{"algo.max_staleness": 0, "generator.cpu_cores": "0,1"}` -> `--algo.max_staleness 0 --generator.cpu_cores
+    '"0,1"'`: the command line a user would type; strings are JSON-quoted so that they parse back as strings (a
+    bare `1` would be an integer), booleans are TOML's."""
+    args: list[str] = []
+    for key, value in overrides.items():
+        text = json.dumps(value) if isinstance(value, (bool, str)) else str(value)
+        args += [f"--{key}", text]
+    return args
+
+
 def arithmetic_items(count: int, explode_every: int = 0, first_id: int = 0) -> list[PromptItem]:
     """Prompts "What is i + i?" with ids `first_id`...; every `explode_every`-th one asks the test reward function
     (tests.actors.reward_fns) to raise."""
@@ -122,16 +136,19 @@ def arithmetic_items(count: int, explode_every: int = 0, first_id: int = 0) -> l
     return items
 
 
-def wait_until(condition: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.05) -> Any:
-    """Poll `condition` until it returns something true (returned); RoleFailed after `timeout_s`."""
+def wait_until(condition: Callable[[], Any], timeout_s: float, what: str, role: RoleUnderTest | None = None) -> Any:
+    """Poll `condition` until it returns something true (returned); RoleFailed after `timeout_s`, or as soon as
+    `role` (if given) has exited, with the tail of its output."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = condition()
         if value:
             return value
+        if role is not None and role.poll() is not None:
+            raise RoleFailed(f"{role.name} exited ({role.poll()}) before {what}:\n{role.tail()}")
         if time.monotonic() > deadline:
-            raise RoleFailed(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(poll_s)
+            raise RoleFailed(f"timed out after {timeout_s}s waiting for {what}" + (f":\n{role.tail()}" if role else ""))
+        time.sleep(0.05)
 
 
 def drive_until_done(driver: EpisodeDriver, timeout_s: float, idle_wait_s: float = 0.005) -> list[EpisodeGroup]:
@@ -207,16 +224,7 @@ class RoleUnderTest:
 
     def wait_until(self, condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
         """Poll `condition` until true (returned); RoleFailed if the role exits first or time runs out."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            value = condition()
-            if value:
-                return value
-            if self.poll() is not None:
-                raise RoleFailed(f"{self.name} exited ({self.poll()}) before {what}:\n{self.tail()}")
-            if time.monotonic() > deadline:
-                raise RoleFailed(f"timed out after {timeout_s}s waiting for {what}:\n{self.tail()}")
-            time.sleep(0.05)
+        return wait_until(condition, timeout_s, what, self)
 
     def send_signal(self, signum: int) -> None:
         """`signum` to the role's process only (not its group): what a shell's `kill` would do."""

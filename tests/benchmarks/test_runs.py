@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.run_all import format_figures, headline
-from benchmarks.runs import RunOutcome, override_args, process_cpu_s, trained_rate
+from benchmarks.runs import RunOutcome, process_cpu_s, trained_rate
 from common.config import parse_overrides
+from launch.testing import override_args
 
 
 def test_override_args_parse_back_as_the_same_values() -> None:

@@ -1,49 +1,30 @@
-"""Drive `tandem ray` from tests: the launcher as a real subprocess, the run directory's metrics and counters."""
+"""Drive `tandem ray` from tests: the launcher as a real subprocess (`launch.testing.RoleUnderTest`), the run
+directory's metrics and counters."""
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from common.metrics import read_metrics
+from launch.testing import RoleUnderTest, run_config
 
 HERE = Path(__file__).resolve().parent
 SIM_CONFIG = HERE / "ray_sim.toml"
 
 
-class RayLaunch:
-    """`python -m launch.cli ray CONFIG ...` in its own session; `close()` stops it (and its fleet) for sure."""
+class RayLaunch(RoleUnderTest):
+    """`python -m launch.cli ray <run_dir>/config.json OVERRIDES...`, started at once: `config` with this run's root,
+    name, Ray address and CurveZMQ keys (None: none). `close()` stops it (and its fleet) for sure."""
 
     def __init__(self, root: Path, name: str, address: str, keys: Path | None, config: Path, *overrides: str) -> None:
-        self.run_dir = root / name
-        self.name = name
+        security = {"curve_keys_dir": str(keys)} if keys else {}
+        super().__init__(run_config(root, name, base=config, run=security, ray={"address": address}), "ray", *overrides)
         self.address = address
-        self.output = root / f"{name}.launcher.out"
-        security = ["--run.curve_keys_dir", json.dumps(str(keys))] if keys else []
-        argv = [
-            sys.executable,
-            "-m",
-            "launch.cli",
-            "ray",
-            str(config),
-            "--run.root",
-            json.dumps(str(root)),
-            "--run.name",
-            name,
-            "--ray.address",
-            json.dumps(address),
-            *security,
-            *overrides,
-        ]
-        with self.output.open("wb") as out:
-            self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.start()
 
     def records(self) -> list[dict[str, Any]]:
         path = self.run_dir / "metrics.jsonl"
@@ -52,33 +33,23 @@ class RayLaunch:
     def wait_steps(self, steps: int, timeout_s: float) -> list[dict[str, Any]]:
         """The learner's records once it has logged `steps` steps; fails with the launcher's output if not."""
         wait_for(
-            lambda: len(self.records()) >= steps or self.process.poll() is not None,
+            lambda: len(self.records()) >= steps or self.poll() is not None,
             timeout_s,
-            lambda: f"{steps} learner steps",
+            f"{steps} learner steps",
             self,
         )
-        assert self.process.poll() is None or len(self.records()) >= steps, self.tail()
+        assert self.poll() is None or len(self.records()) >= steps, self.tail()
         return self.records()
 
     def wait_exit(self, timeout_s: float) -> int:
-        try:
-            return self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"tandem ray did not end within {timeout_s:.0f}s:\n{self.tail()}") from None
+        return self.wait(timeout_s)
 
     def tail(self, lines: int = 60) -> str:
-        text = self.output.read_text(errors="replace") if self.output.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
+        return "\n".join(self.output().splitlines()[-lines:])
 
     def close(self) -> None:
-        """SIGTERM the launcher (it stops the fleet in order), SIGKILL it after a grace period."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        """SIGTERM the launcher (it stops the fleet in order), SIGKILL its group after a grace period."""
+        self.stop(grace_s=60)
 
 
 def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, launch: RayLaunch | None = None) -> Any:

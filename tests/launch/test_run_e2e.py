@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from common.metrics import read_metrics
-from launch.testing import free_port
+from launch.testing import free_port, loopback_overrides, override_args
 from tests.launch.ray_runs import buffer_counters, processes_of
 
 REQUIRED_KEYS = {
@@ -31,34 +31,23 @@ REQUIRED_KEYS = {
 
 
 def run_tandem(tmp_path: Path, model_dir: Path, eta: int, steps: int = 4) -> tuple[subprocess.CompletedProcess, Path]:
-    buffer_port, weights_port = free_port(), free_port()
     name = f"e2e-eta{eta}"
+    overrides = {
+        "run.root": str(tmp_path),
+        "run.name": name,
+        "model.path": str(model_dir),
+        "algo.max_staleness": eta,
+        "learner.total_steps": steps,
+        **loopback_overrides(free_port(), free_port()),
+    }
+    # the command line a user types (TOML file + overrides), not a resolved config: this is the path under test
     argv = [
         sys.executable,
         "-m",
         "launch.cli",
         "run",
         str(Path(__file__).parent / "e2e.toml"),
-        "--run.root",
-        str(tmp_path),
-        "--run.name",
-        name,
-        "--model.path",
-        str(model_dir),
-        "--algo.max_staleness",
-        str(eta),
-        "--learner.total_steps",
-        str(steps),
-        "--buffer.port",
-        str(buffer_port),
-        "--generator.buffer_address",
-        f"127.0.0.1:{buffer_port}",
-        "--learner.buffer_address",
-        f"127.0.0.1:{buffer_port}",
-        "--learner.weights_port",
-        str(weights_port),
-        "--generator.weights_address",
-        f"127.0.0.1:{weights_port}",
+        *override_args(overrides),
     ]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
     return result, tmp_path / name
