@@ -2,7 +2,7 @@
 
 group = synthetic_group(rng, prompt_len=6, lengths=[3, 5], version=0)
 buffer = SyntheticBuffer(port, groups_per_step=2, group_size=4, gate=2)   # the real BufferCore, fed these
-config = process_config(model_dir, tmp_path, buffer_port, weights_port)   # for launch.testing.RoleUnderTest
+config = process_config(model_dir, tmp_path)   # free loopback ports; for launch.testing.RoleUnderTest
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from common.types import (
     WeightsHeader,
     WeightsRequest,
 )
-from launch.testing import ServerThread, loopback_overrides, unpack_weights
+from launch.testing import ServerThread, free_port, loopback_overrides, unpack_weights
 from tests.buffers.fakes import fake_prompts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -187,11 +187,11 @@ def learner_config(model_dir: object, **overrides: object) -> TandemConfig:
     return load_config(None, values)
 
 
-def process_config(
-    model_dir: object, run_root: Path, buffer_port: int, weights_port: int, **overrides: object
-) -> TandemConfig:
-    """`learner_config` wired to a fake buffer and a weights port on loopback, with its run dir `run_root/run`."""
-    wiring = {key.replace(".", "__"): value for key, value in loopback_overrides(buffer_port, weights_port).items()}
+def process_config(model_dir: object, run_root: Path, **overrides: object) -> TandemConfig:
+    """`learner_config` with its run dir `run_root/run`, the buffer and the weights on free loopback ports (read
+    them back from the config: `config.buffer.port`, `config.generator.weights_address`)."""
+    ports = loopback_overrides(free_port(), free_port())
+    wiring = {key.replace(".", "__"): value for key, value in ports.items()}
     return learner_config(model_dir, run__root=str(run_root), run__name="run", **wiring, **overrides)
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from launch.testing import RoleUnderTest, free_port
+from launch.testing import RoleUnderTest
 from tests.learners.learner_fakes import SyntheticBuffer, process_config, synthetic_batch
 from tests.learners.test_trainer import Step, one_step, update_excess
 
@@ -42,18 +42,15 @@ def one_rank_step(tiny_model_dir) -> Step:
 def test_two_ranks_make_the_update_of_one_rank(tiny_model_dir, tmp_path: Path, one_rank_step, stage) -> None:
     from safetensors.torch import load_file
 
-    buffer_port, weights_port = free_port(), free_port()
     config = process_config(
         tiny_model_dir,
         tmp_path,
-        buffer_port,
-        weights_port,
         learner__world_size=2,
         learner__zero_stage=stage,
         learner__total_steps=1,
         learner__lr=LR,
     )
-    buffer = SyntheticBuffer(buffer_port, groups_per_step=2, group_size=4)
+    buffer = SyntheticBuffer(config.buffer.port, groups_per_step=2, group_size=4)
     try:
         with RoleUnderTest(config, "learner") as learner:
             assert learner.wait(240) == 0, learner.tail()

@@ -13,7 +13,7 @@ import pytest
 from common.metrics import read_metrics
 from common.sockets import Client, SocketSecurity
 from common.types import WeightsNotNewer
-from launch.testing import RoleUnderTest, free_port
+from launch.testing import RoleUnderTest
 from learners.sim_trainer import SimulatedTrainer
 from tests.learners.learner_fakes import (
     SyntheticBuffer,
@@ -57,20 +57,17 @@ def received_bytes(received: dict[str, np.ndarray]) -> dict[str, bytes]:
 
 @pytest.mark.deepspeed
 def test_learner_trains_publishes_checkpoints_survives_sigkill_and_resumes(tiny_model_dir, tmp_path: Path) -> None:
-    buffer_port, weights_port = free_port(), free_port()
     config = process_config(
         tiny_model_dir,
         tmp_path,
-        buffer_port,
-        weights_port,
         model__dtype="bfloat16",
         learner__lr=1e-2,
         learner__total_steps=5,
         learner__save_every=2,
     )
     checkpoints = tmp_path / "run" / "checkpoints"
-    buffer = SyntheticBuffer(buffer_port, groups_per_step=2, group_size=4, gate=0, stale_at=3)
-    generator = Client(f"127.0.0.1:{weights_port}", SocketSecurity(), identity="fake-generator")
+    buffer = SyntheticBuffer(config.buffer.port, groups_per_step=2, group_size=4, gate=0, stale_at=3)
+    generator = Client(config.generator.weights_address, SocketSecurity(), identity="fake-generator")
     try:
         with RoleUnderTest(config, "learner") as learner:
             learner.wait_until(lambda: any(r.step == 0 for r in buffer.requests), 120, "the first batch request")
@@ -119,19 +116,16 @@ def test_learner_trains_publishes_checkpoints_survives_sigkill_and_resumes(tiny_
 
 
 def test_simulated_learner_serves_real_bytes_and_real_versions(tmp_path: Path) -> None:
-    buffer_port, weights_port = free_port(), free_port()
     config = process_config(
         "tiny",
         tmp_path,
-        buffer_port,
-        weights_port,
         run__simulate=True,
         learner__sim_weights_mb=3.0,
         learner__sim_sample_s=0.05,
         learner__total_steps=3,
     )
-    buffer = SyntheticBuffer(buffer_port, groups_per_step=2, group_size=4, gate=2)
-    generator = Client(f"127.0.0.1:{weights_port}", SocketSecurity(), identity="fake-generator")
+    buffer = SyntheticBuffer(config.buffer.port, groups_per_step=2, group_size=4, gate=2)
+    generator = Client(config.generator.weights_address, SocketSecurity(), identity="fake-generator")
     try:
         with RoleUnderTest(config, "learner") as learner:
             learner.wait_until(lambda: any(r.step == 2 for r in buffer.requests), 60, "step 2's batch request")
