@@ -95,8 +95,8 @@ def measure_training(trainer: Any, steps: int) -> dict[str, float]:
 
 
 def measure_publishing(trainer: Any) -> dict[str, float]:
-    from learners.publisher import ZmqWeightsPublisher
     from launch.testing import free_port
+    from learners.publisher import ZmqWeightsPublisher
 
     port = free_port()
     publisher = ZmqWeightsPublisher("127.0.0.1", port, SocketSecurity())

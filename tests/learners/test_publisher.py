@@ -12,13 +12,13 @@ import torch
 
 from common.sockets import Client, SocketSecurity
 from common.types import ErrorReply, LeaseRequest, WeightsHeader, WeightsNotNewer
+from launch.testing import free_port
 from learners.publisher import (
     ZmqWeightsPublisher,
     buckets_reusable,
     copy_into_snapshot,
     open_weights_publisher,
 )
-from launch.testing import free_port
 from tests.learners.learner_fakes import fetch_weights
 
 
