@@ -4,6 +4,7 @@ the batch it asked for, and reports versions."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -35,8 +36,14 @@ def test_fetch_outlives_a_buffer_that_starts_late_and_is_not_ready_at_first() ->
     thread = threading.Thread(target=lambda: result.update(zip(("batch", "wait"), client.fetch_batch(1))))
     thread.start()
     try:
-        thread.join(timeout=1.5)  # no buffer yet: requests time out and are retried with back-off
-        assert thread.is_alive() and client.counters["buffer_unavailable"] >= 2
+        thread.join(timeout=1.5)  # no buffer for 1.5 s at least: requests time out and are retried with back-off
+        assert thread.is_alive()
+        # the state the buffer's start needs, two timed-out requests (0.4 s each + back-off): waited for, not
+        # assumed of 1.5 s on a loaded machine
+        deadline = time.monotonic() + 30
+        while client.counters["buffer_unavailable"] < 2:
+            assert time.monotonic() < deadline and thread.is_alive(), client.counters
+            time.sleep(0.05)
         buffer = SyntheticBuffer(port, groups_per_step=2, group_size=4, gate=4)
         try:
             thread.join(timeout=20)
