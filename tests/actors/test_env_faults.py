@@ -72,11 +72,13 @@ def test_each_fault_ends_only_its_episode_and_is_counted(tokenizer, runner) -> N
         AsyncScriptedEnv(two_turns()),  # 6: fine, async
     ]
     factories = iter([*(lambda env=env: env for env in envs), Boom()])  # 7: the factory raises
-    driver = EpisodeDriver(engine, lambda: next(factories)(), limits(step_timeout_s=0.4), runner, group_size=8)
+    # step_timeout_s: 1 s, long enough that a fine environment's instant step never times out on a loaded machine,
+    # well under the 4 s that environment 4's step sleeps
+    driver = EpisodeDriver(engine, lambda: next(factories)(), limits(step_timeout_s=1.0), runner, group_size=8)
     started = time.monotonic()
     driver.start_group(2, TASK)
     (done,) = drive_until_done(driver, timeout_s=20)
-    assert time.monotonic() - started < 4, "a timed-out call must not be waited for"
+    assert time.monotonic() - started < 4, "a timed-out call must not be waited for"  # waiting would take >= 4 s
     group = build_episode_group(2, TASK, done.results, 0, 0.0)
     group.validate()
     reasons = group.finish_reasons
