@@ -42,7 +42,7 @@ def test_multi_turn_groups_faults_survived_and_counted(tmp_path) -> None:
         algo={"group_size": GROUP_SIZE},
         env={
             "environment": "tests.actors.env_fakes:TwoTurnEnv",
-            "step_timeout_s": 0.5,
+            "step_timeout_s": 2.0,  # an instant step never overruns it on a loaded machine; prompt 5's sleeps 120 s
             "failure_reward": FAILURE,
             "max_turns": 4,
         },
