@@ -1,6 +1,7 @@
 # The two commands of the README:
 #   make demo   set up, then run the embedded default (SmolLM2-135M-Instruct, arithmetic, async GRPO)
 #   make test   set up, lint (ruff check, ruff format --check), then run the whole test suite
+# and, while working: make test-fast (the unit tests, under a minute), make lint
 .PHONY: setup demo lint test test-fast bench clean
 
 setup:
@@ -15,6 +16,9 @@ lint: setup
 
 test: lint
 	.venv/bin/python -m pytest tests -q -ra --durations=15
+
+test-fast: setup
+	.venv/bin/python -m pytest tests -q -ra -m "not integration"
 
 bench: setup
 	.venv/bin/python -m benchmarks.run_all

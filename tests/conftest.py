@@ -1,8 +1,16 @@
-"""Shared fixtures. Heavy engines are started by the tests that need them, never at import time."""
+"""Shared fixtures and the split of the suite by cost.
+
+Heavy engines are started by the tests that need them, never at import time. A test that starts a process or an
+engine is marked `integration` (the `vllm`, `deepspeed` and `ray` markers imply it); `make test-fast` runs the rest
+(`pytest -m "not integration"`), `make test` runs everything. An unmarked test that starts a Python process fails
+with what to change, so the split cannot drift.
+"""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +21,38 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+ENGINE_MARKERS = ("vllm", "deepspeed", "ray")  # each starts an engine: integration by definition
+PROCESS_PROGRAMS = {"python", "python3", "tandem", "torchrun", "ray"}  # what a role or an engine is started as
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.get_closest_marker(name) for name in ENGINE_MARKERS):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a test not marked `integration`, starting Python, `tandem`, `torchrun` or `ray` raises. Other programs
+    (ldconfig behind ctypes.util, say) are let through: they are not what makes a test slow."""
+    if request.node.get_closest_marker("integration"):
+        return
+    start = subprocess.Popen.__init__
+
+    def refuse_roles(self: subprocess.Popen, args: object, *rest: object, **kwargs: object) -> None:
+        argv = [args] if isinstance(args, str | bytes | os.PathLike) else list(args)  # type: ignore[call-overload]
+        program = (os.fsdecode(argv[0]).split() or [""])[0] if argv else ""
+        name = Path(program).name
+        if program == sys.executable or name in PROCESS_PROGRAMS or name.startswith("python3."):
+            raise RuntimeError(
+                f"{request.node.nodeid} starts a process ({args!r}): mark it @pytest.mark.integration "
+                "(make test-fast leaves such tests out)"
+            )
+        start(self, args, *rest, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse_roles)
 
 
 @pytest.fixture(scope="session")

@@ -67,18 +67,20 @@ def test_each_fault_ends_only_its_episode_and_is_counted(tokenizer, runner) -> N
         ScriptedEnv(two_turns(raises=True)),  # 1: step raises on turn 2
         ScriptedEnv(two_turns(), reset_raises=True),  # 2: reset raises
         ScriptedEnv(two_turns(garbage=True)),  # 3: step returns a dict
-        ScriptedEnv(two_turns(sleep_s=4.0)),  # 4: plain step overruns the timeout
+        ScriptedEnv(two_turns(sleep_s=10.0)),  # 4: plain step overruns the timeout
         AsyncScriptedEnv(two_turns(sleep_s=30.0)),  # 5: async step overruns (cancelled)
         AsyncScriptedEnv(two_turns()),  # 6: fine, async
     ]
     factories = iter([*(lambda env=env: env for env in envs), Boom()])  # 7: the factory raises
     # step_timeout_s: 1 s, long enough that a fine environment's instant step never times out on a loaded machine,
-    # well under the 4 s that environment 4's step sleeps
+    # well under the 10 s that environment 4's step sleeps
     driver = EpisodeDriver(engine, lambda: next(factories)(), limits(step_timeout_s=1.0), runner, group_size=8)
     started = time.monotonic()
     driver.start_group(2, TASK)
     (done,) = drive_until_done(driver, timeout_s=20)
-    assert time.monotonic() - started < 4, "a timed-out call must not be waited for"  # waiting would take >= 4 s
+    # waiting for environment 4's step would take >= 10 s; the group itself needs ~1 s (two turns, a 1 s timeout),
+    # so 10 s tells the two apart with a margin for a loaded machine (stuck_calls below says the same from state)
+    assert time.monotonic() - started < 10, "a timed-out call must not be waited for"
     group = build_episode_group(2, TASK, done.results, 0, 0.0)
     group.validate()
     reasons = group.finish_reasons
@@ -98,7 +100,7 @@ def test_each_fault_ends_only_its_episode_and_is_counted(tokenizer, runner) -> N
     assert metrics["env/failure_rate"] == pytest.approx(6 / 8)
     assert metrics["env/step_s_mean"] > 0
     assert metrics["env/stuck_calls"] == 1  # the plain step still sleeps in its thread...
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 20  # environment 4's step returns 10 s after it started
     while runner.stuck_calls and time.monotonic() < deadline:
         time.sleep(0.05)
     assert runner.stuck_calls == 0  # ... until it returns

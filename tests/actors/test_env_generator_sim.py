@@ -19,6 +19,8 @@ from common.metrics import read_metrics
 from common.types import PromptItem
 from launch.testing import FakeBuffer, FakePublisher, RoleUnderTest, run_config
 
+pytestmark = pytest.mark.integration  # starts role processes
+
 GROUP_SIZE = 3
 SIM_TOKENS = 5
 FAILURE = -1.0

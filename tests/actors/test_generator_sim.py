@@ -18,6 +18,8 @@ from common.metrics import read_metrics
 from common.types import LeaseRefused
 from launch.testing import FakeBuffer, FakePublisher, RoleUnderTest, arithmetic_items, run_config
 
+pytestmark = pytest.mark.integration  # starts role processes
+
 GROUP_SIZE = 3
 
 

@@ -164,6 +164,7 @@ def test_protocol_mistakes_are_refused_with_what_to_change(served) -> None:
     assert [r.reward for r in done.results] == [-1.0, 2.0]
 
 
+@pytest.mark.integration
 def test_tandem_generator_serves_agents_end_to_end(tmp_path) -> None:
     """`tandem generator` (SIMULATION engine) with the endpoint as its environment; agents run every episode."""
     http_port = free_port()

@@ -17,6 +17,8 @@ import pytest
 
 from actors.sandbox import BOOT, SandboxLimits, run_python
 
+pytestmark = pytest.mark.integration  # every check runs code in a real subprocess
+
 PROBE = """
 import os, sys
 for name, attempt in {attempts}:

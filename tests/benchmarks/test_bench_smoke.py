@@ -29,6 +29,7 @@ RUN_KEYS = {
 }
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_async_vs_sync_simulation_writes_its_figures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(benchmarks.common, "RESULTS", tmp_path / "results")

@@ -94,6 +94,7 @@ def _join(*threads: Any, timeout: float = 60.0) -> None:
         assert thread.error is None, repr(thread.error)
 
 
+@pytest.mark.integration
 def test_generator_killed_mid_lease_loses_no_prompt(buffers) -> None:
     buffer = buffers().start()
     hanging = subprocess.Popen(
@@ -130,6 +131,7 @@ def test_generator_killed_mid_lease_loses_no_prompt(buffers) -> None:
     assert metrics[-1]["buffer/trained_groups"] == len(learner.groups) and "buffer/staleness_mean" in metrics[-1]
 
 
+@pytest.mark.integration
 def test_buffer_killed_and_restarted_from_its_journal_loses_no_accepted_group(buffers) -> None:
     buffer = buffers(
         buffer={"persist": True, "lease_timeout_s": 3.0, "heartbeat_timeout_s": 2.0},
@@ -161,6 +163,7 @@ def test_buffer_killed_and_restarted_from_its_journal_loses_no_accepted_group(bu
     assert "resumed from" in log and "buffer stopped (SIGINT)" in log
 
 
+@pytest.mark.integration
 def test_ten_thousand_fuzzed_messages_are_answered_counted_and_survived(buffers) -> None:
     from tests.buffers.fuzz import fuzz_buffer
 
@@ -219,6 +222,7 @@ def test_prompts_come_from_the_env_section(tmp_path: Path) -> None:
     assert [(r.messages[0]["content"], r.metadata["answer"]) for r in records] == [("1 + 1?", 2), ("2 + 2?", 4)]
 
 
+@pytest.mark.integration
 def test_the_buffer_imports_no_engine() -> None:
     code = (
         "import sys, buffers.service, buffers.core; from common.config import EnvConfig; "

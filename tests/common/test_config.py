@@ -123,6 +123,7 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
     assert TandemConfig.model_validate_json(path.read_text()) == config
 
 
+@pytest.mark.integration
 def test_config_module_imports_no_engine() -> None:
     code = (
         "import sys, common.config, common.types, common.wire, common.sockets, common.metrics, common.logs, launch.cli\n"

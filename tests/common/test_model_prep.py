@@ -62,6 +62,7 @@ def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) ->
         smollm2_gguf_path()
 
 
+@pytest.mark.integration
 def test_import_is_cheap() -> None:
     import subprocess
     import sys
@@ -193,6 +194,7 @@ def test_check_model_names_the_failing_engine(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------- SmolLM2
 
 
+@pytest.mark.integration  # dequantizes the real 135M model and generates with it (~20 s)
 @needs_gguf
 def test_prepare_smollm2(tmp_path: Path) -> None:
     path = prepare_smollm2(tmp_path)

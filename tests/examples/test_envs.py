@@ -156,6 +156,7 @@ def test_guessing_game_through_the_episode_driver_with_binary_search(tiny_model_
 GCD_CASES = json.dumps([[[12, 18], 6], [[7, 0], 7], [[0, 0], 0]])
 
 
+@pytest.mark.integration
 def test_code_env_passes_correct_code_and_explains_failures() -> None:
     env = CodeEnv(max_attempts=3, time_limit_s=5)
     env.reset(task({"function": "gcd", "cases": GCD_CASES}))
@@ -169,6 +170,7 @@ def test_code_env_passes_correct_code_and_explains_failures() -> None:
     assert right.done and right.reward == 1.0
 
 
+@pytest.mark.integration
 def test_code_env_last_attempt_scores_the_share_passed_and_hostile_code_cannot_fake_it(tmp_path) -> None:
     env = CodeEnv(max_attempts=1, time_limit_s=3)
     env.reset(task({"function": "gcd", "cases": GCD_CASES}))
@@ -206,6 +208,7 @@ SOLUTIONS = {  # written from the prompts' descriptions, independently of the re
 }
 
 
+@pytest.mark.integration
 def test_every_code_task_is_solvable_as_described() -> None:
     """An independent solution of each problem, in a code block, passes all its cases at the first attempt."""
     from examples.envs.code_task import PROBLEMS

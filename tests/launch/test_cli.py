@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 TANDEM = [sys.executable, "-m", "launch.cli"]
 ENGINES = ("torch", "vllm", "deepspeed", "ray", "transformers")
 # `tandem ARGS` as `python -m launch.cli` runs it, then the engines it imported, on stderr's last line
@@ -31,6 +33,7 @@ def run_help(*args: str) -> tuple[subprocess.CompletedProcess, float]:
     return result, seconds
 
 
+@pytest.mark.integration
 def test_help_is_fast_and_imports_no_engine() -> None:
     # "fast" is what importing no engine buys (checked by run_help, on any machine); the wall-clock bound is only
     # a backstop, loose enough for a loaded 2-core machine (it answers in ~0.3 s; an engine import takes seconds)
@@ -40,6 +43,7 @@ def test_help_is_fast_and_imports_no_engine() -> None:
         assert command in result.stdout
 
 
+@pytest.mark.integration
 def test_config_error_exits_2_naming_the_key(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text("[learner]\nlr = -1\n")
@@ -48,6 +52,7 @@ def test_config_error_exits_2_naming_the_key(tmp_path: Path) -> None:
     assert "learner.lr: Input should be greater than 0 (got -1)" in result.stderr
 
 
+@pytest.mark.integration
 def test_config_prints_resolved_values(tmp_path: Path) -> None:
     path = tmp_path / "ok.toml"
     path.write_text("[algo]\nmax_staleness = 3\n")

@@ -29,7 +29,7 @@ from tests.launch.ray_runs import (
     wait_for,
 )
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 PROMPTS = 1000  # one epoch (buffer.epochs = 1): the run ends when every prompt has come back; enough that
 # the generators are still mid-epoch when two of them are killed, even on a fast machine (400 ran out first on CI)

@@ -101,6 +101,7 @@ def test_ray_section_rules() -> None:
         load_config(None, {"ray.generator_cpus": -1})
 
 
+@pytest.mark.integration
 def test_example_gpu_cluster_config_validates() -> None:
     result = subprocess.run(
         [*TANDEM, "config", str(REPO / "examples" / "gpu_cluster.toml")],
@@ -115,6 +116,7 @@ def test_example_gpu_cluster_config_validates() -> None:
     assert (config.learner.world_size, config.learner.zero_stage, config.ray.learner_gpus) == (4, 3, 1)
 
 
+@pytest.mark.integration
 def test_ray_control_commands_answer_help_at_once() -> None:
     result, seconds = run_help("ray", "scale", "--help")  # checks that no engine, Ray included, was imported
     assert "--generators" in result.stdout

@@ -10,7 +10,7 @@ import pytest
 from common.metrics import read_metrics
 from tests.launch.ray_runs import RayLaunch, buffer_counters, processes_of
 
-pytestmark = [pytest.mark.vllm, pytest.mark.deepspeed, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.deepspeed, pytest.mark.timeout(400)]
 
 E2E_CONFIG = Path(__file__).resolve().parent / "e2e.toml"
 STEPS = 3

@@ -16,6 +16,8 @@ from common.metrics import read_metrics
 from launch.testing import free_port, loopback_overrides, override_args
 from tests.launch.ray_runs import buffer_counters, processes_of
 
+pytestmark = pytest.mark.integration  # starts role processes
+
 REQUIRED_KEYS = {
     "step",
     "policy_version",

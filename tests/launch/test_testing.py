@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from common.sockets import Client, SocketSecurity
 from common.types import GroupAck, LeaseGrant, LeaseRefused, LeaseRequest, LeaseReturn
@@ -49,6 +50,7 @@ def test_fake_buffer_leases_the_tests_prompts_through_the_core(tmp_path: Path) -
     assert np.all(buffer.groups[(regrant.lease_id, 11)].versions == 1)
 
 
+@pytest.mark.integration
 def test_a_role_is_killed_with_its_process_group(tmp_path: Path) -> None:
     config = run_config(tmp_path, "role", env={"num_prompts": 4})
     with RoleUnderTest(config, "buffer") as buffer:
@@ -58,6 +60,7 @@ def test_a_role_is_killed_with_its_process_group(tmp_path: Path) -> None:
     assert buffer.output_path == config.run.run_dir / "logs" / "buffer-0.out"
 
 
+@pytest.mark.integration
 def test_the_harness_and_the_benchmarks_import_no_pytest_no_tests_and_no_engine() -> None:
     code = (
         "import sys, launch.testing, benchmarks.runs, benchmarks.generator_rig, benchmarks.weight_sync, "

@@ -115,6 +115,7 @@ def test_learner_trains_publishes_checkpoints_survives_sigkill_and_resumes(tiny_
         buffer.close()
 
 
+@pytest.mark.integration
 def test_simulated_learner_serves_real_bytes_and_real_versions(tmp_path: Path) -> None:
     config = process_config(
         "tiny",
