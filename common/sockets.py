@@ -95,6 +95,24 @@ def _load_keys(keys_dir: Path, name: str) -> tuple[bytes, bytes]:
 _authenticators: dict[int, Any] = {}
 
 
+def release_context() -> None:
+    """Close every socket of this process's ZeroMQ context (`zmq.Context.instance()`, which every `Server` and
+    `Client` uses) and return only when ZeroMQ has let go of every message. Call it once, when the process is done
+    with its sockets: `tandem ROLE` does, after the role's `run` returns or raises.
+
+    Why: messages go out zero-copy, so a frame points into a numpy buffer (a weights bucket, a batch) until ZeroMQ's
+    I/O thread has written it. A process that exits with such a reply in flight frees the buffer under that thread,
+    and libzmq aborts ("Bad address (src/tcp.cpp:227)") or the process segfaults: seen as a learner that exited
+    -6/-11 after its last step while a generator was still fetching the final weights. Terminating the context drops
+    what is pending (linger 0) and waits for the I/O threads. A later `Server` or `Client` gets a fresh context.
+    """
+    context = zmq.Context.instance()
+    authenticator = _authenticators.pop(id(context), None)
+    if authenticator is not None:
+        authenticator.stop()
+    context.destroy(linger=0)
+
+
 def _configure_server_security(ctx: zmq.Context, sock: zmq.Socket, host: str, security: SocketSecurity) -> None:
     if security.curve_keys_dir is not None:
         from zmq.auth.thread import ThreadAuthenticator

@@ -113,7 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         print(config.model_dump_json(indent=2))
         return 0
     module, function = ROLES["run" if args.command == "demo" else args.command].split(":")
-    result = getattr(importlib.import_module(module), function)(config)
+    try:
+        result = getattr(importlib.import_module(module), function)(config)
+    finally:
+        from common.sockets import release_context
+
+        release_context()  # no zero-copy frame may outlive the memory it points into (see release_context)
     return int(result or 0)
 
 
