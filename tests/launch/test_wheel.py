@@ -26,7 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from launch.testing import loopback_overrides
+from launch.testing import loopback_overrides, override_args
+
+pytestmark = pytest.mark.integration  # builds a wheel and a venv, starts tandem and its roles
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("actors", "buffers", "common", "launch", "learners")  # the top-level layout, and all the wheel holds
@@ -140,7 +142,7 @@ def test_demo_runs_its_roles_from_the_wheel(installed: Installed, ports: tuple[i
     processes of the venv's interpreter, over real sockets; 3 learner steps."""
     overrides = {"run.simulate": True, "learner.total_steps": 3, "run.root": str(installed.cwd / "runs")}
     overrides |= loopback_overrides(*ports)
-    installed.tandem("demo", *[f"--{key}={json.dumps(value)}" for key, value in overrides.items()], timeout_s=120)
+    installed.tandem("demo", *override_args(overrides), timeout_s=120)
     run_dir = installed.cwd / "runs" / "demo"
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [step["step"] for step in steps] == [1, 2, 3] and steps[-1]["policy_version"] == 3
