@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -257,7 +258,7 @@ class RoleUnderTest:
 
 
 # ---------------------------------------------------------------------------------------------------- fake peers
-class ServerThread:
+class ServerThread(ABC):
     """A `common.sockets.Server` polled in a daemon thread; `answer(request)` gives the (reply_to, message,
     payload) triples to send now. `stop()` closes the socket and keeps the state; `start()` binds the same port."""
 
@@ -289,8 +290,9 @@ class ServerThread:
         finally:
             server.close()
 
+    @abstractmethod
     def answer(self, server: Server, request: Any) -> list[tuple[Any, Any, list[Any]]]:
-        raise NotImplementedError
+        """The replies (reply_to, message, payload frames) to one request; called under `self.lock`."""
 
     def housekeeping(self) -> list[tuple[Any, Any, list[Any]]]:
         """Replies due now without a request (held requests); called after every poll."""
