@@ -4,12 +4,15 @@ directory's metrics and counters."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from common.metrics import read_metrics
+from common.sockets import Client, SocketSecurity
+from common.types import StatsRequest
 from launch.testing import RoleUnderTest, run_config
 
 HERE = Path(__file__).resolve().parent
@@ -97,3 +100,30 @@ def processes_of(run_dir: Path) -> list[str]:
         if str(run_dir) in cmdline and int(pid) != os.getpid():
             found.append(f"{pid}: {cmdline[:160]}")
     return found
+
+
+def live_buffer_counters(address: str, keys: Path | None, timeout_s: float = 5.0) -> dict[str, int]:
+    """The running buffer's counters, asked over its socket (StatsRequest)."""
+    client = Client(address, SocketSecurity(curve_keys_dir=keys), identity="test-stats")
+    try:
+        reply, _ = client.request(StatsRequest(), timeout_s=timeout_s)
+        return reply.counters
+    finally:
+        client.close()
+
+
+def freeze_while_holding_leases(pid: int, address: str, keys: Path | None, heartbeat_timeout_s: float) -> None:
+    """SIGSTOP generator `pid` until the buffer declares it lost with leases out (`generators_lost` rises: their
+    prompts are re-issued), so that killing it afterwards is a crash mid-lease. A generator refused by admission
+    control holds no lease at all for a while, and the buffer counts no loss then: thaw it (SIGCONT) and retry."""
+    for _ in range(20):
+        lost = live_buffer_counters(address, keys)["generators_lost"]
+        os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 2 * heartbeat_timeout_s + 2  # silence, then the buffer's next tick
+        while time.monotonic() < deadline:
+            if live_buffer_counters(address, keys)["generators_lost"] > lost:
+                return
+            time.sleep(0.2)
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.5)
+    raise AssertionError(f"generator pid {pid} held no lease in 20 tries")

@@ -23,6 +23,7 @@ from tests.launch.ray_runs import (
     SIM_CONFIG,
     RayLaunch,
     buffer_counters,
+    freeze_while_holding_leases,
     member_pid,
     processes_of,
     samples_per_s,
@@ -31,9 +32,11 @@ from tests.launch.ray_runs import (
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
-PROMPTS = 1000  # one epoch (buffer.epochs = 1): the run ends when every prompt has come back; enough that
-# the generators are still mid-epoch when two of them are killed, even on a fast machine (400 ran out first on CI)
+PROMPTS = 1500  # one epoch (buffer.epochs = 1): the run ends when every prompt has come back; enough that the
+# generators are still mid-epoch after one is frozen until the buffer re-issues its leases (a few seconds, maybe
+# a few tries) and two are killed, even on a fast machine (400 ran out first on CI)
 GROUPS_PER_STEP = 4  # ray_sim.toml
+HEARTBEAT_TIMEOUT_S = 3  # ray_sim.toml: buffer.heartbeat_timeout_s
 
 
 def scale_with_cli(name: str, address: str, generators: int) -> subprocess.CompletedProcess:
@@ -97,7 +100,10 @@ def test_scale_up_and_replace_dead_generators(tmp_path: Path, ray_cluster: str, 
 
         left = PROMPTS - GROUPS_PER_STEP * len(launch.records())
         assert left >= PROMPTS // 4, f"only {left} prompts left to kill generators mid-epoch: raise PROMPTS"
-        os.kill(member_pid("scale", "generator-1"), signal.SIGKILL)  # a crash: its leases stay out
+        # A crash mid-lease: frozen until the buffer re-issues its leases, then killed.
+        generator_1 = member_pid("scale", "generator-1")
+        freeze_while_holding_leases(generator_1, status["buffer_address"], curve_keys, HEARTBEAT_TIMEOUT_S)
+        os.kill(generator_1, signal.SIGKILL)
         ray.kill(ray.get_actor(actor_name("scale", "generator-2"), namespace=NAMESPACE))  # its actor dies
         status = wait_for(
             lambda: (s := fleet_status("scale"))["restarts"]["generator"] == 2 and s,
