@@ -223,6 +223,13 @@ def run_phase(
     return result
 
 
+def headline(result: dict[str, Any]) -> dict[str, Any]:
+    """The figures issues quote: ingest MB/s against its target, and the buffer's CPU share of a learner step."""
+    summary = result["summary"]
+    keys = ("ingest_mb_per_s", "ingest_target_mb_per_s", "overhead_per_step_64x1024", "overhead_per_step_demo")
+    return {**{key: summary[key] for key in keys}, "overhead_target": summary["overhead_target"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=8.0, help="measured window of each phase")
@@ -285,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         axes.set_title("Buffer service throughput")
         axes.legend()
 
-    save("buffer_throughput", {"phases": phases, "summary": summary}, plot)
+    result = {"phases": phases, "summary": summary}
+    save("buffer_throughput", {"headline": headline(result), **result}, plot)
     return 0
 
 

@@ -133,6 +133,18 @@ def measure_publishing(trainer: Any) -> dict[str, float]:
     }
 
 
+def headline(result: dict[str, Any]) -> dict[str, Any]:
+    """The figures issues quote: training tokens/s and step time, and publishing against a memcpy."""
+    training, publishing = result["training"], result["publishing"]
+    return {
+        "tokens_per_s": training["tokens_per_s"],
+        "step_s": training["step_s"],
+        "weights_mb": publishing["weights_mb"],
+        "publish_s": publishing["publish_s"],
+        "publish_over_memcpy": publishing["publish_over_memcpy"],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=2, help="timed training steps (after one warm-up step)")
@@ -210,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             f"publish {publishing['publish_over_memcpy']:.1f}x memcpy"
         )
 
-    save("learner_throughput", result, plot)
+    save("learner_throughput", {"headline": headline(result), **result}, plot)
     return 0
 
 
