@@ -12,11 +12,20 @@ Alignment invariants of a `RolloutGroup` (checked by `validate()`, which `decode
   token_versions     int32 [N]       policy_version of the weights that produced each token (-1 on env tokens)
   versions           int32 [n]       per sample: the oldest policy_version among its tokens; staleness uses it
   rewards            float32 [n]     scalar reward of each sample (the sum of its components)
+
+Bounds checked on decode (so that no peer can send a number the system cannot represent; what a value may be
+in context, e.g. a version the learner has published, is the receiver's check):
+  policy versions and steps  [0, MAX_VERSION]   they travel in int32 arrays, and staleness = step - version is int32
+                             (-1 = "none" where a field says so: have_version, latest_version)
+  ids, sizes, counts         [0, MAX_COUNT]     exact in float64, so in JSON, TensorBoard and metrics
+  any other integer          [-MAX_COUNT, MAX_COUNT]   (list items and map values included)
+  every float                finite
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -28,6 +37,9 @@ import numpy as np
 PROTOCOL_VERSION = 1
 
 MESSAGE_TYPES: dict[str, type] = {}
+
+MAX_VERSION = 2**31 - 1  # policy versions and learner steps: int32 on the wire (versions, token_versions, staleness)
+MAX_COUNT = 2**53 - 1  # ids, sizes and counters: the largest integer a float64 (JSON, TensorBoard) holds exactly
 
 
 class ContractError(ValueError):
@@ -51,13 +63,23 @@ def array(dtype: str, ndim: int = 1) -> Any:
     return field(metadata={"dtype": np.dtype(dtype), "ndim": ndim})
 
 
+def count(low: int = 0, high: int = MAX_COUNT) -> Any:
+    """An integer field (or the items of a list of integers) that decodes only within [low, high]."""
+    return field(metadata={"low": low, "high": high})
+
+
+def version(low: int = 0) -> Any:
+    """A policy version or learner step: within [low, MAX_VERSION] (low = -1 where -1 means "none")."""
+    return count(low, MAX_VERSION)
+
+
 # ---------------------------------------------------------------------------------------------------- prompts
 @message("prompt")
 class PromptItem:
     """One prompt of a lease. `messages` is a chat; the generator renders it with the model's chat template."""
 
-    prompt_id: int  # row of the dataset (stable across epochs)
-    epoch: int  # pass over the dataset this prompt was drawn in
+    prompt_id: int = count()  # row of the dataset (stable across epochs)
+    epoch: int = count()  # pass over the dataset this prompt was drawn in
     messages: list[dict[str, str]]  # [{"role": "user", "content": "..."}]
     metadata: dict[str, Any]  # what the reward needs (e.g. the answer); JSON-like values only
 
@@ -66,16 +88,16 @@ class PromptItem:
 class LeaseRequest:
     """Generator -> buffer: 'give me up to `max_prompts` prompts'; `policy_version` = weights it samples with."""
 
-    generator_id: int
-    max_prompts: int
-    policy_version: int
+    generator_id: int = count()
+    max_prompts: int = count()
+    policy_version: int = version()
 
 
 @message("lease_grant")
 class LeaseGrant:
     """Buffer -> generator. Prompts must come back as groups (one per prompt) before `deadline` (unix time)."""
 
-    lease_id: int
+    lease_id: int = count()
     deadline: float
     prompts: list[PromptItem]
 
@@ -86,7 +108,7 @@ class LeaseRefused:
     wait for the learner), 'exhausted' (every epoch served). The generator waits, it does not spin."""
 
     reason: str
-    min_version: int
+    min_version: int = version()
     retry_after_s: float
 
 
@@ -94,18 +116,18 @@ class LeaseRefused:
 class Heartbeat:
     """Generator -> buffer, periodically: 'I am alive, these leases are mine'."""
 
-    generator_id: int
-    policy_version: int
-    lease_ids: list[int]
+    generator_id: int = count()
+    policy_version: int = version()
+    lease_ids: list[int] = count()
 
 
 @message("lease_return")
 class LeaseReturn:
     """Generator -> buffer on shutdown: these prompts were not finished; re-issue them."""
 
-    generator_id: int
-    lease_id: int
-    prompt_ids: list[int]
+    generator_id: int = count()
+    lease_id: int = count()
+    prompt_ids: list[int] = count()
 
 
 # ---------------------------------------------------------------------------------------------------- rollouts
@@ -113,10 +135,10 @@ class LeaseReturn:
 class RolloutGroup:
     """The `n` completions of one prompt, columnar (alignment in the module docstring)."""
 
-    lease_id: int
-    prompt_id: int
-    epoch: int
-    generator_id: int
+    lease_id: int = count()
+    prompt_id: int = count()
+    epoch: int = count()
+    generator_id: int = count()
     prompt_tokens: np.ndarray = array("int32")  # [P]
     offsets: np.ndarray = array("int64")  # [n + 1]
     completion_tokens: np.ndarray = array("int32")  # [N]
@@ -172,8 +194,8 @@ class RolloutGroup:
 class GroupAck:
     """Buffer -> generator. status: 'accepted', 'duplicate' (already have it: fine) or 'rejected' (+ reason)."""
 
-    lease_id: int
-    prompt_id: int
+    lease_id: int = count()
+    prompt_id: int = count()
     status: str
     reason: str = ""
 
@@ -183,10 +205,10 @@ class GroupAck:
 class BatchRequest:
     """Learner rank -> buffer: its share of the global batch for `step` (the learner's policy_version)."""
 
-    step: int
-    rank: int
-    world_size: int
-    num_groups: int  # groups in the GLOBAL batch; each rank gets num_groups / world_size
+    step: int = version()
+    rank: int = count()
+    world_size: int = count()
+    num_groups: int = count()  # groups in the GLOBAL batch; each rank gets num_groups / world_size
     timeout_s: float  # how long the buffer may hold the request before answering `BatchNotReady`
 
 
@@ -194,34 +216,39 @@ class BatchRequest:
 class Batch:
     """Buffer -> learner rank: whole groups, with per-sample staleness at the step they were drawn for."""
 
-    step: int
-    rank: int
+    step: int = version()
+    rank: int = count()
     groups: list[RolloutGroup]
     staleness: list[np.ndarray]  # per group: int32 [n] = step - group.versions
-    dropped_stale: int  # samples dropped as too stale so far (cumulative counter of the buffer)
+    dropped_stale: int = count()  # samples dropped as too stale so far (cumulative counter of the buffer)
 
 
 @message("batch_not_ready")
 class BatchNotReady:
     """Buffer -> learner: no batch within the timeout; ask again. `buffered` = complete groups held now."""
 
-    step: int
-    buffered: int
+    step: int = version()
+    buffered: int = count()
 
 
 @message("version_report")
 class VersionReport:
-    """Learner (rank 0) -> buffer: weights of `policy_version` are published; `step` optimizer steps taken."""
+    """Learner (rank 0) -> buffer: weights of `policy_version` are published; `step` optimizer steps taken.
 
-    policy_version: int
-    step: int
+    A plain report only moves forward, to at most the step after the last batch the buffer drew. `resync` marks
+    the learner's own announcement (at its start or resume, or after the buffer refused it): it may move back
+    to an older checkpoint's step, and forward only on a buffer that has no learner history yet."""
+
+    policy_version: int = version()
+    step: int = version()
+    resync: bool = False
 
 
 @message("ok")
 class Ok:
     """Generic acknowledgement, with the buffer's view of the learner's version."""
 
-    learner_version: int
+    learner_version: int = version()
 
 
 @message("error")
@@ -229,6 +256,7 @@ class ErrorReply:
     """Any service -> sender: your message was rejected, and why. The service stays up."""
 
     reason: str
+    kind: str = ""  # the short key it was counted under (`rejected_<kind>`), for a peer that reacts by kind
 
 
 @message("stats_request")
@@ -241,7 +269,7 @@ class BufferStats:
     """The buffer's accounting: arrived = trained + dropped_stale + evicted + rejected + buffered (in samples)."""
 
     counters: dict[str, int]
-    learner_version: int
+    learner_version: int = version()
 
 
 # ---------------------------------------------------------------------------------------------------- weights
@@ -251,18 +279,18 @@ class TensorSpec:
 
     name: str
     dtype: str  # numpy/torch dtype name: "bfloat16", "float32", ...
-    shape: list[int]
-    bucket: int  # index of the bucket (frame) that holds it
-    offset: int  # byte offset inside that bucket
-    nbytes: int
+    shape: list[int] = count()
+    bucket: int = count()  # index of the bucket (frame) that holds it
+    offset: int = count()  # byte offset inside that bucket
+    nbytes: int = count()
 
 
 @message("weights_request")
 class WeightsRequest:
     """Generator -> learner publisher: send weights newer than `have_version` (-1 = any)."""
 
-    generator_id: int
-    have_version: int
+    generator_id: int = count()
+    have_version: int = version(low=-1)
 
 
 @message("weights_header")
@@ -271,9 +299,9 @@ class WeightsHeader:
     `transport` says how the payload travels: 'zmq' (the frames follow this header), the only one this build
     sends or accepts."""
 
-    policy_version: int
+    policy_version: int = version()
     tensors: list[TensorSpec]
-    bucket_sizes: list[int]  # bytes of each bucket
+    bucket_sizes: list[int] = count()  # bytes of each bucket
     transport: str = "zmq"
 
     def validate(self) -> None:
@@ -288,7 +316,7 @@ class WeightsHeader:
 class WeightsNotNewer:
     """Learner -> generator: nothing newer than what you have; `latest_version` is the current one."""
 
-    latest_version: int
+    latest_version: int = version(low=-1)
 
 
 # ---------------------------------------------------------------------------------------------------- decoding
@@ -298,7 +326,9 @@ _SCALARS = (int, float, str, bool, type(None))
 
 
 def _checker(annotation: Any, meta: tuple = ()) -> Checker:
-    """A function (value, path) -> value that enforces `annotation` strictly (no coercion but int -> float).
+    """A function (value, path) -> value that enforces `annotation` strictly (no coercion but int -> float),
+    and the bounds of the module docstring: integers within the field's [low, high] (`count`, `version`; else
+    +-MAX_COUNT), floats finite.
 
     Built once per field type and cached: decoding a message costs one call per field, not per list item.
     """
@@ -310,6 +340,18 @@ def _checker(annotation: Any, meta: tuple = ()) -> Checker:
 
 def _fail(path: str, expected: str, value: Any) -> typing.NoReturn:
     raise ContractError(f"{path}: expected {expected}, got {type(value).__name__}")
+
+
+def _out_of_bounds(path: str, low: int, high: int, value: Any, expected: str = "an int") -> typing.NoReturn:
+    """Raise for an integer (or a list of them: its first bad item) that is not an int within [low, high]."""
+    if type(value) is list:
+        index, value = next((i, v) for i, v in enumerate(value) if type(v) is not int or not low <= v <= high)
+        path = f"{path}[{index}]"
+    elif type(value) is not int:
+        _fail(path, expected, value)
+    if type(value) is not int:
+        _fail(path, "an int", value)
+    raise ContractError(f"{path}: {value} is outside [{low}, {high}]")
 
 
 def _build_checker(annotation: Any, meta: dict) -> Checker:
@@ -334,14 +376,27 @@ def _build_checker(annotation: Any, meta: dict) -> Checker:
         def check_float(value: Any, path: str) -> float:
             if type(value) not in (int, float):
                 _fail(path, "a number", value)
+            if not math.isfinite(value):
+                raise ContractError(f"{path}: must be finite (got {value})")
             return float(value)
 
         return check_float
-    if annotation in (int, str, bool):
+    low, high = meta.get("low", -MAX_COUNT), meta.get("high", MAX_COUNT)
+    if annotation is int:
+        return lambda value, path: (
+            value if type(value) is int and low <= value <= high else _out_of_bounds(path, low, high, value)
+        )
+    if annotation in (str, bool):
         return lambda value, path: value if type(value) is annotation else _fail(path, annotation.__name__, value)
     if origin is list:
         (item_type,) = typing.get_args(annotation)
-        if item_type in (int, str, bool):  # fast path: one pass, no call per item
+        if item_type is int:  # fast path: one pass, no call per item
+            return lambda value, path: (
+                value
+                if type(value) is list and all(type(v) is int and low <= v <= high for v in value)
+                else _out_of_bounds(path, low, high, value, "a list of int")
+            )
+        if item_type in (str, bool):
             return lambda value, path: (
                 value
                 if type(value) is list and all(type(v) is item_type for v in value)

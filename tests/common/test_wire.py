@@ -15,6 +15,7 @@ from common import types as t
 from common.wire import WireError, decode, encode
 
 small_int = st.integers(min_value=-(2**31), max_value=2**31 - 1)
+version = st.integers(0, t.MAX_VERSION)  # versions and steps decode only within [0, MAX_VERSION]
 text = st.text(max_size=20)
 metadata = st.dictionaries(text, st.one_of(small_int, text, st.booleans(), st.floats(allow_nan=False)), max_size=4)
 
@@ -67,20 +68,18 @@ tensor_specs = st.builds(
 )
 MESSAGES = st.one_of(
     prompt_items,
-    st.builds(
-        t.LeaseRequest, generator_id=st.integers(0, 99), max_prompts=st.integers(0, 99), policy_version=small_int
-    ),
+    st.builds(t.LeaseRequest, generator_id=st.integers(0, 99), max_prompts=st.integers(0, 99), policy_version=version),
     st.builds(
         t.LeaseGrant,
         lease_id=st.integers(0, 2**40),
         deadline=st.floats(0, 2e9),
         prompts=st.lists(prompt_items, max_size=3),
     ),
-    st.builds(t.LeaseRefused, reason=text, min_version=small_int, retry_after_s=st.floats(0, 60)),
+    st.builds(t.LeaseRefused, reason=text, min_version=version, retry_after_s=st.floats(0, 60)),
     st.builds(
         t.Heartbeat,
         generator_id=st.integers(0, 99),
-        policy_version=small_int,
+        policy_version=version,
         lease_ids=st.lists(st.integers(0, 2**40)),
     ),
     st.builds(
@@ -100,20 +99,20 @@ MESSAGES = st.one_of(
         timeout_s=st.floats(0, 60),
     ),
     st.builds(t.BatchNotReady, step=st.integers(0, 99), buffered=st.integers(0, 99)),
-    st.builds(t.VersionReport, policy_version=small_int, step=small_int),
-    st.builds(t.Ok, learner_version=small_int),
+    st.builds(t.VersionReport, policy_version=version, step=version),
+    st.builds(t.Ok, learner_version=version),
     st.builds(t.ErrorReply, reason=text),
     st.builds(t.StatsRequest),
-    st.builds(t.BufferStats, counters=st.dictionaries(text, st.integers(0, 2**40)), learner_version=small_int),
-    st.builds(t.WeightsRequest, generator_id=st.integers(0, 99), have_version=small_int),
+    st.builds(t.BufferStats, counters=st.dictionaries(text, st.integers(0, 2**40)), learner_version=version),
+    st.builds(t.WeightsRequest, generator_id=st.integers(0, 99), have_version=st.integers(-1, t.MAX_VERSION)),
     st.builds(
         t.WeightsHeader,
-        policy_version=small_int,
+        policy_version=version,
         tensors=st.lists(tensor_specs, max_size=3),
         bucket_sizes=st.just([16]),
         transport=st.sampled_from(["zmq", "nccl"]),
     ),
-    st.builds(t.WeightsNotNewer, latest_version=small_int),
+    st.builds(t.WeightsNotNewer, latest_version=st.integers(-1, t.MAX_VERSION)),
 )
 
 
@@ -276,3 +275,24 @@ def test_object_arrays_cannot_be_sent() -> None:
     group = dataclasses.replace(next_group(), prompt_tokens=np.array([object()]))
     with pytest.raises(TypeError):
         encode(group)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        t.VersionReport(policy_version=0, step=2**63),  # overflowed TensorBoard's int64 step (issue 12)
+        t.VersionReport(policy_version=0, step=t.MAX_VERSION + 1),  # versions are int32 in groups and staleness
+        t.VersionReport(policy_version=-1, step=0),
+        t.LeaseRequest(generator_id=-5, max_prompts=1, policy_version=0),
+        t.Heartbeat(generator_id=0, policy_version=0, lease_ids=[1, 2**53]),
+        t.BatchRequest(step=0, rank=0, world_size=1, num_groups=2**64 - 1, timeout_s=1.0),
+        t.BatchRequest(step=0, rank=0, world_size=1, num_groups=1, timeout_s=float("nan")),
+        t.LeaseGrant(lease_id=1, deadline=float("inf"), prompts=[]),
+        t.BufferStats(counters={"arrived": -(2**60)}, learner_version=0),
+        t.WeightsRequest(generator_id=0, have_version=-2),
+    ],
+)
+def test_numbers_beyond_what_the_system_represents_are_rejected(message: object) -> None:
+    with pytest.raises(WireError) as error:
+        decode(encode(message))
+    assert error.value.kind == "invalid_fields" and ("outside" in error.value.reason or "finite" in error.value.reason)
