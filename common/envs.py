@@ -18,6 +18,9 @@ Contract between an environment and the generator's episode driver (`actors.epis
     arguments (keep it cheap: it runs on the generator's loop; slow set-up belongs in `reset`), then `reset(task)`
     once, then `step(text)` once per model turn until a step says `done` or a limit ends the episode, then
     `close()` if the object has one.
+  * Optional start-up check: a factory with a `prepare(**environment_args)` method (a classmethod, say) has it
+    called once when the generator starts, with the same arguments; it may check them and set up what every
+    episode shares (a server, a cache), and raising there stops the generator with its reason.
   * `reset` returns the first observation: a non-empty chat (`[{"role": ..., "content": ...}]`), usually
     `task.messages`. The group's `n` episodes may open with different observations.
   * `step` gets the model's turn decoded from the tokens it sampled (special tokens skipped; a turn cut by
@@ -160,8 +163,9 @@ def resolve_environment(spec: str) -> Callable[..., Environment]:
 
 def environment_factory(env: EnvConfig) -> EnvironmentFactory:
     """A zero-argument factory of one episode's environment: `env.environment(**env.environment_args)`, or, when
-    `env.environment` is empty, the single-turn adapter around `env.reward_fn`. Resolves the names now, so a
-    misnamed environment or reward function fails at start-up, not at the first episode."""
+    `env.environment` is empty, the single-turn adapter around `env.reward_fn`. Resolves the names now, and calls
+    the environment's `prepare(**environment_args)` if it has one, so a misnamed environment or reward function,
+    or arguments the environment refuses, fail at start-up, not at the first episode."""
     if not env.environment:
         from common.tasks import resolve_reward_fn
 
@@ -169,4 +173,7 @@ def environment_factory(env: EnvConfig) -> EnvironmentFactory:
         return lambda: RewardFnEnvironment(reward_fn)
     factory = resolve_environment(env.environment)
     arguments = dict(env.environment_args)
+    prepare = getattr(factory, "prepare", None)
+    if callable(prepare):  # the environment's start-up check (see the module docstring): raising stops the start
+        prepare(**arguments)
     return lambda: factory(**arguments)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 
 from common.config import ConfigError, load_config
@@ -31,6 +33,18 @@ class Echo:
         return StepResult([{"role": "user", "content": text + self.suffix}])
 
 
+class Prepared(Echo):
+    """An environment with a start-up check: refuses suffix "bad", records what it was prepared with."""
+
+    prepared: ClassVar[list[dict]] = []
+
+    @classmethod
+    def prepare(cls, **arguments: str) -> None:
+        if arguments.get("suffix") == "bad":
+            raise ValueError("env.environment_args.suffix: 'bad' is refused")
+        cls.prepared.append(arguments)
+
+
 NOT_AN_ENV = 3
 
 
@@ -54,6 +68,19 @@ def test_environment_factory_passes_the_configured_arguments() -> None:
     )
     env = environment_factory(config.env)()
     assert type(env).__name__ == "Echo" and env.suffix == "?"  # (this file is imported twice: by name and path)
+
+
+def test_environment_prepare_runs_once_at_start_up_with_the_arguments() -> None:
+    env = load_config(
+        None, {"env.environment": "tests.common.test_envs:Prepared", "env.environment_args": {"suffix": "?"}}
+    ).env
+    factory = environment_factory(env)
+    prepared = resolve_environment(env.environment).prepared  # (the class as the factory imported it)
+    assert prepared == [{"suffix": "?"}]
+    factory(), factory()
+    assert prepared == [{"suffix": "?"}]  # once at start-up, not once per episode
+    with pytest.raises(ValueError, match="'bad' is refused"):
+        environment_factory(env.model_copy(update={"environment_args": {"suffix": "bad"}}))
 
 
 @pytest.mark.parametrize(
