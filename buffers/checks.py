@@ -7,26 +7,123 @@ what to change. They are pure functions of the message and the numbers they are 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from common.types import BatchRequest, Heartbeat, LeaseRequest, LeaseReturn, RolloutGroup, VersionReport
+from common.types import (
+    MAX_FINISH_REASON_CHARS,
+    MAX_NAME_CHARS,
+    MAX_REWARD_COMPONENTS,
+    BatchRequest,
+    Heartbeat,
+    LeaseRequest,
+    LeaseReturn,
+    RolloutGroup,
+    VersionReport,
+)
 
 Problem = tuple[str, str] | None
 MAX_BATCH_WAIT_S = 600.0  # a held BatchRequest is answered BatchNotReady after at most this long
 _NO_TOKEN = np.iinfo(np.int32).max
 
 
-def group_problem(group: RolloutGroup, group_size: int, newest_version: int) -> Problem:
-    """Size and versions of a rollout group: n == algo.group_size; 0 <= versions <= newest_version; and each
-    sample's version is no newer than the oldest of its model tokens (else its staleness would be understated)."""
-    if group.size != group_size:
-        return "wrong_group_size", f"group has {group.size} samples, algo.group_size is {group_size}"
+@dataclass(frozen=True)
+class GroupLimits:
+    """What a group may hold (from the run config: `BufferSettings.group_limits`)."""
+
+    group_size: int  # algo.group_size: samples per group
+    vocab_size: int  # token ids are [0, vocab_size)
+    max_model_len: int  # model.max_model_len: prompt + completion tokens of one sample, at most
+    max_abs_reward: float  # buffer.max_abs_reward: |reward| and |component| at most
+
+
+def group_problem(group: RolloutGroup, limits: GroupLimits, newest_version: int) -> Problem:
+    """The content of a rollout group, cheapest checks first (kinds in brackets):
+    - n == algo.group_size [wrong_group_size];
+    - a prompt of 1 to max_model_len - 1 tokens [empty_prompt, too_long], prompt + completion <= max_model_len
+      for every sample [too_long], and at least one completion token in the group [empty_completion] (one sample
+      may be empty: an episode that failed before its first turn carries its failure reward, and no token);
+    - at most MAX_REWARD_COMPONENTS components with names and finish reasons within their lengths [too_large]
+      (with the lengths above, a group's memory is bounded by `common.types.max_group_bytes`);
+    - token ids (prompt and completion) within [0, vocab_size) [bad_token];
+    - rewards and components finite, |value| <= max_abs_reward [bad_reward];
+    - behaviour log-probs finite and <= 0 [bad_logprob];
+    - 0 <= versions <= newest_version, token versions within [-1, newest_version] [bad_version,
+      future_version], and each sample's version no newer than the oldest of its model tokens (else its staleness
+      would be understated) [bad_version].
+    Cost: a few reductions over the group's arrays, no copy (a max-size group of 8 x 1024 tokens: well under 1 ms).
+    """
+    return (
+        _shape_problem(group, limits)
+        or _token_problem(group, limits.vocab_size)
+        or _value_problem(group, limits.max_abs_reward)
+        or _version_problem(group, newest_version)
+    )
+
+
+def _shape_problem(group: RolloutGroup, limits: GroupLimits) -> Problem:
+    if group.size != limits.group_size:
+        return "wrong_group_size", f"group has {group.size} samples, algo.group_size is {limits.group_size}"
+    prompt, max_len = len(group.prompt_tokens), limits.max_model_len
+    if prompt == 0:
+        return "empty_prompt", "prompt_tokens is empty: send the rendered prompt the completions continue"
+    if prompt >= max_len:
+        return "too_long", f"prompt of {prompt} tokens leaves no room for a completion in model.max_model_len {max_len}"
+    longest = int(np.diff(group.offsets).max())
+    if prompt + longest > max_len:
+        return "too_long", f"prompt {prompt} + completion {longest} tokens > model.max_model_len {max_len}"
+    if group.num_tokens == 0:
+        return "empty_completion", "every completion of the group is empty: nothing to train on"
+    if len(group.reward_components) > MAX_REWARD_COMPONENTS:
+        return "too_large", f"{len(group.reward_components)} reward components (at most {MAX_REWARD_COMPONENTS})"
+    if any(len(name) > MAX_NAME_CHARS for name in group.reward_components):
+        return "too_large", f"a reward component name is longer than {MAX_NAME_CHARS} characters"
+    if any(len(reason) > MAX_FINISH_REASON_CHARS for reason in group.finish_reasons):
+        return "too_large", f"a finish reason is longer than {MAX_FINISH_REASON_CHARS} characters: shorten it"
+    return None
+
+
+def _token_problem(group: RolloutGroup, vocab_size: int) -> Problem:
+    for name in ("prompt_tokens", "completion_tokens"):
+        ids = getattr(group, name)
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab_size:
+            return "bad_token", f"{name} holds ids in [{low}, {high}], outside the vocabulary [0, {vocab_size})"
+    return None
+
+
+def _value_problem(group: RolloutGroup, max_abs_reward: float) -> Problem:
+    components = [(f"reward_components.{name}", values) for name, values in group.reward_components.items()]
+    for name, values in [("rewards", group.rewards), *components]:
+        if not np.all(np.abs(values) <= max_abs_reward):  # False for NaN too
+            return "bad_reward", (
+                f"{name} must be finite and within +-{max_abs_reward:g} (buffer.max_abs_reward); "
+                f"got {values.tolist()[:8]}"
+            )
+    logprobs = group.behaviour_logprobs
+    if not (logprobs.max() <= 0 and logprobs.min() > -np.inf):  # False for NaN too
+        return "bad_logprob", (
+            f"behaviour_logprobs must be finite and <= 0 (got [{logprobs.min()}, {logprobs.max()}]): send the "
+            "log-probability of each sampled token"
+        )
+    return None
+
+
+def _version_problem(group: RolloutGroup, newest_version: int) -> Problem:
     versions = group.versions
     if versions.min() < 0:
         return "bad_version", f"versions must be >= 0 (got min {int(versions.min())})"
     if versions.max() > newest_version:
         return "future_version", (
             f"versions up to {int(versions.max())}, but the learner has published at most {newest_version}"
+        )
+    token_versions = group.token_versions
+    if token_versions.min() < -1:
+        return "bad_version", f"token_versions must be >= -1 (-1 on environment tokens; got {token_versions.min()})"
+    if token_versions.max() > newest_version:
+        return "future_version", (
+            f"token_versions up to {int(token_versions.max())}, but the learner has published at most {newest_version}"
         )
     sample = _sample_newer_than_its_tokens(group)
     if sample is not None:

@@ -85,6 +85,7 @@ class BufferCore:
         self.settings = state.settings
         self.wire_rejections = wire_rejections if wire_rejections is not None else {}
         self.capacity_groups = self.settings.capacity // self.settings.group_size
+        self.limits = self.settings.group_limits
         self.bytes_in = self.bytes_out = 0
         self.staleness_sum = self.staleness_count = self.staleness_max = 0  # of served samples
         self._handlers = {
@@ -152,7 +153,7 @@ class BufferCore:
             if key not in dispenser.live:
                 self.state.ledger.event("duplicates")
                 return [(reply_to, GroupAck(group.lease_id, group.prompt_id, "duplicate"))]
-            problem = group_problem(group, self.settings.group_size, self.state.newest_version)
+            problem = group_problem(group, self.limits, self.state.newest_version)
             if problem is not None and dispenser.live[key] == group.lease_id:
                 self.state.requeue(group.lease_id, [group.prompt_id], now)  # let another try come
         if problem is not None:

@@ -23,10 +23,12 @@ from typing import Any
 
 from buffers.accounting import Ledger
 from buffers.batches import BatchBook, DrawnBatch
+from buffers.checks import GroupLimits
 from buffers.journal import Journal
 from buffers.leases import Lease, PromptDispenser, PromptRecordLike
 from buffers.replay import ReplayBuffer
 from common.config import TandemConfig
+from common.model_prep import model_vocab_size
 from common.types import RolloutGroup
 from common.wire import decode, encode
 
@@ -48,9 +50,16 @@ class BufferSettings:
     groups_per_step: int  # learner.groups_per_step: B
     sync_every: int  # learner.sync_every: how far the learner's reports may lag its weights
     seed: int
+    # What a group may hold (buffers.checks.group_problem). The defaults are the widest the config allows (any
+    # int32 id, model.max_model_len's upper bound); `from_config` always sets the run's own.
+    vocab_size: int = 2**31  # buffer.vocab_size, else the model's
+    max_model_len: int = 131072  # model.max_model_len
+    max_abs_reward: float = 1e6  # buffer.max_abs_reward
 
     @classmethod
     def from_config(cls, config: TandemConfig) -> BufferSettings:
+        """The run's settings; the vocabulary size is read from the model's config.json unless buffer.vocab_size
+        sets it (raises saying what to set when neither gives one)."""
         b = config.buffer
         return cls(
             b.capacity,
@@ -64,7 +73,14 @@ class BufferSettings:
             config.learner.groups_per_step,
             config.learner.sync_every,
             config.run.seed,
+            b.vocab_size or model_vocab_size(config.model.path),
+            config.model.max_model_len,
+            b.max_abs_reward,
         )
+
+    @property
+    def group_limits(self) -> GroupLimits:
+        return GroupLimits(self.group_size, self.vocab_size, self.max_model_len, self.max_abs_reward)
 
 
 class BufferState:

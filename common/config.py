@@ -260,6 +260,22 @@ class BufferConfig(_Section):
     )
     persist: bool = Field(False, description="Append accepted groups and lease/cursor state to a log in the run dir.")
     epochs: int = Field(0, description="Passes over the prompts (0 = unlimited).", ge=0)
+    vocab_size: int = Field(
+        0,
+        description="Token ids a group may hold are [0, vocab_size); 0 = the model's (`vocab_size` of model.path's "
+        "config.json; 49152 for `smollm2` and `tiny`). Groups with other ids are rejected (counted: bad_token).",
+        ge=0,
+        le=2**31,  # token ids travel as int32
+    )
+    max_abs_reward: float = Field(
+        1e6,
+        description="Rewards and reward components must be finite and within [-max_abs_reward, max_abs_reward]; "
+        "other groups are rejected (counted: bad_reward). The default is far above any task's reward and keeps "
+        "every float32 statistic the learner takes (group variance, squared critic errors summed over a batch: "
+        "(2e6)^2 x 2^27 tokens ~ 5e20) far below float32's 3.4e38.",
+        gt=0,
+        allow_inf_nan=False,
+    )
 
 
 class LearnerConfig(_Section):

@@ -53,6 +53,7 @@ SMOLLM2_CHAT_TEMPLATE = (
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, UNK_TOKEN = "<|im_start|>", "<|im_end|>", "<|im_end|>", "<|endoftext|>"
 BOS_ID, EOS_ID, PAD_ID = 1, 2, 2
 SMOLLM2_CONTEXT = 8192
+SMOLLM2_VOCAB_SIZE = 49152  # rows of SmolLM2's embedding (and of the tiny model's)
 
 # Head sizes vLLM's CPU attention backend has kernels for
 # (vllm 0.32: vllm/v1/attention/backends/cpu_attn.py, CPUAttentionBackend.get_supported_head_sizes).
@@ -310,7 +311,7 @@ def make_tiny_model(
         from transformers import LlamaConfig, LlamaForCausalLM
 
         config = LlamaConfig(
-            vocab_size=49152,
+            vocab_size=SMOLLM2_VOCAB_SIZE,
             hidden_size=hidden_size,
             intermediate_size=intermediate_size,
             num_hidden_layers=num_layers,
@@ -353,6 +354,25 @@ def resolve_model_path(spec: str) -> Path:
             "use 'smollm2', 'tiny' or a local model directory"
         )
     return path
+
+
+def model_vocab_size(spec: str) -> int:
+    """Rows of the embedding of the model `model.path` names (token ids are [0, this)), read without building
+    or loading it (no torch): SMOLLM2_VOCAB_SIZE for "smollm2" and "tiny", else `vocab_size` of the directory's
+    config.json (or of its `text_config`). Raises FileNotFoundError or ValueError saying what to set."""
+    if spec in ("smollm2", "tiny"):
+        return SMOLLM2_VOCAB_SIZE
+    config_file = Path(spec).expanduser() / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"model.path: '{spec}' has no config.json to read the vocabulary size from; "
+            "use 'smollm2', 'tiny' or a local model directory, or set buffer.vocab_size"
+        )
+    config = json.loads(config_file.read_text())
+    size = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
+    if type(size) is not int or size < 1:
+        raise ValueError(f"{config_file}: no positive integer vocab_size (got {size!r}); set buffer.vocab_size")
+    return size
 
 
 # -------------------------------------------------------------------------------------------- checks

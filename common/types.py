@@ -170,6 +170,8 @@ class RolloutGroup:
         return int(self.versions.min())
 
     def validate(self) -> None:
+        """Alignment (module docstring), finite rewards and log-probs. What the values may be (token ids in the
+        vocabulary, bounded rewards, lengths within model.max_model_len) is the buffer's check: `buffers.checks`."""
         n = self.size
         if n < 1:
             raise ContractError("group: offsets must hold n + 1 >= 2 entries")
@@ -188,6 +190,28 @@ class RolloutGroup:
             raise ContractError("group.loss_mask: values must be 0 or 1")
         if not (np.all(np.isfinite(self.rewards)) and np.all(np.isfinite(self.behaviour_logprobs))):
             raise ContractError("group: rewards and behaviour_logprobs must be finite")
+
+
+# What one group may hold besides its token arrays (the buffer rejects more: memory per group stays bounded).
+MAX_REWARD_COMPONENTS = 64
+MAX_NAME_CHARS = 128  # a reward component's name
+MAX_FINISH_REASON_CHARS = 1024  # generators cut their error reasons at 300-500 characters
+# Bytes per completion token (completion_tokens int32, behaviour_logprobs float32, loss_mask uint8, token_versions
+# int32), per sample (offsets int64, versions int32, rewards float32) and per sample and reward component (float32).
+TOKEN_BYTES, SAMPLE_BYTES, COMPONENT_BYTES = 13, 16, 4
+
+
+def max_group_bytes(group_size: int, max_model_len: int) -> int:
+    """The most a group the buffer accepts can hold: `group_size` samples of prompt + completion <= max_model_len
+    tokens (int32 prompt tokens, TOKEN_BYTES a completion token), every reward component and finish reason at
+    its longest (4 bytes a character, UTF-8's worst), plus 8 bytes of offsets[0]."""
+    components = MAX_REWARD_COMPONENTS * (group_size * COMPONENT_BYTES + 4 * MAX_NAME_CHARS)
+    return (
+        4 * max_model_len
+        + group_size * (max_model_len * TOKEN_BYTES + SAMPLE_BYTES + 4 * MAX_FINISH_REASON_CHARS)
+        + components
+        + 8
+    )
 
 
 @message("group_ack")
