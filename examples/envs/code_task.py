@@ -7,15 +7,22 @@
 
 Each prompt asks for one function (metadata: `function`, `cases`: a JSON list of [arguments, expected result]).
 The model answers with a ```python block (or bare code with a `def`). The environment runs it in the sandbox
-(`actors.sandbox`: no network, its own temporary directory, time and memory limits, standard library only): the
-sandboxed process only CALLS the function on the cases' arguments and prints the results after a random marker;
-the comparison with the expected results happens here, outside the sandbox, so code that prints or patches
-anything cannot fake a pass. Then:
+(`actors.sandbox`: its own namespaces and private root, nobody with no capabilities, no network, time, memory,
+disk and output limits, standard library only). Nothing that judges is in there: the sandboxed process gets only
+the cases' ARGUMENTS, calls the function on each and prints what it returned (or raised) after a random marker;
+the expected results, the count of cases and the comparison stay here, in the environment's process, where the
+solution cannot reach. The solution runs in the same interpreter as that harness, so it can read the marker and
+print a report of its own: such a report is only a claim about its own return values (which it controls anyway),
+and it must hold exactly one well-formed outcome per case, in order, or every case fails ("the test report was
+malformed"). So an empty, short, long or garbled report, a crash or an early exit scores 0, and the only way to a
+pass is to return the expected values: the reward measures the function, not the printing. (Before, an empty
+forged report passed every case: the comparison zipped the cases with however many outcomes came back.) Then:
   * every case passes: done, reward 1.0;
   * else the model gets the first failures (arguments, what it returned or raised, what was expected) and tries
     again, up to `max_attempts`; after the last: done, reward = the share of cases passed by that last attempt.
 A turn without code is asked for code (and counts as an attempt). The whole run of one attempt is bounded by
-`time_limit_s` and `memory_mb`.
+`time_limit_s` and `memory_mb`. Where the kernel grants the sandbox no namespaces, a step raises
+`actors.sandbox.SandboxUnavailable` unless `allow_audit_hook_only = true` is among the environment's arguments.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from actors.sandbox import SandboxLimits, run_python
+from actors.sandbox import SandboxLimits, SandboxResult, run_python
 from common.envs import StepResult
 from common.tasks import PromptRecord
 
@@ -74,26 +81,67 @@ def run_cases(code: str, function: str, cases: list[list[Any]], limits: SandboxL
         files={"solution.py": code, "cases.json": json.dumps([args for args, _ in cases])},
         limits=limits,
     )
+    failure = _failure(result, limits)
+    if failure is None:
+        lines = [line for line in result.stdout.splitlines() if line.startswith(marker)]
+        if not lines:
+            last = result.stderr.strip().splitlines()[-1:] or ["no output"]
+            failure = f"the program crashed: {last[0][:200]}"
+        else:
+            outputs = parse_report(lines[-1][len(marker) :], len(cases))
+            if isinstance(outputs, list):
+                return outputs
+            failure = outputs
+    return [{"error": failure}] * len(cases)
+
+
+def _failure(result: SandboxResult, limits: SandboxLimits) -> str | None:
+    """Why a run gave no report to read: a limit it hit, or None."""
     if result.timed_out:
-        return [{"error": f"timed out after {limits.time_s:g}s"}] * len(cases)
-    lines = [line for line in result.stdout.splitlines() if line.startswith(marker)]
-    if not lines:
-        last = result.stderr.strip().splitlines()[-1:] or ["no output"]
-        return [{"error": f"the program crashed: {last[0][:200]}"}] * len(cases)
-    report = json.loads(lines[-1][len(marker) :])
-    if "load_error" in report:
-        return [{"error": report["load_error"]}] * len(cases)
-    return report["outputs"]
+        return f"timed out after {limits.time_s:g}s"
+    if result.output_exceeded:
+        return f"printed more than {limits.output_bytes} bytes"
+    return None
+
+
+def parse_report(text: str, count: int) -> list[dict[str, Any]] | str:
+    """The harness's report, checked: exactly `count` outcomes, each {"value": JSON} or {"error": str}, or the
+    load error. Anything else is the reason it was refused (a string): the report came from code under test, so
+    it is judged as hostile input, never trusted for its shape."""
+    malformed = "the test report was malformed (the program printed over it, or exited before it)"
+    try:
+        report = json.loads(text)
+    except ValueError:  # deliberately survived: the solution may print anything after the marker
+        return malformed
+    if isinstance(report, dict) and set(report) == {"load_error"} and isinstance(report["load_error"], str):
+        return report["load_error"][:300]
+    outputs = report.get("outputs") if isinstance(report, dict) and set(report) == {"outputs"} else None
+    if not isinstance(outputs, list) or len(outputs) != count:
+        return malformed
+    for outcome in outputs:
+        well_formed = isinstance(outcome, dict) and (
+            set(outcome) == {"value"} or (set(outcome) == {"error"} and isinstance(outcome["error"], str))
+        )
+        if not well_formed:
+            return malformed
+    return [{"error": outcome["error"][:200]} if "error" in outcome else outcome for outcome in outputs]
 
 
 class CodeEnv:
     """One coding episode (see the module docstring)."""
 
     def __init__(
-        self, max_attempts: int = 3, time_limit_s: float = 5.0, memory_mb: int = 512, failures_shown: int = 3
+        self,
+        max_attempts: int = 3,
+        time_limit_s: float = 5.0,
+        memory_mb: int = 512,
+        failures_shown: int = 3,
+        allow_audit_hook_only: bool = False,
     ) -> None:
         self.max_attempts = max_attempts
-        self.limits = SandboxLimits(time_s=time_limit_s, memory_mb=memory_mb)
+        self.limits = SandboxLimits(
+            time_s=time_limit_s, memory_mb=memory_mb, allow_audit_hook_only=allow_audit_hook_only
+        )
         self.failures_shown = failures_shown
 
     def reset(self, task: Any) -> list[dict[str, str]]:
@@ -122,7 +170,7 @@ class CodeEnv:
             return StepResult([], reward=passed / len(self.cases), done=True, info={"passed": passed})
         lines = [f"{passed} of {len(self.cases)} tests passed. Failures:"]
         for args, expected, out in failures[: self.failures_shown]:
-            got = f"raised {out['error']}" if "error" in out else f"returned {out['value']!r}"
+            got = f"raised {out['error']}" if "error" in out else f"returned {repr(out['value'])[:200]}"
             call = f"{self.function}({', '.join(map(repr, args))})"
             lines.append(f"- {call} {got}, expected {expected!r}")
         lines.append("Fix the function and reply with the whole corrected code.")

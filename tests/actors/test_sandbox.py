@@ -1,7 +1,9 @@
-"""The sandbox (actors/sandbox.py): no network, no writes outside its directory, time and memory limits, no secrets.
+"""The sandbox (actors/sandbox.py): no network, no writes outside its directory, time, memory and output limits,
+no secrets, and a clear refusal where the kernel grants no isolation.
 
-Each check runs real untrusted-looking code in a real subprocess. The kernel layers (network namespace, read-only
-root) are also tested alone, without the audit hook, where this machine grants them.
+Each check runs real untrusted-looking code in a real subprocess. The kernel layers (namespaces, private root,
+seccomp, no capabilities) are also tested alone, without the audit hook. The escapes found as root are played in
+tests/security/test_sandbox_escapes.py.
 """
 
 from __future__ import annotations
@@ -104,38 +106,129 @@ def test_no_inherited_environment_and_a_private_directory(monkeypatch) -> None:
     assert not os.path.exists(cwd)  # deleted afterwards
 
 
-def test_kernel_layers_alone_without_the_audit_hook(tmp_path) -> None:
-    """isolate() only (no hook): the network namespace has no route, and `/` is read-only but the directory."""
-    root = tmp_path / "box"
-    root.mkdir()
+def test_kernel_layers_alone_without_the_audit_hook(tmp_path, listening_port) -> None:
+    """With the audit hook off, what the kernel grants holds by itself: no route, `/` read-only and the host's
+    paths absent, no fork or exec (seccomp), nobody with no capabilities."""
+    port, accepted = listening_port
+    outside = tmp_path / "outside.txt"
     code = f"""
-import json, os, socket, sys
-sys.path.insert(0, {str(BOOT.parent)!r})
-from sandbox_boot import isolate
-granted = isolate({str(root)!r})
-outcome = {{"granted": granted}}
-try:
-    socket.create_connection(("127.0.0.1", 9), timeout=2); outcome["connect"] = "ALLOWED"
-except OSError as error:
-    outcome["connect"] = error.errno
-for name, path in (("inside", "inside.txt"), ("outside", {str(tmp_path / "outside.txt")!r})):
+import ctypes, errno, json, os, socket
+outcome = {{"ctypes": "ALLOWED"}}  # the hook would have refused the import: it is off
+for name, attempt in (
+    ("connect", lambda: socket.create_connection(("127.0.0.1", {port}), timeout=2)),
+    ("outside", lambda: open({str(outside)!r}, "w")),
+    ("root", lambda: open("/usr/tandem-probe", "w")),
+    ("fork", os.fork),
+    ("exec", lambda: os.execv("/bin/true", ["true"])),
+):
     try:
-        open(path, "w").write("x"); outcome[name] = "ALLOWED"
+        attempt(); outcome[name] = "ALLOWED"
     except OSError as error:
-        outcome[name] = error.errno
+        outcome[name] = errno.errorcode[error.errno]
+open("inside.txt", "w").write("fine"); outcome["inside"] = "ALLOWED"
 print(json.dumps(outcome))
 """
-    result = subprocess.run(
-        [sys.executable, "-I", "-S", "-c", code], cwd=root, capture_output=True, text=True, timeout=60, check=False
-    )
-    outcome = json.loads(result.stdout)
-    granted = outcome["granted"]
-    if granted["network"] != "netns" and granted["filesystem"] != "readonly_root":
-        pytest.skip(f"this machine grants no namespaces: {granted}")
-    import errno
+    result = run_python(code, limits=SandboxLimits(audit_hook=False))
+    assert result.ok, result.stderr
+    assert json.loads(result.stdout) == {
+        "ctypes": "ALLOWED",
+        "connect": "ENETUNREACH",  # no interface is up in the new network namespace, not even loopback
+        "outside": "ENOENT",  # the host's directories do not exist in the private root
+        "root": "EROFS",
+        "fork": "EPERM",  # seccomp
+        "exec": "EPERM",
+        "inside": "ALLOWED",
+    }
+    assert not accepted and not outside.exists()
+    granted = result.isolation
+    assert granted["mode"] == "namespaces" and granted["audit_hook"] == "off" and granted["nonewprivs"] == "1"
+    assert {granted[key] for key in ("capinh", "capprm", "capeff", "capbnd", "capamb")} == {"0" * 16}
+    assert granted["uid"].split()[0] == ("65534" if os.geteuid() == 0 else "0")  # 0: of its own user namespace
 
-    if granted["network"] == "netns":
-        assert outcome["connect"] == errno.ENETUNREACH  # no interface is up: not even loopback
-    if granted["filesystem"] == "readonly_root":
-        assert outcome["inside"] == "ALLOWED" and outcome["outside"] == errno.EROFS
-        assert not (tmp_path / "outside.txt").exists()
+
+def test_output_beyond_the_cap_kills_the_process_and_says_so() -> None:
+    cap = 64 * 1024
+    flood = "import os\nwhile True:\n    os.write(1, b'x' * 4096)\n    os.write(2, b'y' * 4096)\n"
+    result = run_python(flood, limits=SandboxLimits(output_bytes=cap, time_s=20))
+    assert result.output_exceeded and result.returncode is None and not result.ok and not result.timed_out
+    assert len(result.stdout) + len(result.stderr) <= cap
+    assert result.seconds < 10  # killed at the cap, not at the time limit
+
+
+def test_stdin_is_fed_whole_and_large_output_under_the_cap_comes_back() -> None:
+    data = "".join(f"{i}\n" for i in range(200_000))  # ~1.3 MB: more than a pipe holds, fed as it is read
+    code = "import sys\nlines = sys.stdin.read().splitlines()\nprint(len(lines), lines[-1])\nprint('z' * 500_000)"
+    result = run_python(code, stdin=data, limits=SandboxLimits(time_s=20))
+    assert result.ok, result.stderr
+    first, rest = result.stdout.split("\n", 1)
+    assert first == "200000 199999" and rest == "z" * 500_000 + "\n"
+
+
+def test_concurrent_runs_from_many_threads_stay_apart() -> None:
+    """Thread-safe (no preexec_fn); each run sees only its own files in its own private directory."""
+    results: dict[int, object] = {}
+
+    def one(index: int) -> None:
+        results[index] = run_python(
+            "import os\nprint(open('mine.txt').read(), sorted(os.listdir('/tmp')).__len__())",
+            files={"mine.txt": f"run-{index}"},
+            limits=SandboxLimits(time_s=30),
+        )
+
+    threads = [threading.Thread(target=one, args=(index,)) for index in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for index, result in results.items():
+        assert result.ok, result.stderr
+        assert result.stdout.split() == [f"run-{index}", "2"]  # /tmp holds its directory and the private shm only
+
+
+def test_exit_status_and_traceback_as_the_interpreter_gives_them() -> None:
+    assert run_python("import sys\nsys.exit(3)").returncode == 3
+    failed = run_python("raise ValueError('boom')")
+    assert failed.returncode == 1 and failed.stderr.splitlines()[-1] == "ValueError: boom"
+    assert "sandbox_boot" not in failed.stderr  # the traceback starts at the script
+    threaded = run_python(
+        "import threading, atexit\natexit.register(print, 'at exit')\n"
+        "threading.Thread(target=print, args=('thread',)).start()"
+    )
+    assert threaded.ok and threaded.stdout == "thread\nat exit\n"
+
+
+def test_without_namespaces_it_refuses_unless_opted_in() -> None:
+    """A user namespace with no uid mapping stands for a kernel that grants nothing: the sandbox refuses, naming
+    the opt-in, and runs with the audit hook alone (still no capabilities) only when asked to."""
+    if subprocess.run(["unshare", "--user", "true"], check=False, capture_output=True).returncode != 0:
+        pytest.skip("unshare --user is not permitted here")
+    code = """
+import json, sys
+from actors.sandbox import SandboxLimits, SandboxUnavailable, run_python
+try:
+    run_python("print(1)")
+    refused = None
+except SandboxUnavailable as error:
+    refused = str(error)
+opted = run_python("print(open('/etc/hostname').read() != '')", limits=SandboxLimits(allow_audit_hook_only=True))
+print(json.dumps({"refused": refused, "stdout": opted.stdout, "isolation": opted.isolation}))
+"""
+    result = subprocess.run(
+        ["unshare", "--user", sys.executable, "-c", code],
+        cwd=BOOT.parents[1],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    outcome = json.loads(result.stdout)
+    assert "the kernel granted no namespaces" in outcome["refused"]
+    assert "SandboxLimits(allow_audit_hook_only=True)" in outcome["refused"]
+    assert outcome["stdout"] == "True\n"  # the host's files are visible in that mode: it is the weaker one
+    assert outcome["isolation"]["mode"] == "audit_hook_only" and outcome["isolation"]["capeff"] == "0" * 16
+
+
+def test_limits_are_checked() -> None:
+    with pytest.raises(ValueError, match="SandboxLimits.disk_mb must be a positive number"):
+        SandboxLimits(disk_mb=0)
