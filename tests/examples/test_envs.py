@@ -192,6 +192,32 @@ def gcd(a, b):
     assert partial.done and partial.reward == pytest.approx(1 / 3)
 
 
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ('{"outputs": []}', "malformed"),  # the reward hack: zip() of 3 cases with 0 outcomes passed them all
+        ('{"outputs": [{"value": 6}, {"value": 7}]}', "malformed"),
+        ('{"outputs": [{"value": 6}, {"value": 7}, {"value": 0}, {"value": 1}]}', "malformed"),
+        ('{"outputs": [{"value": 6, "error": "x"}, {"value": 7}, {"value": 0}]}', "malformed"),
+        ('{"outputs": [{"error": 1}, {"value": 7}, {"value": 0}]}', "malformed"),
+        ('{"outputs": [{"value": 6}, {"value": 7}, {"value": 0}], "passed": 3}', "malformed"),
+        ('{"outputs": "all"}', "malformed"),
+        ("[1, 2, 3]", "malformed"),
+        ("{not json", "malformed"),
+        ('{"load_error": "SyntaxError: invalid syntax"}', "SyntaxError"),
+    ],
+)
+def test_code_report_is_judged_as_hostile_input(text: str, why: str) -> None:
+    """The sandboxed harness's report comes from the process that ran the solution: only exactly one well-formed
+    outcome per case is read; anything else is a reason, and every case fails."""
+    from examples.envs.code_task import parse_report
+
+    refused = parse_report(text, count=3)
+    assert isinstance(refused, str) and why in refused
+    good = parse_report('{"outputs": [{"value": 6}, {"error": "' + "E" * 900 + '"}, {"value": [0]}]}', count=3)
+    assert good == [{"value": 6}, {"error": "E" * 200}, {"value": [0]}]  # errors cut to what the harness sends
+
+
 SOLUTIONS = {  # written from the prompts' descriptions, independently of the references that made the cases
     "reverse_words": "def reverse_words(text):\n    return ' '.join(reversed(text.split()))",
     "is_palindrome": "def is_palindrome(text):\n    s = ''.join(c.lower() for c in text if c.isalnum())\n"
