@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -72,6 +73,7 @@ class EpisodeLimits:
     step_timeout_s: float
     episode_timeout_s: float
     failure_reward: float
+    max_abs_reward: float = 1e6  # buffer.max_abs_reward: an episode earning more (or a non-finite reward) fails
 
     @classmethod
     def from_config(cls, config: TandemConfig) -> EpisodeLimits:
@@ -84,6 +86,7 @@ class EpisodeLimits:
             env.step_timeout_s,
             env.episode_timeout_s,
             env.failure_reward,
+            config.buffer.max_abs_reward,
         )
 
 
@@ -341,10 +344,16 @@ class EpisodeDriver:
             self._finish(episode, "episode_timeout")
 
     def _finish(self, episode: _Episode, reason: str) -> None:
+        """Record the episode's result. A reward the buffer would refuse (non-finite, or beyond max_abs_reward in
+        any component or in total) makes it an `env_error` with the failure reward: one environment's overflowing
+        reward must not get the whole group, its other samples with it, rejected at the buffer."""
         episode.phase = "finished"
         self.live.pop(id(episode), None)
-        failed = reason.startswith(FAILURE_PREFIXES)
-        if failed:
+        components = None if reason.startswith(FAILURE_PREFIXES) else _earned(episode, reason)
+        problem = "" if components is None else _out_of_range(components, self.limits.max_abs_reward)
+        if problem:
+            reason = f"env_error: {problem}"[:300]
+        if components is None or problem:
             components = {"turn_reward_sum": 0.0, "terminal": 0.0, "failure": self.limits.failure_reward}
             log.warning(
                 "episode %s ended %s after %d turns: reward %.3f",
@@ -353,10 +362,6 @@ class EpisodeDriver:
                 episode.turns,
                 self.limits.failure_reward,
             )
-        else:
-            terminal = episode.step_rewards[-1] if reason in ("done", "length") else 0.0
-            before = episode.step_rewards[:-1] if reason in ("done", "length") else episode.step_rewards
-            components = {"turn_reward_sum": float(sum(before)), "terminal": float(terminal), "failure": 0.0}
         self._count(reason, episode.turns)
         if episode.trajectory is None:  # it ended before its first observation: the task's own chat is the prompt
             episode.trajectory = Trajectory(self.engine.render(episode.group.prompt))
@@ -378,3 +383,20 @@ class EpisodeDriver:
             self.stats.failures += 1
         elif reason in ("env_timeout", "episode_timeout"):
             self.stats.timeouts += 1
+
+
+def _earned(episode: _Episode, reason: str) -> dict[str, float]:
+    """The reward components of an episode that ended without failing (see actors.trajectory.EpisodeResult)."""
+    terminal = episode.step_rewards[-1] if reason in ("done", "length") else 0.0
+    before = episode.step_rewards[:-1] if reason in ("done", "length") else episode.step_rewards
+    return {"turn_reward_sum": float(sum(before)), "terminal": float(terminal), "failure": 0.0}
+
+
+def _out_of_range(components: dict[str, float], bound: float) -> str:
+    """What is wrong with these reward components for the buffer ('' when nothing): each and their sum must be
+    finite and within [-bound, bound] (buffer.max_abs_reward)."""
+    total = sum(components.values())
+    for name, value in [*components.items(), ("total", total)]:
+        if not math.isfinite(value) or abs(value) > bound:
+            return f"reward {name} {value:g} outside [-{bound:g}, {bound:g}] (buffer.max_abs_reward)"
+    return ""

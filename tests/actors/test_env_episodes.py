@@ -208,3 +208,19 @@ def test_group_prompt_is_the_common_prefix_of_different_first_observations(token
         assert sequence[: len(first)] == first
         assert np.all(group.loss_mask[span][: len(first) - len(group.prompt_tokens)] == 0)
     assert 0 < len(group.prompt_tokens) < min(len(f) for f in firsts)
+
+
+def test_a_reward_the_buffer_would_refuse_fails_only_its_own_episode(tokenizer, runner) -> None:
+    """Each turn within the bound, the sum past it; one turn past it; a float64 reward that is inf in float32:
+    those episodes are env_error with the failure reward, and the group (the fine episode included) is valid."""
+    engine = ScriptedEngine(tokenizer, seed=4)
+    envs = [
+        ScriptedEnv([Turn(reward=0.75, done=True)]),
+        ScriptedEnv([Turn(reward=6e5), Turn(reward=6e5, done=True)]),  # 1.2e6 in total, over 1e6
+        ScriptedEnv([Turn(reward=1e39, done=True)]),
+    ]
+    group = run_group(engine, envs, runner, limits(max_abs_reward=1e6))
+    assert group.rewards.tolist() == [0.75, -1.0, -1.0]
+    assert group.finish_reasons[0] == "done"
+    assert group.finish_reasons[1].startswith("env_error: reward total 1.2e+06 outside [-1e+06, 1e+06]")
+    assert group.finish_reasons[2].startswith("env_error: reward terminal 1e+39 outside")
