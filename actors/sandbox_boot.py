@@ -27,11 +27,12 @@ Mode "namespaces" (the default; needs root, or unprivileged user namespaces):
   6. the audit hook (PEP 578), defence in depth only: it refuses sockets, writes outside the working directory,
      subprocesses, exec, fork, signals to other processes, ctypes and subinterpreters. It cannot see `dir_fd`
      arguments, and code that tampers with interpreter internals may step around it: steps 1-4 are the boundary.
-Any failure in steps 1-4 writes {"error": ...} and exits 70 before untrusted code runs; the parent then refuses
-(or, where the caller opted in, reruns in the next mode).
+Any failure in steps 1-4 reports error=... and exits 70 before untrusted code runs; the parent then refuses (or,
+where the caller opted in, reruns in the next mode).
 
 Mode "audit_hook_only" (explicit opt-in only): no namespaces, the working directory is DIRECTORY/files on the host
-disk; as root it still drops to 65534 with no capabilities and no new privileges; then steps 4-6.
+disk; as root it still drops to 65534 with no capabilities and no new privileges (and refuses, error=..., where
+nobody could not reach the interpreter's standard library or DIRECTORY); then steps 4-6.
 Standard library only: it runs under `-I -S` (no site-packages, no environment variables honoured).
 """
 
@@ -43,7 +44,7 @@ from types import MappingProxyType
 
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x02000000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
-CLONE_THREAD, CLONE_NEWTIME = 0x10000, 0x80
+CLONE_THREAD = 0x10000
 NAMESPACES = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
@@ -251,7 +252,6 @@ def copy_tree(source, target, owner):
 
 def pivot(libc, new_root):
     """pivot_root into `new_root`, detach the old root, make `/` read-only (end of step 2)."""
-
     number = SYS_PIVOT_ROOT.get(os.uname().machine)
     if number is None:
         raise SetupFailed(f"pivot_root: unknown syscall number on {os.uname().machine}")
@@ -296,8 +296,7 @@ def seccomp_program():
         (jeq, 0, 5, SYS_CLONE_X86_64),
         (load, 0, 0, 16),  # the low 32 bits of clone's flags
         (jset, 0, 2, CLONE_THREAD),  # not a thread: a fork
-        (jset, 1, 0, CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID
-         | CLONE_NEWNET | CLONE_NEWTIME),
+        (jset, 1, 0, NAMESPACES | CLONE_NEWUSER),  # (clone cannot make a time namespace: clone3 and unshare only)
         (ret, 0, 0, allow),
         (ret, 0, 0, deny),
     ]  # fmt: skip
@@ -499,7 +498,14 @@ def run_audit_hook_only(directory, options, report):
     work = os.path.join(directory, "files")
     try:
         libc = load_libc()
-        if os.geteuid() == 0:
+        if os.geteuid() == 0:  # nobody must reach and own its directory (the rest of DIRECTORY stays root's)
+            for needed in (sys.base_prefix, directory):
+                if not open_to_others(os.path.dirname(os.path.realpath(needed))):
+                    raise SetupFailed(
+                        f"{needed} is out of reach of uid {NOBODY} (a parent directory is closed to "
+                        "others): install Python, and set TMPDIR, where all may enter"
+                    )
+            os.chmod(directory, 0o711)
             for folder, _, names in os.walk(work):
                 for path in [folder, *(os.path.join(folder, name) for name in names)]:
                     os.chown(path, NOBODY, NOBODY)
@@ -510,6 +516,12 @@ def run_audit_hook_only(directory, options, report):
         os._exit(SETUP_FAILED)
     isolation = {"mode": "audit_hook_only", "network": "audit_hook", "filesystem": "audit_hook", "seccomp": seccomp}
     run_untrusted(work, {**options, "audit_hook": "1"}, report, {**isolation, "audit_hook": "on", **granted_status()})
+
+
+def open_to_others(path):
+    """Whether every directory from `/` down to `path` lets others through (the execute bit)."""
+    parts = path.strip("/").split("/") if path.strip("/") else []
+    return all(os.stat("/" + "/".join(parts[:depth])).st_mode & 0o001 for depth in range(len(parts) + 1))
 
 
 def main():

@@ -13,7 +13,9 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -120,9 +122,11 @@ for name, attempt in (
     ("root", lambda: open("/usr/tandem-probe", "w")),
     ("fork", os.fork),
     ("exec", lambda: os.execv("/bin/true", ["true"])),
+    ("unshare", lambda: ctypes.CDLL(None, use_errno=True).unshare(0x10000000) == 0 or os.strerror(ctypes.get_errno())),
 ):
     try:
-        attempt(); outcome[name] = "ALLOWED"
+        met = attempt()  # a string: the errno text of a libc call that failed
+        outcome[name] = met if isinstance(met, str) else "ALLOWED"
     except OSError as error:
         outcome[name] = errno.errorcode[error.errno]
 open("inside.txt", "w").write("fine"); outcome["inside"] = "ALLOWED"
@@ -137,6 +141,7 @@ print(json.dumps(outcome))
         "root": "EROFS",
         "fork": "EPERM",  # seccomp
         "exec": "EPERM",
+        "unshare": "Operation not permitted",  # a new user namespace: seccomp
         "inside": "ALLOWED",
     }
     assert not accepted and not outside.exists()
@@ -227,6 +232,52 @@ print(json.dumps({"refused": refused, "stdout": opted.stdout, "isolation": opted
     assert "SandboxLimits(allow_audit_hook_only=True)" in outcome["refused"]
     assert outcome["stdout"] == "True\n"  # the host's files are visible in that mode: it is the weaker one
     assert outcome["isolation"]["mode"] == "audit_hook_only" and outcome["isolation"]["capeff"] == "0" * 16
+
+
+def test_audit_hook_only_mode_as_root_still_drops_to_nobody() -> None:
+    """The opted-in weaker mode (played directly: as root the kernel grants namespaces, so run_python would not
+    fall back): no namespaces, but nobody with no capabilities, seccomp and the hook; or, where nobody could not
+    even load the standard library (an interpreter under /root), a refusal that says so."""
+    if os.geteuid() != 0:
+        pytest.skip("the drop to nobody is what root does in that mode")
+    from actors.sandbox import _run_boot, _write_files
+
+    prefix = Path(sys.base_prefix).resolve()
+    closed = any(not parent.stat().st_mode & 0o001 for parent in prefix.parents)
+
+    with tempfile.TemporaryDirectory(prefix="tandem-sandbox-") as directory:  # as run_python makes it
+        root = Path(directory)
+        _write_files(root / "files", {"main.py": "import os\nprint(os.getuid(), open('own.txt', 'w').write('x'))"})
+        result = _run_boot(root, SandboxLimits(allow_audit_hook_only=True), "audit_hook_only", "")
+    if closed:
+        assert "out of reach of uid 65534" in result.isolation["error"] and result.stdout == ""
+        return
+    assert result.ok and result.stdout == "65534 1\n", result.stderr
+    granted = result.isolation
+    assert granted["mode"] == "audit_hook_only" and granted["capeff"] == granted["capbnd"] == "0" * 16
+    assert granted["seccomp_mode"] == "2" and granted["nonewprivs"] == "1"
+
+
+def test_in_a_user_namespace_it_confines_without_root() -> None:
+    """A caller that is not root (uid 1000 of a user namespace here) gets the same namespaces through a user
+    namespace of its own: uid 0 there, which maps to the caller's uid, with no capabilities."""
+    command = ["unshare", "--user", "--map-user=1000", "--map-group=1000"]
+    if subprocess.run([*command, "true"], check=False, capture_output=True).returncode != 0:
+        pytest.skip("unshare --user --map-user is not permitted here")
+    code = "import json\nfrom actors.sandbox import run_python\nr = run_python('print(1)')\n"
+    code += "print(json.dumps([r.stdout, r.isolation]))"
+    result = subprocess.run(
+        [*command, sys.executable, "-c", code],
+        cwd=BOOT.parents[1],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    stdout, granted = json.loads(result.stdout)
+    assert stdout == "1\n" and granted["mode"] == "namespaces" and granted["namespaces"].endswith(",user")
+    assert granted["uid"].split()[0] == "0" and granted["capeff"] == granted["capbnd"] == "0" * 16
 
 
 def test_limits_are_checked() -> None:
