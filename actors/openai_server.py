@@ -28,36 +28,50 @@ Rules an agent must follow (else its request is refused with 4xx and a message t
   * finish every episode it claimed; an episode the agent leaves longer than `env.step_timeout_s`, or that reaches
     a limit (`env.max_turns`, `env.max_total_tokens`), ends without the agent's reward (its pending request gets
     409, and `finish` then answers 409 too).
+  * a `finish` reward is a finite number within `max_abs_reward` (default: the buffer's reward range); another
+    is refused with 400 naming the bound, and the episode stays open for a valid `finish`.
 A model turn's `finish_reason` is reported as "stop" and `usage` as zeros (token counts stay inside Tandem).
-Stdlib `http.server` only: one thread per connection, so many agents may wait on their turns at once.
+
+Limits and access (all `environment_args`, see `actors.openai_http`): loopback only unless `allow_remote = true`,
+which needs a bearer token (`auth_token_file` or `auth_token_env`); bodies up to `max_body_bytes` (413),
+`max_connections` open at once, `max_waiting_claims` parked claims and `max_claimed_episodes` claimed episodes
+(503 beyond). uvicorn serves it on one event-loop thread, so many agents may wait on their turns at once. The
+generator starts it (`AgentEnvironment.prepare`) before its first episode: a bad setting stops the generator there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
 import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar
 
+from actors.openai_http import (
+    AgentApp,
+    AgentError,
+    EndpointSettings,
+    HttpEndpoint,
+    Refusal,
+    checked_reward,
+    checked_wait,
+    result_within,
+)
 from common.envs import StepResult, check_messages
 
 log = logging.getLogger("tandem.actors.openai_server")
 
+__all__ = ["EPISODE_HEADER", "AgentEnvironment", "AgentError", "AgentServer"]
+
 EPISODE_HEADER = "X-Tandem-Episode"
-CLAIM_WAIT_S = 30.0
+CLAIM_WAIT_S = 30.0  # a claim waits this long for an episode by default ...
+LONGEST_CLAIM_WAIT_S = 300.0  # ... and at most (wait_s)
 REPLY_WAIT_S = 3600.0  # an HTTP request waits this long at most for its model turn
-MAX_BODY_BYTES = 16 << 20
-
-
-class AgentError(RuntimeError):
-    """The agent broke the protocol; the message is returned to it and ends the episode (`env_error`)."""
 
 
 @dataclass
@@ -72,14 +86,20 @@ class AgentEnvironment:
     """One episode run by an external agent through the HTTP endpoint (see the module docstring). Async methods:
     they wait for the agent on the runner's event loop without holding a thread."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 8000) -> None:
-        self.server = AgentServer.shared(host, port)
+    def __init__(self, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> None:
+        self.server = AgentServer.shared(host, port, **options)
         self.episode_id = secrets.token_hex(8)
         self.task: Any = None
         self.conversation: list[dict[str, str]] = []
         self._event: concurrent.futures.Future = concurrent.futures.Future()
         self._pending: concurrent.futures.Future | None = None  # the agent's request awaiting a model turn
         self.ended = False
+
+    @classmethod
+    def prepare(cls, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> None:
+        """At generator start (common.envs.environment_factory): check the settings and start the endpoint, so
+        a bad setting or a taken port stops the generator with its reason instead of failing every episode."""
+        AgentServer.shared(host, port, **options)
 
     async def reset(self, task: Any) -> list[dict[str, str]]:
         self.task = task
@@ -129,7 +149,7 @@ class AgentEnvironment:
         return event
 
     def deliver(self, event: _Event) -> None:
-        """From an HTTP thread: hand the agent's request to the episode (one at a time)."""
+        """From the HTTP thread: hand the agent's request to the episode (one at a time)."""
         if self.ended:
             raise AgentError("the episode has ended (a limit or timeout of the run)")
         try:
@@ -139,57 +159,165 @@ class AgentEnvironment:
 
 
 class AgentServer:
-    """The HTTP endpoint of one (host, port), shared by every `AgentEnvironment` of the process."""
+    """The endpoint of one (host, port), shared by every `AgentEnvironment` of the process: the episodes offered
+    and claimed, and the HTTP server (`actors.openai_http`) that serves them.
+
+    Threads: `offer`/`forget` run on the episode runner's loop, the request handlers on the HTTP thread's loop;
+    `lock` guards the episode tables and the parked claims. A parked claim is a future that `offer` resolves
+    (marked running first, under the lock) or that the claim itself cancels at its timeout (under the lock), so
+    an episode is handed to exactly one claim, or stays offered."""
 
     _shared: ClassVar[dict[tuple[str, int], AgentServer]] = {}
     _lock = threading.Lock()
 
     @classmethod
-    def shared(cls, host: str, port: int) -> AgentServer:
+    def shared(cls, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> AgentServer:
+        """The process's endpoint on (host, port), started on first use. ValueError on a bad setting (naming
+        `env.environment_args.<key>`), or when that endpoint already runs with other settings; OSError when the
+        address cannot be bound."""
+        settings = EndpointSettings.from_args(host=host, port=port, **options)
         with cls._lock:
-            if (host, port) not in cls._shared:
-                cls._shared[(host, port)] = cls(host, port)
-            return cls._shared[(host, port)]
+            server = cls._shared.get((host, port))
+            if server is None:
+                server = cls._shared[(host, port)] = cls(settings)
+            elif server.settings != settings:
+                raise ValueError(
+                    f"the agent endpoint on {host}:{port} already runs with other settings ({server.settings}): "
+                    "give every episode of the process the same env.environment_args"
+                )
+            return server
 
-    def __init__(self, host: str, port: int) -> None:
-        self.episodes: dict[str, AgentEnvironment] = {}
-        self.offered: deque[AgentEnvironment] = deque()
-        self.condition = threading.Condition()
-        self.httpd = ThreadingHTTPServer((host, port), _handler(self))
-        self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, name="tandem-openai", daemon=True).start()
-        log.info("OpenAI-compatible endpoint on http://%s:%d/v1/chat/completions", host, port)
+    def __init__(self, settings: EndpointSettings) -> None:
+        self.settings = settings
+        self.lock = threading.Lock()
+        self.episodes: dict[str, AgentEnvironment] = {}  # offered or claimed, not ended
+        self.offered: deque[AgentEnvironment] = deque()  # not yet claimed, in offer order
+        self.claimed: set[str] = set()  # episode ids claimed and not ended
+        self.waiting: deque[concurrent.futures.Future] = deque()  # parked claims, oldest first
+        self.app = AgentApp(self, settings)
+        self.http = HttpEndpoint(self.app, settings)
+        log.info("OpenAI-compatible endpoint on http://%s:%d/v1/chat/completions", settings.host, self.http.port)
+
+    @property
+    def port(self) -> int:
+        """The port it listens on (the one chosen when settings.port is 0)."""
+        return self.http.port
 
     def offer(self, env: AgentEnvironment) -> None:
-        with self.condition:
+        """An episode waits for an agent: handed to the oldest parked claim, else queued for the next claim."""
+        with self.lock:
             self.episodes[env.episode_id] = env
+            while self.waiting:
+                waiter = self.waiting.popleft()
+                if waiter.set_running_or_notify_cancel():  # False: that claim gave up
+                    self.claimed.add(env.episode_id)
+                    waiter.set_result(env)
+                    return
             self.offered.append(env)
-            self.condition.notify()
 
     def forget(self, env: AgentEnvironment) -> None:
-        with self.condition:
+        with self.lock:
             self.episodes.pop(env.episode_id, None)
+            self.claimed.discard(env.episode_id)
             if env in self.offered:
                 self.offered.remove(env)
 
-    def claim(self, wait_s: float) -> AgentEnvironment | None:
-        deadline = time.monotonic() + wait_s
-        with self.condition:
-            while not self.offered:
-                if not self.condition.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    return None
-            return self.offered.popleft()
+    async def claim(self, wait_s: float) -> AgentEnvironment | None:
+        """An offered episode, now claimed; None when none is offered within `wait_s`. Refusal (503) when
+        `max_claimed_episodes` are claimed and not ended, or `max_waiting_claims` claims are parked already."""
+        limits = self.settings
+        with self.lock:
+            if len(self.claimed) >= limits.max_claimed_episodes:
+                raise Refusal(
+                    503,
+                    "too_many_claimed",
+                    f"{len(self.claimed)} episodes are claimed and not finished (max_claimed_episodes): "
+                    "finish one, or try again later",
+                )
+            if self.offered:
+                env = self.offered.popleft()
+                self.claimed.add(env.episode_id)
+                return env
+            if len(self.waiting) >= limits.max_waiting_claims:
+                raise Refusal(
+                    503,
+                    "too_many_waiting",
+                    f"{len(self.waiting)} claims are waiting for an episode already (max_waiting_claims): try again",
+                )
+            waiter: concurrent.futures.Future = concurrent.futures.Future()
+            self.waiting.append(waiter)
+        try:
+            await asyncio.wait([asyncio.wrap_future(waiter)], timeout=wait_s)
+        except asyncio.CancelledError:  # the request was cancelled (shutdown): an episode handed over is re-offered
+            self._withdraw(waiter, reoffer=True)
+            raise
+        return self._withdraw(waiter, reoffer=False)
+
+    def _withdraw(self, waiter: concurrent.futures.Future, reoffer: bool) -> AgentEnvironment | None:
+        """The episode a parked claim was handed, or None after cancelling it (a timeout or close)."""
+        with self.lock:
+            if waiter.cancel():  # True when not handed an episode (or cancelled by close already)
+                if waiter in self.waiting:
+                    self.waiting.remove(waiter)
+                return None
+            env = waiter.result()  # offer marks it running and resolves it under the lock: it is done
+            if reoffer and env.episode_id in self.episodes:
+                self.claimed.discard(env.episode_id)
+                self.offered.appendleft(env)
+            return env
 
     def episode(self, episode_id: str) -> AgentEnvironment:
-        with self.condition:
+        with self.lock:
             env = self.episodes.get(episode_id)
         if env is None:
             raise LookupError(f"no running episode {episode_id!r}: claim one with POST /tandem/episodes")
         return env
 
+    async def claim_request(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /tandem/episodes: an episode's task, or Refusal 503 when there is none to run."""
+        env = await self.claim(checked_wait(body.get("wait_s", CLAIM_WAIT_S), LONGEST_CLAIM_WAIT_S))
+        if env is None:
+            raise Refusal(503, "no_episode", "no episode to run right now: try again")
+        task = env.task
+        return {
+            "episode_id": env.episode_id,
+            "prompt_id": task.prompt_id,
+            "messages": task.messages,
+            "metadata": task.metadata,
+        }
+
+    async def chat(self, body: dict[str, Any], headers: Mapping[str, str]) -> dict[str, Any]:
+        """POST /v1/chat/completions: the model's next turn of the episode named by the EPISODE_HEADER."""
+        if body.get("stream"):
+            raise ValueError("stream is not supported: send stream=false")
+        episode_id = headers.get(EPISODE_HEADER)
+        if not episode_id:
+            raise ValueError(
+                f"the {EPISODE_HEADER} header is required: claim an episode with "
+                "POST /tandem/episodes and send its episode_id"
+            )
+        messages = check_messages(body.get("messages"), "messages")
+        if not messages:
+            raise ValueError("messages must not be empty")
+        reply: concurrent.futures.Future = concurrent.futures.Future()
+        self.episode(episode_id).deliver(_Event("chat", messages, 0.0, reply))
+        return _completion(await result_within(reply, REPLY_WAIT_S, "model turn"))
+
+    async def finish(self, episode_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /tandem/episodes/<id>/finish: the episode ends with the agent's reward (checked before anything
+        reaches the episode, so a refused reward leaves the episode open)."""
+        reward = checked_reward(body.get("reward"), self.settings.max_abs_reward)
+        reply: concurrent.futures.Future = concurrent.futures.Future()
+        self.episode(episode_id).deliver(_Event("finish", [], reward, reply))
+        await result_within(reply, REPLY_WAIT_S, "end of the episode")
+        return {"episode_id": episode_id, "status": "finished", "reward": reward}
+
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        """Stop serving: parked claims get 503, the HTTP server stops, the (host, port) may be started again."""
+        with self.lock:
+            for waiter in self.waiting:
+                waiter.cancel()
+        self.http.stop()
         with AgentServer._lock:
             AgentServer._shared = {k: v for k, v in AgentServer._shared.items() if v is not self}
 
@@ -203,103 +331,3 @@ def _completion(text: str) -> dict[str, Any]:
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
     }
-
-
-def _handler(server: AgentServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, format: str, *args: Any) -> None:
-            log.debug("%s " + format, self.address_string(), *args)
-
-        def _send(self, status: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _error(self, status: int, message: str) -> None:
-            self._send(status, {"error": {"message": message, "type": "invalid_request_error"}})
-
-        def _body(self) -> dict[str, Any]:
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > MAX_BODY_BYTES:
-                raise ValueError(f"request body over {MAX_BODY_BYTES} bytes")
-            body = json.loads(self.rfile.read(length) or b"{}")
-            if not isinstance(body, dict):
-                raise ValueError("the request body must be a JSON object")
-            return body
-
-        def do_GET(self) -> None:
-            if self.path.rstrip("/") == "/v1/models":
-                self._send(200, {"object": "list", "data": [{"id": "tandem", "object": "model"}]})
-            else:
-                self._error(404, f"no such endpoint: GET {self.path}")
-
-        def do_POST(self) -> None:
-            try:
-                body = self._body()
-                parts = self.path.strip("/").split("/")
-                if parts == ["v1", "chat", "completions"]:
-                    self._chat(body)
-                elif parts == ["tandem", "episodes"]:
-                    self._claim(body)
-                elif len(parts) == 4 and parts[:2] == ["tandem", "episodes"] and parts[3] == "finish":
-                    self._finish(parts[2], body)
-                else:
-                    self._error(404, f"no such endpoint: POST {self.path}")
-            except (ValueError, TypeError) as error:  # a malformed request: say what is wrong, keep serving
-                self._error(400, str(error))
-            except LookupError as error:
-                self._error(404, str(error).strip("'\""))
-            except AgentError as error:
-                self._error(409, str(error))
-
-        def _claim(self, body: dict[str, Any]) -> None:
-            env = server.claim(float(body.get("wait_s", CLAIM_WAIT_S)))
-            if env is None:
-                self._error(503, "no episode to run right now: try again")
-                return
-            task = env.task
-            self._send(
-                200,
-                {
-                    "episode_id": env.episode_id,
-                    "prompt_id": task.prompt_id,
-                    "messages": task.messages,
-                    "metadata": task.metadata,
-                },
-            )
-
-        def _chat(self, body: dict[str, Any]) -> None:
-            if body.get("stream"):
-                raise ValueError("stream is not supported: send stream=false")
-            episode_id = self.headers.get(EPISODE_HEADER)
-            if not episode_id:
-                raise ValueError(
-                    f"the {EPISODE_HEADER} header is required: claim an episode with "
-                    "POST /tandem/episodes and send its episode_id"
-                )
-            messages = check_messages(body.get("messages"), "messages")
-            if not messages:
-                raise ValueError("messages must not be empty")
-            reply: concurrent.futures.Future = concurrent.futures.Future()
-            server.episode(episode_id).deliver(_Event("chat", messages, 0.0, reply))
-            try:
-                text = reply.result(timeout=REPLY_WAIT_S)
-            except concurrent.futures.TimeoutError:
-                raise AgentError(f"no model turn within {REPLY_WAIT_S:.0f}s") from None
-            self._send(200, _completion(text))
-
-        def _finish(self, episode_id: str, body: dict[str, Any]) -> None:
-            reward = body.get("reward")
-            if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-                raise ValueError(f"finish needs a numeric 'reward', got {reward!r}")
-            reply: concurrent.futures.Future = concurrent.futures.Future()
-            server.episode(episode_id).deliver(_Event("finish", [], float(reward), reply))
-            reply.result(timeout=REPLY_WAIT_S)
-            self._send(200, {"episode_id": episode_id, "status": "finished", "reward": float(reward)})
-
-    return Handler

@@ -164,6 +164,40 @@ def test_protocol_mistakes_are_refused_with_what_to_change(served) -> None:
     assert [r.reward for r in done.results] == [-1.0, 2.0]
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"hots": "127.0.0.1"}, "unknown key(s) ['hots']; the endpoint takes"),
+        ({"port": "8000"}, "env.environment_args.port must be int, got '8000'"),
+        ({"port": 70000}, "port must be within 0..65535"),
+        ({"allow_remote": "yes"}, "allow_remote must be bool"),
+        ({"max_body_bytes": 0}, "max_body_bytes must be >= 1"),
+        ({"max_connections": True}, "max_connections must be int"),
+        ({"max_abs_reward": float("inf")}, "max_abs_reward must be finite"),
+        ({"auth_token_file": "a", "auth_token_env": "B"}, "not both"),
+        ({"auth_token_file": "/nonexistent/token"}, "auth_token_file = '/nonexistent/token': cannot read it"),
+    ],
+)
+def test_bad_endpoint_settings_name_the_key(options: dict, message: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        AgentServer.shared(**{"host": "127.0.0.1", "port": free_port(), **options})
+    assert message in str(refused.value)
+
+
+def test_one_endpoint_per_address_with_one_set_of_settings() -> None:
+    port = free_port()
+    server = AgentServer.shared("127.0.0.1", port, max_waiting_claims=8)
+    try:
+        assert AgentServer.shared("127.0.0.1", port, max_waiting_claims=8) is server
+        with pytest.raises(ValueError, match="already runs with other settings"):
+            AgentServer.shared("127.0.0.1", port)
+        with pytest.raises(OSError, match=f"cannot bind 127.0.0.1:{port}.*change env.environment_args"):
+            AgentServer(server.settings)  # a second server on a taken port
+    finally:
+        server.close()
+    AgentServer.shared("127.0.0.1", port).close()  # closed: the address is free for other settings
+
+
 @pytest.mark.integration
 def test_tandem_generator_serves_agents_end_to_end(tmp_path) -> None:
     """`tandem generator` (SIMULATION engine) with the endpoint as its environment; agents run every episode."""
