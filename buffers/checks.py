@@ -8,13 +8,16 @@ what to change. They are pure functions of the message and the numbers they are 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from common.types import (
+    MAX_COUNT,
     MAX_FINISH_REASON_CHARS,
     MAX_NAME_CHARS,
     MAX_REWARD_COMPONENTS,
+    MAX_VERSION,
     BatchRequest,
     Heartbeat,
     LeaseRequest,
@@ -217,3 +220,42 @@ def version_report_problem(report: VersionReport) -> Problem:
             f"need 0 <= policy_version <= step (got policy_version {report.policy_version}, step {report.step})"
         )
     return None
+
+
+def journal_record_problem(kind: str, meta: dict[str, Any]) -> Problem:
+    """The numbers of a journal record, checked on replay as the wire checks them on decode (`common.types`): every
+    integer within +-MAX_COUNT, and steps and versions within [0, MAX_VERSION]. A journal written before those
+    bounds existed may hold a peer's hostile number (a VersionReport's step of 2**63, and the draws it allowed).
+    Lease records (grant, expire, requeue, leases) are not checked: later records refer to their leases, and their
+    numbers feed no arithmetic or metric."""
+    if kind not in _CHECKED_KINDS:
+        return None
+    if not _integers_within(meta, MAX_COUNT):
+        return "bad_number", f"a number beyond +-{MAX_COUNT} in {meta}"[:300]
+    for key in _VERSION_KEYS.get(kind, ()):
+        if key in meta and not (type(meta[key]) is int and 0 <= meta[key] <= MAX_VERSION):
+            return "bad_version", f"{key} {meta[key]!r} is not in [0, {MAX_VERSION}]"
+    if kind == "version" and not meta.get("policy_version", 0) <= meta.get("step", 0):
+        return "bad_version", f"policy_version {meta['policy_version']} > step {meta['step']}"
+    if kind == "draw" and not (meta["world_size"] >= 1 and len(meta["seqs"]) % meta["world_size"] == 0):
+        return "bad_draw", f"{len(meta['seqs'])} groups do not split into world_size {meta['world_size']} shares"
+    return None
+
+
+_CHECKED_KINDS = ("version", "draw", "deliver", "pending_draw", "evict", "drop", "group", "counters")
+_VERSION_KEYS = {
+    "version": ("step", "policy_version"),
+    "draw": ("step",),
+    "deliver": ("step",),
+    "pending_draw": ("step",),
+}
+
+
+def _integers_within(value: Any, bound: int) -> bool:
+    if type(value) is int:
+        return -bound <= value <= bound
+    if isinstance(value, dict):
+        return all(_integers_within(v, bound) for v in value.values())
+    if isinstance(value, list):
+        return all(_integers_within(v, bound) for v in value)
+    return True

@@ -27,10 +27,11 @@ from buffers.checks import GroupLimits
 from buffers.journal import Journal
 from buffers.leases import Lease, PromptDispenser, PromptRecordLike
 from buffers.replay import ReplayBuffer
+from buffers.restore import ReplayGuard
 from common.config import TandemConfig
 from common.model_prep import model_vocab_size
 from common.types import RolloutGroup
-from common.wire import decode, encode
+from common.wire import encode
 
 log = logging.getLogger("tandem.buffer")
 
@@ -123,26 +124,41 @@ class BufferState:
         """Journal the event (when persistent), then apply it; returns what the applier returns."""
         if self.journal is not None:
             self.journal.append(kind, meta, encode(group) if group is not None else ())
+        return self.apply(kind, meta, group)
+
+    def apply(self, kind: str, meta: dict[str, Any], group: RolloutGroup | None = None) -> Any:
+        """Apply an event without journaling it (`commit` after journaling it, replay as it reads it)."""
         return self._appliers[kind](meta, group)
 
     def restore(self, now: float) -> int:
-        """Replay the journal (if any) into this fresh state; returns the number of events applied."""
+        """Replay the journal (if any) into this fresh state, as of `now`; returns the number of events applied.
+
+        A record that fails its checks is skipped, logged and counted (`journal_skipped`), never fatal (see
+        `buffers.restore`): a group that does not decode or that `group_problem` rejects now, numbers outside the
+        wire's bounds (`journal_record_problem`), and records that refer to a skipped group or to a batch that is not
+        there. An unknown record kind still raises (the journal was written by a newer version)."""
         if self.journal is None:
             return 0
         records = self.journal.replay()
+        guard = ReplayGuard(self)
         for record in records:
             if record.kind not in self._appliers:
                 raise ValueError(
                     f"{self.journal.path}: unknown record kind {record.kind!r} (written by a newer "
                     "version?): run that version, or start a new run.name"
                 )
-            group = None
-            if record.kind == "group":
-                group, _ = decode(record.frames)
-            self._appliers[record.kind](record.meta, group)
+            guard.replay(record)
         self._held.clear()
         self.dispenser.refresh_generators(now)
-        return len(records)
+        self.dispenser.forget(now)
+        if guard.skipped:
+            log.error(
+                "journal %s: skipped %d of %d records (counted: journal_skipped)",
+                self.journal.path,
+                guard.skipped,
+                len(records),
+            )
+        return len(records) - guard.skipped
 
     # ------------------------------------------------------------------------------------------ live operations
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,8 +68,31 @@ def make_group(
     )
 
 
+# What hostile content breaks (`buffers.checks.group_problem`), one way each: kind -> changes to a valid group.
+HOSTILE = {
+    "bad_token": lambda g: {
+        "completion_tokens": np.where(np.arange(g.num_tokens) == 0, VOCAB + 7, g.completion_tokens)
+    },
+    "negative_token": lambda g: {"prompt_tokens": np.array([3, -1, 4], np.int32)},
+    "empty_prompt": lambda g: {"prompt_tokens": np.zeros(0, np.int32)},
+    "too_long": lambda g: {"prompt_tokens": np.zeros(MAX_MODEL_LEN, np.int32)},
+    "huge_reward": lambda g: {"rewards": np.where(np.arange(g.size) < 2, np.float32(3e38), 0).astype(np.float32)},
+    "nan_component": lambda g: {"reward_components": {"format": np.full(g.size, np.nan, np.float32)}},
+    "inf_component": lambda g: {"reward_components": {"format": np.full(g.size, -np.inf, np.float32)}},
+    "positive_logprob": lambda g: {"behaviour_logprobs": np.abs(g.behaviour_logprobs) + np.float32(0.5)},
+    "future_token_version": lambda g: {"token_versions": np.full(g.num_tokens, 10**6, np.int32)},
+}
+
+
+def hostile_group(lease_id: int, prompt: PromptItem | tuple[int, int], how: str, generator_id: int = 0, **kw: Any):
+    """A group that decodes (it passes `validate`) but that the buffer must never serve: `HOSTILE[how]` applied."""
+    group = make_group(lease_id, prompt, generator_id, **kw)
+    return dataclasses.replace(group, **HOSTILE[how](group))
+
+
 # ------------------------------------------------------------------------------------------------ driving a core
 GROUP = 4
+VOCAB, MAX_MODEL_LEN, MAX_ABS_REWARD = 1000, 64, 1e6  # make_group: ids < 1000, 5 prompt + 8 completion tokens
 OP_MIX = ["lease"] * 2 + ["push"] * 3 + ["learn"] * 2 + ["sync"] * 2 + ["resend", "bad", "time", "return"]
 
 
@@ -85,6 +109,9 @@ def make_settings(**overrides: Any) -> BufferSettings:
         "groups_per_step": 2,
         "sync_every": 1,
         "seed": 0,
+        "vocab_size": VOCAB,
+        "max_model_len": MAX_MODEL_LEN,
+        "max_abs_reward": MAX_ABS_REWARD,
     }
     values.update(overrides)
     return BufferSettings(**values)

@@ -8,13 +8,14 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from buffers.checks import group_problem
 from buffers.core import BufferCore
 from buffers.journal import Journal, pack_record, read_records
-from common.types import Batch, BatchRequest
-from tests.buffers.fakes import GROUP, OP_MIX, RandomRun, ask, make_core
+from common.types import Batch, BatchRequest, LeaseRequest
+from tests.buffers.fakes import GROUP, HOSTILE, OP_MIX, RandomRun, ask, hostile_group, make_core, make_group
 
 
 def _write(path: Path, records: list) -> Journal:
@@ -137,3 +138,86 @@ def test_compaction_keeps_the_journal_bounded(tmp_path: Path) -> None:
     restarted = make_core(prompts=30, journal=Journal(path), max_staleness=1000)
     restarted.state.restore(run.now)
     assert _fingerprint(restarted) == before
+
+
+def _hostile_push(core: BufferCore, run: RandomRun, how: str) -> bool:
+    """Store a hostile group the way the buffer did before its content checks: past the checks, through `accept`."""
+    if not run.unsent:
+        return False
+    lease_id, prompt, generator, version = run.unsent.pop()
+    core.state.accept(hostile_group(lease_id, prompt, how, generator, size=GROUP, version=version), run.now)
+    return True
+
+
+def _hostile_held(core: BufferCore) -> int:
+    """Groups held (buffered, or in a drawn batch) that the buffer's checks reject."""
+    state = core.state
+    held = [e.group for e in state.replay.entries.values()]
+    held += [g for b in [*state.book.drawn.values(), state.book.completed] if b is not None for g in b.groups]
+    return sum(group_problem(g, state.settings.group_limits, state.newest_version) is not None for g in held)
+
+
+def _assert_nothing_hostile_held(core: BufferCore) -> None:
+    state = core.state
+    assert _hostile_held(core) == 0
+    assert state.ledger.gap(state.replay.samples, len(state.replay)) == (0, 0), core.counters()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from([*OP_MIX, "hostile", "compact"]), st.integers(0, 1 << 16)), min_size=10, max_size=80
+    ),
+    how=st.sampled_from(sorted(HOSTILE)),
+    reuse=st.integers(1, 2),
+    world_size=st.sampled_from([1, 2]),
+)
+def test_hostile_groups_journaled_before_the_checks_are_skipped_on_replay(ops, how, reuse, world_size) -> None:
+    settings_ = {"max_staleness": 1, "max_reuse": reuse, "capacity": 6 * GROUP, "heartbeat_timeout_s": 50.0}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "journal.bin"
+        core = make_core(prompts=12, journal=Journal(path), **settings_)
+        core.state.restore(0.0)
+        run = RandomRun(core, world_size)
+        for op, pick in ops:
+            if op == "hostile":
+                _hostile_push(core, run, how)
+            elif op == "compact":
+                core.state.compact(run.now)
+            else:
+                run.play(op, pick)
+        core.state.save_counters()
+        core.state.journal.close()
+        hostile = _hostile_held(core)  # those that were trained, dropped or evicted before the restart are gone
+        event(f"hostile groups held at the restart: {min(hostile, 2)}")
+
+        restarted = _restart(settings_, path, run.now)
+        _assert_nothing_hostile_held(restarted)
+        assert restarted.counters().get("journal_skipped", 0) >= min(hostile, 1)
+        # it carries on: more groups and learner steps, still balanced and clean
+        run.core = restarted
+        for i in range(30):
+            run.play(["lease", "push", "push", "learn", "time"][i % 5], i)
+            _assert_nothing_hostile_held(restarted)
+        restarted.state.journal.close()
+
+
+def test_a_version_report_journaled_with_a_step_of_2_63_is_skipped_on_replay(tmp_path: Path) -> None:
+    """The old buffer journaled VersionReport(0, 2**63), then died at its next TensorBoard write, at every restart."""
+    from common.metrics import MetricsSink
+
+    path = tmp_path / "journal.bin"
+    core = make_core(prompts=12, journal=Journal(path))
+    core.state.restore(0.0)
+    core.state.report_version(1, 1)  # a learner at step 1
+    core.state.report_version(2**63, 0)  # what the old core committed for that report (it passed its checks then)
+    core.state.journal.close()
+
+    restarted = make_core(prompts=12, journal=Journal(path))
+    assert restarted.state.restore(0.0) == 1  # every record but the hostile one
+    assert restarted.state.learner_version == 1 and restarted.counters()["journal_skipped"] == 1
+    sink = MetricsSink(tmp_path, "buffer")
+    sink.log(restarted.state.learner_version, restarted.metrics())  # what overflowed TensorBoard before
+    sink.close()
+    grant = ask(restarted, LeaseRequest(0, 1, 1))
+    assert ask(restarted, make_group(grant.lease_id, grant.prompts[0], 0, GROUP, 1)).status == "accepted"
