@@ -94,9 +94,12 @@ def run_python(
     """Run `source` as `__main__` in the sandbox, with `files` (name -> text) written beside it first.
 
     Never raises for what the code does (errors, timeouts, limits show in the result). Raises ValueError for a file
-    name that leaves the directory, SandboxUnavailable where the kernel grants no isolation (see the module
-    docstring for the opt-in), OSError if the interpreter cannot be started at all.
+    name that leaves the directory or files larger than `disk_mb`, SandboxUnavailable where the kernel grants no
+    isolation (see the module docstring for the opt-in), OSError if the interpreter cannot be started at all.
     """
+    size = sum(len(text.encode()) for text in (files or {}).values()) + len(source.encode())
+    if size > limits.disk_mb << 20:
+        raise ValueError(f"the sandbox's files hold {size} bytes, more than SandboxLimits.disk_mb={limits.disk_mb}")
     with tempfile.TemporaryDirectory(prefix="tandem-sandbox-") as directory:
         root = Path(directory).resolve()
         _write_files(root / "files", {**(files or {}), "main.py": source})

@@ -283,3 +283,5 @@ def test_in_a_user_namespace_it_confines_without_root() -> None:
 def test_limits_are_checked() -> None:
     with pytest.raises(ValueError, match="SandboxLimits.disk_mb must be a positive number"):
         SandboxLimits(disk_mb=0)
+    with pytest.raises(ValueError, match="more than SandboxLimits.disk_mb=1"):
+        run_python("pass", files={"big.txt": "x" * (2 << 20)}, limits=SandboxLimits(disk_mb=1))
