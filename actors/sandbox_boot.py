@@ -400,22 +400,22 @@ def run_untrusted(work, options, report, isolation):
     limit(options)
     script = os.path.join(work, "main.py")
     with open(script, "rb") as file:
-        code = compile(file.read(), script, "exec")
+        source = file.read()
     main = type(sys)("__main__")  # its own globals, as `python main.py` would give it
     main.__file__, main.__builtins__ = script, __builtins__
     sys.modules["__main__"], sys.argv = main, [script]
     sys.path.insert(0, work)  # the script may import the files written beside it
     if options["audit_hook"] == "1":
         guard(work)
-    run_and_exit(code, main)
+    run_and_exit(source, main)
 
 
-def run_and_exit(code, main):
+def run_and_exit(source, main):
     """Run the script, then exit as the interpreter would (non-daemon threads joined, atexit handlers run, stdio
     flushed, status 0, SystemExit's code, or 1 after a traceback) but skip its finalization: in a forked child,
     freeing every object copies the pages it touches (~12 ms a run)."""
     try:
-        exec(code, main.__dict__)  # noqa: S102 - running the untrusted script is this module's purpose
+        exec(compile(source, main.__file__, "exec"), main.__dict__)  # noqa: S102 - running the untrusted script is this module's purpose
         status = 0
     except SystemExit as stop:
         status = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
