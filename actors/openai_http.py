@@ -8,6 +8,7 @@ uvicorn (h11, asyncio) serves a small ASGI app on one event-loop thread: a waiti
 thread. What an agent may cost the generator is bounded here:
   * bodies: at most `max_body_bytes`, read as a stream that stops at the limit whatever Content-Length says
     (413; a malformed Content-Length is refused by the HTTP parser with 400), within BODY_READ_TIMEOUT_S (408);
+    request heads: within HEAD_TIMEOUT_S of connecting or of the last answer (else the connection is closed);
   * connections: at most `max_connections` open at once; beyond them uvicorn answers 503 (the listen backlog,
     LISTEN_BACKLOG, holds a burst of connects until they are answered: none is reset);
   * claims: at most `max_waiting_claims` parked waiting for an episode, `max_claimed_episodes` claimed and not
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from common.config import BufferConfig, is_loopback
 
@@ -51,6 +53,7 @@ log = logging.getLogger("tandem.actors.openai_server")
 
 LISTEN_BACKLOG = 2048  # connects queued before uvicorn accepts them (the kernel caps it at net.core.somaxconn)
 BODY_READ_TIMEOUT_S = 30.0  # a body that trickles in slower than this is refused (408): it holds a connection
+HEAD_TIMEOUT_S = 10.0  # a connection sends each request head within this (of connecting, or of its last answer)
 START_TIMEOUT_S = 30.0
 MIN_TOKEN_CHARS = 16
 
@@ -281,7 +284,7 @@ class AgentApp:
         try:
             data = await asyncio.wait_for(self._read(request, limit), BODY_READ_TIMEOUT_S)
         except TimeoutError:
-            raise Refusal(408, "body_timeout", f"the body did not arrive within {BODY_READ_TIMEOUT_S:.0f}s") from None
+            raise Refusal(408, "body_timeout", f"the body did not arrive within {BODY_READ_TIMEOUT_S:g}s") from None
         body = json.loads(data) if data else {}
         if not isinstance(body, dict):
             raise ValueError("the request body must be a JSON object")
@@ -297,6 +300,32 @@ class AgentApp:
         return bytes(data)
 
 
+class HeadDeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on request heads. uvicorn closes a connection left idle after an
+    answer (timeout_keep_alive), but not one that connects and sends nothing, or sends its head a byte at a time:
+    a few such clients would hold every one of `max_connections`. Here a connection that has no request being
+    served HEAD_TIMEOUT_S after it connected, or after its last answer, is closed."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_deadline = self.loop.call_later(HEAD_TIMEOUT_S, self._head_overdue)
+
+    def on_response_complete(self) -> None:
+        self._head_deadline.cancel()
+        self._head_deadline = self.loop.call_later(HEAD_TIMEOUT_S, self._head_overdue)
+        super().on_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._head_deadline.cancel()
+        super().connection_lost(exc)
+
+    def _head_overdue(self) -> None:
+        serving = self.cycle is not None and not self.cycle.response_complete
+        if not serving and not self.transport.is_closing():
+            log.debug("agent endpoint: closed a connection with no request head after %gs", HEAD_TIMEOUT_S)
+            self.transport.close()
+
+
 class HttpEndpoint:
     """uvicorn serving `app` on its own thread. The socket is bound and listening when the constructor returns
     (OSError naming the address, e.g. a port in use, raises here), and the server has started."""
@@ -306,7 +335,7 @@ class HttpEndpoint:
         self.port: int = self.socket.getsockname()[1]
         config = uvicorn.Config(
             app,
-            http="h11",  # the pure-Python parser uvicorn always has: the same limits and errors on every machine
+            http=HeadDeadlineProtocol,  # h11, the parser uvicorn always has: the same limits and errors everywhere
             loop="asyncio",
             ws="none",
             lifespan="off",

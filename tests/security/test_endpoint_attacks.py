@@ -18,6 +18,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from actors import openai_http
 from actors.env_runner import EnvRunner
 from actors.episodes import EpisodeDriver, EpisodeGroup, EpisodeLimits
 from actors.openai_server import EPISODE_HEADER, AgentEnvironment, AgentServer
@@ -152,6 +153,34 @@ def test_claimed_episodes_are_bounded(endpoint) -> None:
     server = AgentServer.shared("127.0.0.1", port, max_claimed_episodes=2)
     server.forget(server.episode(json.loads(first[1])["episode_id"]))  # an episode ends: room for one more claim
     assert request(port, "POST", "/tandem/episodes", {"wait_s": 0})[0] == 200
+
+
+def test_a_body_that_trickles_is_cut_off(endpoint, monkeypatch) -> None:
+    """A client that declares a body and never sends it holds its connection only BODY_READ_TIMEOUT_S."""
+    monkeypatch.setattr(openai_http, "BODY_READ_TIMEOUT_S", 0.5)
+    port = endpoint()
+    head = b"POST /tandem/episodes HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+    status, body = exchange(port, head + b'{"wait_s":')  # 10 of the 100 bytes, then silence
+    assert status == 408 and "did not arrive within 0.5s" in error_message(body)
+    assert serving(port)
+
+
+def test_connections_that_send_no_request_head_are_closed(endpoint, monkeypatch) -> None:
+    """Slow-loris: connections that send nothing, or half a head, or half a second head after an answer, would
+    each hold one of max_connections forever; each is closed HEAD_TIMEOUT_S after it connected or was answered.
+    A request being served (a claim parked longer than that) is not cut."""
+    monkeypatch.setattr(openai_http, "HEAD_TIMEOUT_S", 0.5)
+    port = endpoint()
+    idle, half = (socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(2))
+    half.sendall(b"POST /tandem/episodes HTTP/1.1\r\nHost: x\r\n")
+    answered = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    answered.request("POST", "/tandem/episodes", body=b'{"wait_s": 2}')  # parked 2 s, 4x the head deadline
+    assert answered.getresponse().read() and answered.sock is not None  # answered (503 no_episode), kept alive
+    answered.sock.sendall(b"GET /v1/mod")
+    for sock in (idle, half, answered.sock):
+        assert sock.recv(1024) == b""  # closed by the endpoint (a recv timeout of 30 s would raise)
+        sock.close()
+    assert serving(port)
 
 
 def burst_of_claims(port: int, count: int, wait_s: float) -> list[tuple[int, bytes] | BaseException]:
