@@ -211,6 +211,8 @@ class BufferCore:
             batch = self._draw(request.step, request.world_size, request.num_groups)
             if batch is None:
                 return None
+        elif self.state.book.conflict(request):  # held before a batch of another shape was drawn for its step
+            return None  # it stays held until its timeout; asked again, it is refused (batch_mismatch)
         groups, staleness = batch.share(request.rank)
         if request.rank not in batch.delivered:
             self.state.deliver(request.step, request.rank)

@@ -292,3 +292,17 @@ def test_learner_resumed_from_an_older_checkpoint_is_not_starved() -> None:
     assert isinstance(ask(core, BatchRequest(1, 0, 1, 2, 0.0)), Batch)
     c = core.counters()
     assert c["arrived"] == c["trained"] + c["dropped_stale"] + c["evicted"] + c["rejected"] + c["buffered"]
+
+
+def test_a_request_held_before_a_batch_of_another_shape_was_drawn_stays_held_and_nothing_raises() -> None:
+    """A rank-1-of-2 request waits; then a one-rank request draws step 0: the held one must not take a share of it
+    (it raised KeyError out of the core, which ends the buffer service)."""
+    core = make_core()
+    assert core.handle(BatchRequest(0, 1, 2, 4, 5.0), reply_to="held", sender="a", now=0.0) == []
+    push_all(core, lease(core, 2))
+    replies = core.handle(BatchRequest(0, 0, 1, 2, 0.0), reply_to="me", sender="b", now=0.0)
+    assert [(to, type(m)) for to, m in replies] == [("me", Batch)]
+    assert [(to, type(m)) for to, m in core.tick(10.0)] == [("held", BatchNotReady)]
+    with pytest.raises(RequestRejected) as refused:
+        core.handle(BatchRequest(0, 1, 2, 4, 0.0), reply_to="held", sender="a", now=10.0)
+    assert refused.value.kind in ("batch_mismatch", "batch_shape")
