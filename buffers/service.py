@@ -13,6 +13,7 @@ prompts travel as chats, generators render them.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from common.config import EnvConfig, TandemConfig
 from common.logs import setup_logging
 from common.metrics import MetricsSink
 from common.sockets import Server, SocketSecurity
+from common.types import max_group_bytes
 
 POLL_MS = 20
 HOUSEKEEPING_EVERY_S = 0.1
@@ -42,6 +44,17 @@ def load_prompt_records(env: EnvConfig, seed: int) -> list[Any]:
 
 def journal_path(run_dir: Path) -> Path:
     return Path(run_dir) / "buffer" / "journal.bin"
+
+
+def socket_security(config: TandemConfig) -> SocketSecurity:
+    """The run's socket security, with a message limit of twice the largest group the buffer accepts plus 1 MiB
+    (`common.types.max_group_bytes`; within run.max_message_mb): nothing the buffer takes is larger, so a peer
+    cannot make it hold a message of run.max_message_mb (1 GiB by default) before rejecting it. A group over its
+    limits but under this one gets a counted rejection that says what is wrong (too_long); a larger message is
+    refused by ZeroMQ, which drops the connection."""
+    security = SocketSecurity.from_run(config.run)
+    group_limit = 2 * max_group_bytes(config.algo.group_size, config.model.max_model_len) + (1 << 20)
+    return dataclasses.replace(security, max_message_bytes=min(security.max_message_bytes, group_limit))
 
 
 def run(config: TandemConfig) -> int:
@@ -62,17 +75,18 @@ def run(config: TandemConfig) -> int:
             state.dispenser.epoch,
             state.learner_version,
         )
-    server = Server(config.buffer.host, config.buffer.port, SocketSecurity.from_run(config.run), name="buffer")
+    server = Server(config.buffer.host, config.buffer.port, socket_security(config), name="buffer")
     core = BufferCore(state, wire_rejections=server.rejected)
     sink = MetricsSink(run_dir, "buffer")
     log.info(
-        "buffer on %s:%d: %d prompts, capacity %d samples, η = %d, B = %d",
+        "buffer on %s:%d: %d prompts, capacity %d samples, η = %d, B = %d, messages up to %.2f MB",
         config.buffer.host,
         config.buffer.port,
         len(prompts),
         config.buffer.capacity,
         config.algo.max_staleness,
         config.learner.groups_per_step,
+        server.security.max_message_bytes / 1e6,
     )
     next_housekeeping = next_metrics = time.monotonic()
     try:

@@ -37,7 +37,7 @@ class BufferProcess(RoleUnderTest):
             "learner": {"groups_per_step": 2},
         }
         for section, values in sections.items():
-            defaults[section].update(values)
+            defaults.setdefault(section, {}).update(values)
         config = run_config(tmp_path / "runs", "buffer-test", **defaults)
         super().__init__(config, "buffer")
         self.address = config.generator.buffer_address
