@@ -137,6 +137,7 @@ class BufferUnderTest:
             algo={"group_size": samples, "max_staleness": 100000},
             env={"num_prompts": 4096},
             learner={"groups_per_step": groups_per_step},
+            model={"max_model_len": 2048},  # the buffer rejects prompt (128) + completion (1,024) beyond it
         )
         self.address = config.generator.buffer_address
         self.role = RoleUnderTest(config, "buffer", cores={BUFFER_CORE}).start()
