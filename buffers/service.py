@@ -22,7 +22,7 @@ from typing import Any
 from buffers.core import BufferCore, RequestRejected
 from buffers.journal import Journal
 from buffers.state import BufferSettings, BufferState
-from common.config import EnvConfig, TandemConfig
+from common.config import ConfigError, EnvConfig, TandemConfig
 from common.logs import setup_logging
 from common.metrics import MetricsSink
 from common.sockets import Server, SocketSecurity
@@ -51,9 +51,20 @@ def socket_security(config: TandemConfig) -> SocketSecurity:
     (`common.types.max_group_bytes`; within run.max_message_mb): nothing the buffer takes is larger, so a peer
     cannot make it hold a message of run.max_message_mb (1 GiB by default) before rejecting it. A group over its
     limits but under this one gets a counted rejection that says what is wrong (too_long); a larger message is
-    refused by ZeroMQ, which drops the connection."""
+    refused by ZeroMQ, which drops the connection.
+
+    Raises ConfigError when run.max_message_mb cannot carry the largest group (from a generator) or the largest
+    share of a batch (to a learner rank: learner.groups_per_step / learner.world_size groups)."""
     security = SocketSecurity.from_run(config.run)
-    group_limit = 2 * max_group_bytes(config.algo.group_size, config.model.max_model_len) + (1 << 20)
+    largest = max_group_bytes(config.algo.group_size, config.model.max_model_len)
+    share = config.learner.groups_per_step // config.learner.world_size * largest
+    if security.max_message_bytes < share:
+        raise ConfigError(
+            f"run.max_message_mb: {config.run.max_message_mb:g} MiB cannot carry a learner rank's share of a batch "
+            f"of the largest groups the buffer accepts ({share / (1 << 20):.1f} MiB: groups_per_step / world_size x "
+            "algo.group_size x model.max_model_len tokens); raise it, or lower those"
+        )
+    group_limit = 2 * largest + (1 << 20)
     return dataclasses.replace(security, max_message_bytes=min(security.max_message_bytes, group_limit))
 
 

@@ -230,3 +230,15 @@ def test_the_buffer_imports_no_engine() -> None:
         "heavy = {'torch', 'transformers', 'vllm', 'deepspeed'} & set(sys.modules); assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+
+
+def test_the_buffer_socket_takes_what_the_largest_group_needs_and_refuses_a_limit_too_small() -> None:
+    from buffers.service import socket_security
+    from common.config import ConfigError, load_config
+    from common.types import max_group_bytes
+
+    config = load_config(None)  # group_size 8, max_model_len 1024: groups of at most ~0.18 MB
+    assert socket_security(config).max_message_bytes == 2 * max_group_bytes(8, 1024) + (1 << 20)
+    small = load_config(None, {"run.max_message_mb": 0.5, "learner.groups_per_step": 16})
+    with pytest.raises(ConfigError, match="run.max_message_mb"):
+        socket_security(small)  # 16 such groups (one rank's share of a batch) are ~2.7 MiB
