@@ -13,7 +13,17 @@ by `common.weights`, or `WeightsNotNewer`). A header announcing any transport bu
 
 Failure modes: an unreachable publisher is not an error for the generator (it keeps sampling with the weights it
 has and asks again after a back-off); a malformed reply raises `WeightsTransportError`, which the poller counts,
-logs and retries like an unreachable publisher.
+logs and retries like an unreachable publisher. Malformed means anything `common.weights.check_frames` refuses
+(an unknown dtype, sizes or shapes that disagree with the bytes, bucket indices out of range, empty or repeated
+names) and an update whose tensor layout (names, dtypes, shapes) differs from the first one this source accepted.
+
+Versions are bounded too, since a forged version would stall a generator for good (it would wait for the learner
+to pass it): `WeightsPoller` never adopts a version more than `max_version_lead` ahead of what it knows the
+learner reached (the version it has, or the one the buffer asked for with `want`); such a reply is counted
+(`implausible_version`) and asked again. And when the publisher says its latest version is older than the one
+the generator holds (a version the learner never published, or a learner resumed from an older checkpoint),
+the poller counts it (`version_regressed`) and fetches the publisher's latest whatever its number, so the
+generator returns to the learner's real weights at the next poll.
 """
 
 from __future__ import annotations
@@ -34,6 +44,12 @@ from common.weights import ALIGN, WeightsLayoutError, check_frames, total_bytes
 from common.wire import WireError
 
 log = logging.getLogger("tandem.actors.weights")
+
+# The most versions an update may lead what the learner is known to have reached (see the module docstring).
+# Versions are optimizer steps: 10^4 is hours of training past anything the buffer asked for, while a legitimate
+# lead is the staleness bound plus one sync (a restarted generator at v0 is told the learner's version by the
+# buffer's "stale" refusal, and is then in bound).
+MAX_VERSION_LEAD = 10_000
 
 
 class WeightsTransportError(RuntimeError):
@@ -75,6 +91,7 @@ class ZmqWeightsSource:
         self.client = Client(address, security, identity=f"generator-{generator_id}-weights")
         self.generator_id = generator_id
         self.timeout_s = timeout_s
+        self.layout: list[tuple[str, str, list[int]]] | None = None  # of the first update accepted
 
     def fetch(self, have_version: int) -> WeightsUpdate | int:
         request = WeightsRequest(generator_id=self.generator_id, have_version=have_version)
@@ -97,7 +114,14 @@ class ZmqWeightsSource:
         try:
             buckets = check_frames(reply, payload)
         except WeightsLayoutError as error:
-            raise WeightsTransportError(str(error)) from None
+            raise WeightsTransportError(f"malformed weights update: {error}") from None
+        layout = [(spec.name, spec.dtype, list(spec.shape)) for spec in reply.tensors]
+        if self.layout is not None and layout != self.layout:
+            changed = next((new[0] for new, old in zip(layout, self.layout) if new != old), "the tensor count")
+            raise WeightsTransportError(
+                f"weights update v{reply.policy_version} changes the model's layout ({changed})"
+            )
+        self.layout = layout
         return WeightsUpdate(reply, buckets, received_at=time.monotonic())
 
     def close(self) -> None:
@@ -111,21 +135,25 @@ class WeightsPoller:
     Ordering: a fetch starts every `poll_s`; `want(v)` (the buffer refused a lease as stale, or admission is full)
     makes the next fetch start at once and keeps fetching every `WAITING_POLL_S` until a version >= v arrives.
     An unreachable source or an unusable reply is counted in `failures` (by kind), logged, and retried after
-    `backoff_delays(backoff_max_s)`.
+    `backoff_delays(backoff_max_s)`. Versions: see the module docstring (`max_version_lead`, rollback).
     """
 
     WAITING_POLL_S = 0.2
 
-    def __init__(self, source: WeightsSource, poll_s: float, backoff_max_s: float) -> None:
+    def __init__(
+        self, source: WeightsSource, poll_s: float, backoff_max_s: float, max_version_lead: int = MAX_VERSION_LEAD
+    ) -> None:
         self.source = source
         self.poll_s = poll_s
         self.backoff_max_s = backoff_max_s
+        self.max_version_lead = max_version_lead
         self.next_poll = 0.0
         self.min_version = -1  # a version the buffer requires (-1 = none)
-        self.latest_seen = -1  # the newest version the source reported
+        self.latest_seen = -1  # the newest (plausible) version the source reported
         self.failures: Counter[str] = Counter()
         self._delays = backoff_delays(backoff_max_s)
         self._fetch: _Fetch | None = None
+        self._rollback = False  # the source is behind what we hold: fetch its latest, whatever its version
 
     def want(self, min_version: int) -> None:
         """Fetch until the generator has `min_version`; the next fetch starts at once."""
@@ -134,10 +162,10 @@ class WeightsPoller:
 
     def poll(self, now: float, have_version: int) -> WeightsUpdate | None:
         """Non-blocking: starts a fetch when one is due; returns the update of a finished fetch when it is newer
-        than `have_version`, else None."""
+        than `have_version` (or the publisher's latest after a rollback, see the module docstring), else None."""
         if self._fetch is None:
             if now >= self.next_poll:
-                self._fetch = _Fetch(self.source, have_version)
+                self._fetch = _Fetch(self.source, -1 if self._rollback else have_version)
             return None
         if not self._fetch.finished.is_set():
             return None
@@ -147,7 +175,7 @@ class WeightsPoller:
     def wait(self, have_version: int, timeout_s: float) -> WeightsUpdate | None:
         """Blocking: fetch now and wait up to `timeout_s` (a fetch still running is collected by a later `poll`)."""
         if self._fetch is None:
-            self._fetch = _Fetch(self.source, have_version)
+            self._fetch = _Fetch(self.source, -1 if self._rollback else have_version)
         if not self._fetch.finished.wait(timeout_s):
             return None
         fetch, self._fetch = self._fetch, None
@@ -158,20 +186,36 @@ class WeightsPoller:
             if not isinstance(fetch.error, (PeerUnavailable, WeightsTransportError)):
                 raise fetch.error
             kind = "unreachable" if isinstance(fetch.error, PeerUnavailable) else "bad_reply"
-            self.failures[kind] += 1
-            delay = next(self._delays)
-            log.warning("weights: %s (%s); asking again in %.1fs", fetch.error, kind, delay)
-            self.next_poll = time.monotonic() + delay
+            self._retry_later(kind, str(fetch.error))
             return None
-        self._delays = backoff_delays(self.backoff_max_s)
         result = fetch.result
         latest = result.policy_version if isinstance(result, WeightsUpdate) else int(result)
+        known = max(have_version, self.min_version)  # what the learner is known to have reached
+        if latest > max(known, 0) + self.max_version_lead:
+            reason = f"the publisher announced v{latest}, over {self.max_version_lead} past v{known}: not adopted"
+            self._retry_later("implausible_version", reason)
+            return None
+        self._delays = backoff_delays(self.backoff_max_s)
         self.latest_seen = max(self.latest_seen, latest)
+        if 0 <= latest < have_version and not isinstance(result, WeightsUpdate):
+            self.failures["version_regressed"] += 1
+            log.warning(
+                "weights: the publisher is at v%d, behind v%d held here: fetching v%d", latest, have_version, latest
+            )
+            self._rollback, self.next_poll = True, 0.0
+            return None
         waiting = self.min_version > max(have_version, latest)  # the learner has not published it yet
         self.next_poll = time.monotonic() + (self.WAITING_POLL_S if waiting else self.poll_s)
-        if isinstance(result, WeightsUpdate) and result.policy_version > have_version:
+        if isinstance(result, WeightsUpdate) and (result.policy_version > have_version or self._rollback):
+            self._rollback = False
             return result
         return None
+
+    def _retry_later(self, kind: str, reason: str) -> None:
+        self.failures[kind] += 1
+        delay = next(self._delays)
+        log.warning("weights: %s (%s); asking again in %.1fs", reason, kind, delay)
+        self.next_poll = time.monotonic() + delay
 
     def close(self) -> None:
         """Close the source unless a fetch still uses it (its daemon thread ends with the process)."""

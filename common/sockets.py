@@ -184,7 +184,7 @@ class Server:
         except WireError as error:
             self._reject(identity, request_id, error.reason, error.kind)
             return None
-        return Request(identity, request_id, message, payload)
+        return Request(identity, request_id, message, payload, peer_fd=_source_fd(frames[0]))
 
     def _reject(self, identity: bytes, request_id: bytes | None, reason: str, kind: str) -> None:
         self.rejected[kind] += 1
@@ -209,12 +209,21 @@ class Server:
         self.socket.close(linger=0)
 
 
+def _source_fd(frame: zmq.Frame) -> int:
+    """The descriptor of the TCP connection a received frame came on (ZMQ_SRCFD), -1 when unknown."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except zmq.ZMQError:
+        return -1
+
+
 @dataclass
 class Request:
     identity: bytes  # ZeroMQ identity of the sender (for logs and replies)
     request_id: bytes
     message: Any
     payload: list[memoryview]
+    peer_fd: int = -1  # its TCP connection's descriptor (ZMQ_SRCFD; -1 unknown): how a server drops a stalled peer
 
     @property
     def sender(self) -> str:

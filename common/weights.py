@@ -28,12 +28,14 @@ that has nothing newer (a long poll, with a deferred reply) and answer it the mo
 by the generator's polling period (1 s, 0.2 s while the buffer is waiting for a newer version).
 
 Failure modes: `plan_buckets` and `storage_dtype` raise `ValueError` for a bucket size <= 0 or a dtype name they do
-not know; `check_frames` raises `WeightsLayoutError` when the frames do not match the header (count, sizes, a spec
-whose bytes disagree with its shape or lie outside its bucket). Imports numpy only (no torch).
+not know; `check_frames` raises `WeightsLayoutError` (a ValueError) for any header the frames do not match or that
+no publisher writes (see its docstring): a receiver counts it and asks again, it never indexes with it.
+Imports numpy only (no torch).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +45,8 @@ from common.types import TensorSpec, WeightsHeader
 
 ALIGN = 64
 DEFAULT_BUCKET_MB = 128.0
+MAX_NDIM = 8  # the model's tensors have 1 or 2 dims; more is a malformed header
+MAX_POLICY_VERSION = 2**31 - 1  # versions travel as int32 in every rollout (token_versions, versions)
 
 # dtype name -> numpy dtype that holds the same bytes (bfloat16 has no numpy dtype: uint16 words).
 STORAGE_DTYPES: dict[str, np.dtype] = {
@@ -94,21 +98,54 @@ def plan_buckets(
 
 
 def check_frames(header: WeightsHeader, buckets: Sequence[Any]) -> list[memoryview]:
-    """The buckets as byte memoryviews, after checking they match the header; raises `WeightsLayoutError`."""
+    """The buckets as byte memoryviews, after checking they match the header; raises `WeightsLayoutError`.
+
+    Checked, because the header comes from a peer: a version within [0, MAX_POLICY_VERSION]; the frame count and
+    every frame's size; per tensor a non-empty unique name, a dtype of `STORAGE_DTYPES`, at most `MAX_NDIM`
+    non-negative dims whose product times the item size is `nbytes`, a bucket index in range and an `ALIGN`-ed
+    offset with its bytes inside that bucket; and no two tensors sharing a byte.
+    """
+    if not 0 <= header.policy_version <= MAX_POLICY_VERSION:
+        raise WeightsLayoutError(f"policy_version {header.policy_version} is outside [0, {MAX_POLICY_VERSION}]")
     views = [_byte_view(b) for b in buckets]
     if len(views) != len(header.bucket_sizes):
         raise WeightsLayoutError(f"header announces {len(header.bucket_sizes)} buckets, {len(views)} frames came")
     for index, (view, size) in enumerate(zip(views, header.bucket_sizes)):
         if view.nbytes != size:
             raise WeightsLayoutError(f"bucket {index}: {view.nbytes} bytes arrived, header says {size}")
+    names: set[str] = set()
     for spec in header.tensors:
-        expected = int(np.prod(spec.shape, dtype=np.int64)) * storage_dtype(spec.dtype).itemsize
-        if spec.nbytes != expected:
-            raise WeightsLayoutError(f"tensor '{spec.name}': nbytes {spec.nbytes} != shape {spec.shape} x itemsize")
-        inside = 0 <= spec.bucket < len(views) and spec.offset >= 0
-        if not inside or spec.offset + spec.nbytes > views[spec.bucket].nbytes:
-            raise WeightsLayoutError(f"tensor '{spec.name}': bytes outside bucket {spec.bucket}")
+        _check_spec(spec, views, names)
+    _check_disjoint(header.tensors)
     return views
+
+
+def _check_spec(spec: TensorSpec, views: list[memoryview], names: set[str]) -> None:
+    label = repr(spec.name[:80])
+    if not spec.name or spec.name in names:
+        raise WeightsLayoutError(f"tensor {label}: names must be non-empty and unique")
+    names.add(spec.name)
+    if spec.dtype not in STORAGE_DTYPES:
+        raise WeightsLayoutError(f"tensor {label}: dtype {spec.dtype[:40]!r} is none of {sorted(STORAGE_DTYPES)}")
+    if len(spec.shape) > MAX_NDIM or any(d < 0 for d in spec.shape):
+        raise WeightsLayoutError(f"tensor {label}: shape must have <= {MAX_NDIM} non-negative dims")
+    expected = math.prod(spec.shape) * STORAGE_DTYPES[spec.dtype].itemsize  # Python ints: no overflow
+    if spec.nbytes != expected:
+        raise WeightsLayoutError(f"tensor {label}: nbytes {spec.nbytes} != shape {spec.shape} x itemsize")
+    if not 0 <= spec.bucket < len(views):
+        raise WeightsLayoutError(f"tensor {label}: bucket {spec.bucket} out of range (0..{len(views) - 1})")
+    if spec.offset < 0 or spec.offset % ALIGN or spec.offset + spec.nbytes > views[spec.bucket].nbytes:
+        raise WeightsLayoutError(
+            f"tensor {label}: offset {spec.offset} unaligned or bytes outside bucket {spec.bucket}"
+        )
+
+
+def _check_disjoint(tensors: Sequence[TensorSpec]) -> None:
+    previous: TensorSpec | None = None
+    for spec in sorted(tensors, key=lambda t: (t.bucket, t.offset)):
+        if previous is not None and previous.bucket == spec.bucket and previous.offset + previous.nbytes > spec.offset:
+            raise WeightsLayoutError(f"tensors {previous.name[:80]!r} and {spec.name[:80]!r} overlap")
+        previous = spec
 
 
 def _byte_view(frame: Any) -> memoryview:

@@ -21,6 +21,21 @@ Invariants:
   * Tensor names are the Hugging Face state-dict names, dtypes the training dtype (bfloat16 travels as
     raw 2-byte words): what vLLM's `load_weights` expects.
 
+Hostile readers (a peer that asks for weights and then stops reading them): replies go out zero-copy, so a reply
+that ZeroMQ has not finished sending keeps its snapshot's buckets alive. Bounds, all enforced by the serving thread:
+  * one reply in flight per connection: a connection's next request waits until ZeroMQ let go of its previous
+    reply (only its newest waiting request is kept; the older one is counted `requests_superseded`);
+  * at most `max_readers` replies in flight: a request beyond them is refused (`ErrorReply`, counted busy); the
+    generator counts it and asks again after its back-off;
+  * a reply still in flight after `reader_deadline_s` gets its reader dropped (`dropped_readers/slow`), and while
+    more than `max_snapshots` snapshots are alive the readers of the oldest ones are dropped at once
+    (`dropped_readers/superseded`). Dropping shuts the reader's TCP connection down (the descriptor its request
+    came on, checked against the peer address seen then): ZeroMQ closes it and frees what it held. An honest
+    generator that is dropped reconnects and asks again, and is then sent the newest version.
+So at most `max_snapshots` snapshots are alive, plus the one `publish` is writing until the serving thread next
+looks (every `poll_ms`), and no slow reader holds memory longer than `reader_deadline_s` (+ `poll_ms`).
+`live_bucket_bytes()` reports what is allocated (weak references: it counts what ZeroMQ still holds too).
+
 Transport: `zmq` (this module's publisher; CPU and any machine). A GPU broadcast over NCCL (vLLM's stateless
 process group) is not part of this build: `open_weights_publisher` refuses it with an error that says so, and a
 generator refuses a header announcing it (`actors/weights.py`).
@@ -29,9 +44,13 @@ generator refuses a header announcing it (`actors/weights.py`).
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import struct
 import sys
 import threading
 import time
+import weakref
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -39,13 +58,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from common.sockets import Server, SocketSecurity
+from common.sockets import Request, Server, SocketSecurity
 from common.types import WeightsHeader, WeightsNotNewer, WeightsRequest
 from common.weights import DEFAULT_BUCKET_MB, plan_buckets, storage_dtype
 
 log = logging.getLogger("tandem.learner.publisher")
 
 Layout = Sequence[tuple[str, str, Sequence[int]]]  # (HF name, dtype name, shape) per tensor, in publish order
+DEFAULT_READER_DEADLINE_S = 60.0  # one reply: ~270 MB take < 1 s on loopback, 15 GB ~ 15 s on 10 GbE
+DEFAULT_MAX_READERS = 64  # replies in flight at once (generators fetching together)
+DEFAULT_MAX_SNAPSHOTS = 3  # the latest, the retired one (reused), one older that a reader may finish
 
 
 class WeightsPublisher(Protocol):
@@ -83,6 +105,62 @@ def buckets_reusable(snapshot: Snapshot) -> bool:
     """True when nothing can read `snapshot`'s buckets: no serving thread is about to send it and no object
     but the snapshot references them (a zero-copy frame in flight holds a reference until ZeroMQ sent it)."""
     return snapshot.readers == 0 and all(c <= _IDLE_REFCOUNT for c in _bucket_refcounts(snapshot.buckets))
+
+
+class _Reader:
+    """A connection with a weights reply in flight. ZeroMQ holds the reply's bucket views until it has sent them:
+    when every view is gone, nothing of the reply is left (`done`). `dropped` says why it was disconnected."""
+
+    def __init__(self, snapshot: Snapshot, frames: list[np.ndarray], sent_at: float, peer_fd: int) -> None:
+        self.snapshot = snapshot
+        self.frames = [weakref.ref(frame) for frame in frames]
+        self.sent_at = sent_at
+        self.connection = tcp_connection(peer_fd)
+        self.dropped = ""
+
+    def done(self) -> bool:
+        return all(frame() is None for frame in self.frames)
+
+
+TcpConnection = tuple[int, Any]  # (descriptor, peer address when the request came)
+
+
+def tcp_connection(fd: int) -> TcpConnection | None:
+    """The descriptor and peer address of a request's TCP connection; None when unknown or already closed."""
+    if fd < 0:
+        return None
+    try:
+        with _socket_of(fd) as sock:
+            return fd, sock.getpeername()
+    except OSError:
+        return None
+
+
+def disconnect_tcp(connection: TcpConnection | None) -> bool:
+    """Shut down the TCP connection (its peer must reconnect), if the descriptor is still the same connection;
+    returns whether it did. Unsent bytes are discarded (SO_LINGER 0: a reset once ZeroMQ closes it)."""
+    if connection is None:
+        return False
+    fd, peer = connection
+    try:
+        with _socket_of(fd) as sock:
+            if sock.getpeername() != peer:
+                return False  # the descriptor was closed and reused by another connection
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        return False  # already closed
+    return True
+
+
+def _socket_of(fd: int) -> socket.socket:
+    """A socket object on a duplicate of `fd` (closing it leaves `fd` open); OSError if `fd` is no socket."""
+    duplicate = os.dup(fd)
+    try:
+        return socket.socket(fileno=duplicate)
+    except OSError:
+        os.close(duplicate)
+        raise
 
 
 def copy_into_snapshot(
@@ -136,7 +214,11 @@ def _copy_bytes(tensor: Any, target: np.ndarray, dtype_name: str, shape: Sequenc
 class ZmqWeightsPublisher:
     """Serves the latest `Snapshot` over a `Server` (ROUTER) socket from a daemon thread (see module docstring).
 
-    Raises OSError from the constructor when the port cannot be bound.
+    Readers (peers with a reply in flight) are bounded, see "Hostile readers" in the module docstring:
+    `reader_deadline_s` (the most seconds one reply may take), `max_readers` (replies in flight at once) and
+    `max_snapshots` (snapshots alive at once: the latest, the retired one kept for reuse, and older ones that
+    slow readers still hold). Raises OSError from the constructor when the port cannot be bound, ValueError for
+    limits that cannot hold.
     """
 
     def __init__(
@@ -146,11 +228,23 @@ class ZmqWeightsPublisher:
         security: SocketSecurity,
         bucket_bytes: int = int(DEFAULT_BUCKET_MB * (1 << 20)),
         poll_ms: int = 100,
+        reader_deadline_s: float = DEFAULT_READER_DEADLINE_S,
+        max_readers: int = DEFAULT_MAX_READERS,
+        max_snapshots: int = DEFAULT_MAX_SNAPSHOTS,
     ) -> None:
+        if reader_deadline_s <= 0 or max_readers < 1 or max_snapshots < 2:
+            raise ValueError(
+                f"weights publisher limits: reader_deadline_s > 0 (got {reader_deadline_s}), max_readers >= 1 "
+                f"(got {max_readers}), max_snapshots >= 2, the latest and the retired one (got {max_snapshots})"
+            )
         self.bucket_bytes = bucket_bytes
+        self.reader_deadline_s, self.max_readers, self.max_snapshots = reader_deadline_s, max_readers, max_snapshots
         self.counters: Counter[str] = Counter()
         self._latest: Snapshot | None = None
         self._retired: deque[Snapshot] = deque(maxlen=1)  # the previous snapshot: its buckets are reused
+        self._readers: dict[bytes, _Reader] = {}  # routing id -> its reply in flight (serving thread only)
+        self._waiting: dict[bytes, Request] = {}  # routing id -> its newest request, answered after that reply
+        self._live_buckets: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()  # not freed
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -168,6 +262,11 @@ class ZmqWeightsPublisher:
         with self._lock:
             return -1 if self._latest is None else self._latest.version
 
+    def live_bucket_bytes(self) -> int:
+        """Bytes of every snapshot bucket still allocated: referenced by the publisher or by a reply ZeroMQ has
+        not let go of (what a reader that stops reading would make grow). Any thread."""
+        return sum(bucket.nbytes for bucket in list(self._live_buckets.values()))
+
     def publish(self, version: int, layout: Layout, weights: Iterable[tuple[str, Any]]) -> float:
         """Copy `weights` into a new snapshot and make it the one served; returns the seconds it took."""
         start = time.perf_counter()
@@ -175,6 +274,7 @@ class ZmqWeightsPublisher:
             if self._latest is not None and version < self._latest.version:
                 raise ValueError(f"policy_version {version} is older than the published {self._latest.version}")
         snapshot = copy_into_snapshot(version, layout, weights, self.bucket_bytes, self._reusable_buckets())
+        self._live_buckets.update({id(bucket): bucket for bucket in snapshot.buckets})
         with self._lock:
             if self._latest is not None:
                 self._retired.append(self._latest)
@@ -216,11 +316,12 @@ class ZmqWeightsPublisher:
                 request = server.poll(timeout_ms=poll_ms)
                 if request is not None:
                     self._answer(server, request)
+                self._tend_readers(server, time.monotonic())
         finally:
             self.counters.update({f"rejected/{k}": v for k, v in server.rejected.items()})
             server.close()
 
-    def _answer(self, server: Server, request: Any) -> None:
+    def _answer(self, server: Server, request: Request) -> None:
         message = request.message
         if not isinstance(message, WeightsRequest):
             server.reject(
@@ -229,22 +330,79 @@ class ZmqWeightsPublisher:
                 "unexpected_type",
             )
             return
+        if request.identity in self._readers:  # one reply in flight per connection: this one waits for it
+            if self._waiting.pop(request.identity, None) is not None:
+                self.counters["requests_superseded"] += 1
+            self._waiting[request.identity] = request
+            return
+        self._send_latest(server, request, message.have_version)
+
+    def _send_latest(self, server: Server, request: Request, have_version: int) -> None:
         with self._lock:
             snapshot = self._latest
-            newer = snapshot is not None and snapshot.version > message.have_version
-            if newer:
+            newer = snapshot is not None and snapshot.version > have_version
+            busy = newer and len(self._readers) >= self.max_readers
+            if newer and not busy:
                 snapshot.readers += 1
         if not newer:
             server.reply(request, WeightsNotNewer(latest_version=-1 if snapshot is None else snapshot.version))
             self.counters["not_newer"] += 1
             return
+        if busy:
+            reason = f"the weights publisher is sending to {self.max_readers} readers already: ask again shortly"
+            server.reject(request, reason, "busy")
+            return
         try:
-            server.reply(request, snapshot.header, payload=snapshot.buckets)  # frames now hold references
+            frames = [bucket.view() for bucket in snapshot.buckets]  # this reply's own references to the buckets
+            self._readers[request.identity] = _Reader(snapshot, frames, time.monotonic(), request.peer_fd)
+            server.reply(request, snapshot.header, payload=frames)  # ZeroMQ now holds the only references
         finally:
             with self._lock:
                 snapshot.readers -= 1
         self.counters["served"] += 1
         self.counters["served_bytes"] += sum(b.nbytes for b in snapshot.buckets)
+
+    def _tend_readers(self, server: Server, now: float) -> None:
+        """Retire finished replies (answering what waited for them), drop readers past the deadline, and drop the
+        readers of the oldest snapshots while more than `max_snapshots` are alive. Serving thread only."""
+        for identity, reader in list(self._readers.items()):
+            if reader.done():
+                del self._readers[identity]
+                waiting = self._waiting.pop(identity, None)
+                if waiting is not None:
+                    self._send_latest(server, waiting, waiting.message.have_version)
+            elif not reader.dropped and now - reader.sent_at > self.reader_deadline_s:
+                self._drop(identity, reader, "slow")
+        with self._lock:
+            kept = {id(s) for s in (self._latest, *self._retired) if s is not None}
+        held = sorted(
+            {id(r.snapshot): r.snapshot for r in self._readers.values() if not r.dropped}.values(),
+            key=lambda snapshot: snapshot.version,
+        )
+        older = [snapshot for snapshot in held if id(snapshot) not in kept]
+        for snapshot in older[: max(0, len(older) - (self.max_snapshots - len(kept)))]:
+            for identity, reader in list(self._readers.items()):
+                if reader.snapshot is snapshot and not reader.dropped:
+                    self._drop(identity, reader, "superseded")
+
+    def _drop(self, identity: bytes, reader: _Reader, why: str) -> None:
+        """Disconnect a reader: ZeroMQ then frees the reply it holds (the reader stays listed until it has)."""
+        reader.dropped = why
+        self._waiting.pop(identity, None)
+        self.counters[f"dropped_readers/{why}"] += 1
+        closed = disconnect_tcp(reader.connection)
+        if not closed:
+            self.counters["dropped_readers/not_disconnected"] += 1
+        log.warning(
+            "weights reader %s dropped (%s: v%d in flight for %.1fs; deadline %.1fs, %d snapshots at most)%s",
+            identity.hex(),
+            why,
+            reader.snapshot.version,
+            time.monotonic() - reader.sent_at,
+            self.reader_deadline_s,
+            self.max_snapshots,
+            "" if closed else "; its connection could not be closed, its reply stays until the peer reads it",
+        )
 
     def close(self) -> None:
         self._stop.set()
