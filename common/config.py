@@ -12,19 +12,55 @@ naming the dotted key and what is allowed, e.g. ``learner.lr: must be > 0 (got -
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import json
+import math
 import re
 import tomllib
+import types
+import typing
+import urllib.parse
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 # Estimators that normalise rewards within the group of one prompt: they need at least two samples a group.
 GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"})
 # Estimators with per-token rewards, the only ones that can take the KL into the reward (`algo.kl_in_reward`).
 KL_IN_REWARD_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")
+
+
+# Longest timeout, back-off or simulated sleep a field takes: a week (longer means "never" in practice). Unbounded,
+# 1e300 passes `gt=0` and then crashes the role at its first wait: threading waits refuse timeouts above
+# threading.TIMEOUT_MAX (~9.2e9 s on Linux) and time.sleep overflows.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+# Every integer is stored as int64 somewhere (msgpack, numpy, TensorBoard); a larger one fails far from its cause.
+INT64_MAX = 2**63 - 1
+# run.seed + generator.index seeds vLLM, which seeds numpy's legacy generator: that takes seeds below 2**32, and two
+# parts below 2**31 keep their sum there.
+MAX_SEED_PART = 2**31 - 1
+# Largest socket message, in MiB: 1 TiB. ZeroMQ holds the limit as int64 bytes; no message of a run comes near it.
+MAX_MESSAGE_MB = 1 << 20
+# Arithmetic prompts are built in the buffer's memory at start: ~730 B and ~50 us each (measured here), so 10**6
+# is ~730 MB and under a minute. More prompts than that: env.epochs, or a dataset file (env.kind = "file").
+MAX_ARITHMETIC_PROMPTS = 1_000_000
+# `model.path` values that name a model Tandem builds itself (common.model_prep.resolve_model_path); any other value
+# is a local Hugging Face directory.
+BUILT_IN_MODELS = ("smollm2", "tiny")
+# A config is a few KiB; a file this large is not one (and would be read whole into memory).
+MAX_CONFIG_BYTES = 16 << 20
 
 
 class ConfigError(ValueError):
@@ -41,8 +77,147 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+_TOML_NAMES = {
+    str: "a string",
+    bool: "a boolean",
+    int: "an integer",
+    float: "a float",
+    dict: "a table",
+    list: "an array",
+}
+
+
+def _toml_type(value: Any) -> str:
+    return _TOML_NAMES.get(type(value), type(value).__name__)
+
+
+def _scalar_kind(annotation: Any) -> type | None:
+    """bool, int or float when a field holds that scalar (or that or None; Literal ints count as int), else None."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        annotation = members[0] if len(members) == 1 else None
+    if typing.get_origin(annotation) is Literal:
+        values = typing.get_args(annotation)
+        return int if all(type(v) is int for v in values) else None
+    return annotation if annotation in (bool, int, float) else None
+
+
+def _loose_scalar_problem(kind: type | None, value: Any) -> str | None:
+    """Why `value` is not a `kind` as written (None if it is, or if pydantic's own checks judge it). Pydantic's lax
+    mode would read "100" as 100, true as 1 and "yes" as true: in a config that is a mistake, not a spelling."""
+    if kind is None or value is None:
+        return None
+    if kind is bool:
+        return None if isinstance(value, bool) else "must be true or false"
+    if isinstance(value, bool):
+        return f"must be {'an integer' if kind is int else 'a number'}, not a boolean"
+    if isinstance(value, str):
+        wanted = "an integer" if kind is int else "a number"
+        try:
+            (int if kind is int else float)(value.strip())
+        except ValueError:
+            return f"must be {wanted}"
+        return f"must be {wanted}, not a string: write it without quotes"
+    if isinstance(value, dict | list):
+        return f"must be {'an integer' if kind is int else 'a number'}, not {_toml_type(value)}"
+    return None
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    """Every section: unknown keys are refused; floats must be finite (TOML and JSON both read `nan` and `inf`);
+    an integer, number or boolean must be written as one (no quoted numbers, no `true` for 1); integers fit int64."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _scalars_as_written(cls, value: Any, info: ValidationInfo) -> Any:
+        problem = _loose_scalar_problem(_scalar_kind(cls.model_fields[info.field_name].annotation), value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _integers_fit_int64(cls, value: Any) -> Any:
+        if type(value) is int and not -INT64_MAX - 1 <= value <= INT64_MAX:
+            raise ValueError(f"Input should be less than or equal to {INT64_MAX} (a 64-bit integer)")
+        return value
+
+
+_HOST_NAME = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
+)
+_RUN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+def _is_host(host: str) -> bool:
+    """`*`, a host name or an IP address (IPv6 with or without brackets)."""
+    if host == "*" or _HOST_NAME.match(host):
+        return True
+    try:
+        ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        return False
+    return True
+
+
+def _check_host(host: str) -> str:
+    if not host:
+        raise ValueError("must not be empty: '127.0.0.1' binds loopback, another address needs run.curve_keys_dir")
+    if not _is_host(host):
+        raise ValueError("must be a host name or IP address, without a port or scheme")
+    return host
+
+
+def _check_address(address: str) -> str:
+    host, colon, port = address.rpartition(":")
+    if not colon or not _is_host(host) or not port:
+        raise ValueError("must look like host:port, e.g. '127.0.0.1:5555'")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError("must end in a port in 1..65535, e.g. '127.0.0.1:5555'")
+    return address
+
+
+def _check_url(url: str) -> str:
+    try:
+        parts = urllib.parse.urlsplit(url)
+        valid = not url or (parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0)
+    except ValueError:  # urlsplit refuses a malformed IPv6 host or a port out of range
+        valid = False
+    if not valid:
+        raise ValueError("must be an http:// or https:// URL such as 'http://127.0.0.1:8000/score', or empty")
+    return url
+
+
+def _check_cores(spec: str) -> str:
+    problem = _cores_problem(spec)
+    if problem:
+        raise ValueError(problem)
+    return spec
+
+
+def _check_env_arg(value: Any) -> Any:
+    """An environment factory argument: a string, an int64, a finite float or a boolean (a TOML scalar)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("must be a finite number")
+    if type(value) is int and not -INT64_MAX - 1 <= value <= INT64_MAX:
+        raise ValueError("must fit in 64 bits (|x| < 2**63)")
+    if not isinstance(value, str | int | float | bool):
+        raise ValueError("must be a string, an integer, a finite number or a boolean")
+    return value
+
+
+def _not_empty_path(value: Any, instead: str) -> Any:
+    if isinstance(value, str) and not value.strip():
+        raise ValueError(f"must not be empty: {instead}")
+    return value
+
+
+Host = Annotated[str, AfterValidator(_check_host)]
+Address = Annotated[str, AfterValidator(_check_address)]
+CoreList = Annotated[str, AfterValidator(_check_cores)]
+EnvArg = Annotated[str | int | float | bool, BeforeValidator(_check_env_arg)]
 
 
 class RunConfig(_Section):
@@ -50,7 +225,7 @@ class RunConfig(_Section):
 
     name: str = Field("tandem", description="Run name; the run directory is `<root>/<name>`.", min_length=1)
     root: Path = Field(Path("runs"), description="Parent folder of run directories.")
-    seed: int = Field(0, description="Seed for the prompt order, sampling and initialisation.", ge=0)
+    seed: int = Field(0, description="Seed for the prompt order, sampling and initialisation.", ge=0, le=MAX_SEED_PART)
     simulate: bool = Field(
         False,
         description="SIMULATION MODE: replace vLLM and DeepSpeed by compute stand-ins of configured cost "
@@ -67,8 +242,30 @@ class RunConfig(_Section):
         "`client.key_secret` and their public files). Required to bind a non-loopback address unless insecure.",
     )
     max_message_mb: float = Field(
-        1024.0, description="Largest message any socket accepts, in MiB (weights travel in buckets below it).", gt=0
+        1024.0,
+        description="Largest message any socket accepts, in MiB (weights travel in buckets below it).",
+        gt=0,
+        le=MAX_MESSAGE_MB,
     )
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_one_folder(cls, name: str) -> str:
+        if not _RUN_NAME.match(name):
+            raise ValueError(
+                "must be letters, digits, '_', '.' or '-', not starting with '.': it names the folder <root>/<name>"
+            )
+        return name
+
+    @field_validator("root", mode="before")
+    @classmethod
+    def _root_not_empty(cls, root: Any) -> Any:
+        return _not_empty_path(root, "'.' is the working directory")
+
+    @field_validator("curve_keys_dir", mode="before")
+    @classmethod
+    def _keys_dir_not_empty(cls, folder: Any) -> Any:
+        return _not_empty_path(folder, "leave it out (no keys: loopback only) or name the folder of the keys")
 
     @property
     def run_dir(self) -> Path:
@@ -95,17 +292,19 @@ class EnvConfig(_Section):
         "arithmetic", description="`arithmetic`: the embedded procedurally generated task; `file`: `source`."
     )
     source: str = Field("", description="Dataset path for kind=file (.jsonl, .parquet, or a `datasets` folder).")
-    num_prompts: int = Field(1024, description="Prompts generated for kind=arithmetic.", ge=1)
+    num_prompts: int = Field(
+        1024, description="Prompts generated for kind=arithmetic.", ge=1, le=MAX_ARITHMETIC_PROMPTS
+    )
     difficulty: int = Field(1, description="Arithmetic difficulty level (see common.tasks).", ge=1, le=5)
     reward_fn: str = Field(
         "common.tasks:arithmetic_reward",
         description="Reward function `module:function(completion, metadata) -> float | dict[str, float]`.",
         pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
     )
-    reward_url: str = Field(
+    reward_url: Annotated[str, AfterValidator(_check_url)] = Field(
         "", description="HTTP reward endpoint (POST JSON); when set it is used instead of reward_fn."
     )
-    reward_timeout_s: float = Field(10.0, description="Timeout of one reward call.", gt=0)
+    reward_timeout_s: float = Field(10.0, description="Timeout of one reward call.", gt=0, le=MAX_TIMEOUT_S)
     fallback_reward: float = Field(0.0, description="Reward given to a sample whose reward call raised.")
     environment: str = Field(
         "",
@@ -114,7 +313,7 @@ class EnvConfig(_Section):
         "each completion is scored by reward_fn (or reward_url).",
         pattern=r"^$|^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$",
     )
-    environment_args: dict[str, str | int | float | bool] = Field(
+    environment_args: dict[str, EnvArg] = Field(
         {}, description="Keyword arguments of the environment factory (a TOML table)."
     )
     max_turns: int = Field(8, description="Model turns of one episode, at most (ends it: `max_turns`).", ge=1)
@@ -125,10 +324,16 @@ class EnvConfig(_Section):
         ge=1,
     )
     step_timeout_s: float = Field(
-        30.0, description="Longest `reset` or `step` call of an environment (ends the episode: `env_timeout`).", gt=0
+        30.0,
+        description="Longest `reset` or `step` call of an environment (ends the episode: `env_timeout`).",
+        gt=0,
+        le=MAX_TIMEOUT_S,
     )
     episode_timeout_s: float = Field(
-        600.0, description="Longest episode, generation and environment together (ends it: `episode_timeout`).", gt=0
+        600.0,
+        description="Longest episode, generation and environment together (ends it: `episode_timeout`).",
+        gt=0,
+        le=MAX_TIMEOUT_S,
     )
     failure_reward: float = Field(
         0.0, description="Reward of an episode ended by an environment error or timeout (replaces its rewards)."
@@ -198,10 +403,12 @@ class AlgoConfig(_Section):
 class GeneratorConfig(_Section):
     """One generator process: a vLLM engine that leases prompts and pushes rollout groups."""
 
-    index: int = Field(0, description="This generator's index (its identity in leases and logs).", ge=0)
+    index: int = Field(
+        0, description="This generator's index (its identity in leases and logs).", ge=0, le=MAX_SEED_PART
+    )
     count: int = Field(1, description="Generators that `tandem run` starts on this machine.", ge=1, le=256)
-    buffer_address: str = Field("127.0.0.1:5555", description="host:port of the buffer service.")
-    weights_address: str = Field("127.0.0.1:5556", description="host:port of the learner's weight publisher.")
+    buffer_address: Address = Field("127.0.0.1:5555", description="host:port of the buffer service.")
+    weights_address: Address = Field("127.0.0.1:5556", description="host:port of the learner's weight publisher.")
     temperature: float = Field(1.0, description="Sampling temperature.", gt=0)
     top_p: float = Field(1.0, description="Nucleus sampling.", gt=0, le=1)
     max_tokens: int = Field(128, description="Completion tokens per sample, at most.", ge=1)
@@ -223,14 +430,17 @@ class GeneratorConfig(_Section):
         "faster but the engine starts ~100 s slower.",
     )
     max_unsent_groups: int = Field(256, description="Groups kept while the buffer is unreachable.", ge=1)
-    reconnect_max_s: float = Field(10.0, description="Longest back-off between reconnect attempts.", gt=0)
+    reconnect_max_s: float = Field(
+        10.0, description="Longest back-off between reconnect attempts.", gt=0, le=MAX_TIMEOUT_S
+    )
     drain_timeout_s: float = Field(
         30.0,
         description="On SIGTERM: longest wait for in-flight samples to finish and be pushed; what is left then "
         "is returned to the buffer (LeaseReturn).",
         gt=0,
+        le=MAX_TIMEOUT_S,
     )
-    cpu_cores: str = Field("", description="Cores this generator is pinned to, e.g. `0` or `0-3` (empty = all).")
+    cpu_cores: CoreList = Field("", description="Cores this generator is pinned to, e.g. `0` or `0-3` (empty = all).")
     tensor_parallel_size: int = Field(
         1,
         description="GPUs one generator's vLLM engine spans (tensor parallelism; GPU clusters only, the CPU "
@@ -238,14 +448,14 @@ class GeneratorConfig(_Section):
         ge=1,
         le=64,
     )
-    sim_token_s: float = Field(0.002, description="SIMULATION: seconds per generated token.", ge=0)
+    sim_token_s: float = Field(0.002, description="SIMULATION: seconds per generated token.", ge=0, le=MAX_TIMEOUT_S)
     sim_tokens: int = Field(64, description="SIMULATION: tokens per completion.", ge=1)
 
 
 class BufferConfig(_Section):
     """The buffer service: prompt leases, the replay buffer, the staleness bound, batches."""
 
-    host: str = Field(
+    host: Host = Field(
         "127.0.0.1",
         description="Address the buffer binds (loopback by default; any other needs run.curve_keys_dir or "
         "run.insecure).",
@@ -254,9 +464,14 @@ class BufferConfig(_Section):
     capacity: int = Field(4096, description="Replay capacity in samples; oldest groups are evicted first.", ge=1)
     max_reuse: int = Field(1, description="Times a sample may be trained on.", ge=1)
     sampling: Literal["fifo", "uniform"] = Field("fifo", description="Order in which groups are drawn.")
-    lease_timeout_s: float = Field(300.0, description="A lease not completed by then is re-issued.", gt=0)
+    lease_timeout_s: float = Field(
+        300.0, description="A lease not completed by then is re-issued.", gt=0, le=MAX_TIMEOUT_S
+    )
     heartbeat_timeout_s: float = Field(
-        30.0, description="A generator silent this long is presumed dead; its leases are re-issued.", gt=0
+        30.0,
+        description="A generator silent this long is presumed dead; its leases are re-issued.",
+        gt=0,
+        le=MAX_TIMEOUT_S,
     )
     persist: bool = Field(False, description="Append accepted groups and lease/cursor state to a log in the run dir.")
     epochs: int = Field(0, description="Passes over the prompts (0 = unlimited).", ge=0)
@@ -282,8 +497,8 @@ class LearnerConfig(_Section):
     """The learner: DeepSpeed rank(s) that train on batches and publish weights."""
 
     world_size: int = Field(1, description="Data-parallel ranks.", ge=1, le=1024)
-    buffer_address: str = Field("127.0.0.1:5555", description="host:port of the buffer service.")
-    weights_host: str = Field(
+    buffer_address: Address = Field("127.0.0.1:5555", description="host:port of the buffer service.")
+    weights_host: Host = Field(
         "127.0.0.1",
         description="Address the weight publisher binds (loopback by default; any other needs run.curve_keys_dir "
         "or run.insecure).",
@@ -302,9 +517,11 @@ class LearnerConfig(_Section):
     resume: bool = Field(False, description="Continue from the latest complete checkpoint in the run dir.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
     critic_lr: float = Field(5e-6, description="Critic learning rate (estimator = gae).", gt=0)
-    cpu_cores: str = Field("", description="Cores the learner ranks are pinned to (empty = all).")
-    sim_sample_s: float = Field(0.05, description="SIMULATION: seconds of training per sample.", ge=0)
-    sim_weights_mb: float = Field(256.0, description="SIMULATION: size of the published weights in MiB.", ge=0)
+    cpu_cores: CoreList = Field("", description="Cores the learner ranks are pinned to (empty = all).")
+    sim_sample_s: float = Field(0.05, description="SIMULATION: seconds of training per sample.", ge=0, le=MAX_TIMEOUT_S)
+    sim_weights_mb: float = Field(
+        256.0, description="SIMULATION: size of the published weights in MiB.", ge=0, le=MAX_MESSAGE_MB
+    )
 
 
 class RayConfig(_Section):
@@ -337,7 +554,10 @@ class RayConfig(_Section):
         ge=0,
     )
     placement_timeout_s: float = Field(
-        120.0, description="Longest wait for the cluster to place a role's placement group.", gt=0
+        120.0,
+        description="Longest wait for the cluster to place a role's placement group.",
+        gt=0,
+        le=MAX_TIMEOUT_S,
     )
     dashboard: bool = Field(True, description="Start the Ray dashboard with a local Ray (started by `tandem ray`).")
     object_store_mb: int = Field(
@@ -405,41 +625,89 @@ class TandemConfig(_Section):
                 f"ray.generator_gpus: must be 0 (CPU) or >= generator.tensor_parallel_size = "
                 f"{self.generator.tensor_parallel_size} (got {self.ray.generator_gpus})"
             )
+        if self.generator.max_tokens >= self.model.max_model_len:
+            problems.append(
+                f"generator.max_tokens: must be < model.max_model_len = {self.model.max_model_len} "
+                f"(got {self.generator.max_tokens}); the prompt needs room in the context too"
+            )
         if self.ray.max_learner_restarts and not self.learner.save_every:
             problems.append(
                 "ray.max_learner_restarts: needs learner.save_every > 0 (a restarted learner resumes "
                 "from the latest complete checkpoint)"
             )
         if problems:
-            raise ValueError("; ".join(problems))
+            raise ValueError("\n".join(problems))  # one line each (see _format_validation_error)
         return self
 
 
-_SECTION_RULE = re.compile(r"^[a-z_]+: ")
+_SECTION_RULE = re.compile(r"^[a-z_]+: ")  # a section's own rule names its key first: "group_size: must be ..."
+_KEY_PART = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_OVERRIDE_FORM = "overrides look like --section.key VALUE or --section.key=VALUE"
 
 
-def _format_validation_error(error: ValidationError) -> str:
-    lines = []
-    for item in error.errors():
-        key = ".".join(str(part) for part in item["loc"])
-        message = item["msg"].removeprefix("Value error, ")
-        if len(item["loc"]) == 1 and _SECTION_RULE.match(message):  # a section's rule names its key: `algo.tis_level`
-            key, message = f"{key}.{message.split(': ', 1)[0]}", message.split(": ", 1)[1]
-        if item["type"] == "extra_forbidden":
-            message = "unknown key"
-        elif "input" in item and not isinstance(item["input"], dict):
-            message += f" (got {item['input']!r})"
-        lines.append(f"{key}: {message}" if key else message)
-    return "\n".join(lines)
+def _short_repr(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _allowed_keys(model: type[BaseModel], dotted: list[str]) -> str:
-    for part in dotted[:-1]:
-        field = model.model_fields.get(part)
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
-            return ", ".join(model.model_fields)
-        model = field.annotation
-    return ", ".join(model.model_fields)
+def _sections() -> dict[str, type[BaseModel]]:
+    return {name: field.annotation for name, field in TandemConfig.model_fields.items()}
+
+
+def _unknown_key_hint(loc: list[str]) -> str:
+    """What to write instead of the unknown key or section at `loc`: the close name in the same place, else the
+    same name in the section that has it, else the names allowed there."""
+    sections, name = _sections(), loc[-1]
+    elsewhere = [f"{section}.{name}" for section, model in sections.items() if name in model.model_fields]
+    if len(loc) == 1:
+        close = elsewhere or difflib.get_close_matches(name, sections, n=1)
+        return f"unknown section; did you mean '{close[0]}'?" if close else f"unknown section ({', '.join(sections)})"
+    model = sections.get(loc[0])
+    allowed = list(model.model_fields) if model is not None and len(loc) == 2 else []
+    close = difflib.get_close_matches(name, allowed, n=1) or elsewhere
+    if close:
+        return f"unknown key; did you mean '{close[0]}'?"
+    return f"unknown key (keys of [{'.'.join(loc[:-1])}]: {', '.join(allowed)})"
+
+
+def _error_lines(item: Any) -> list[str]:
+    """One pydantic error as lines `section.key: what is wrong (got VALUE)`."""
+    loc = [str(part) for part in item["loc"]]
+    message = item["msg"].removeprefix("Value error, ")
+    if not loc:  # TandemConfig's cross-role rules: one problem a line, each naming its key
+        return message.splitlines()
+    if item["type"] == "extra_forbidden":
+        return [f"{'.'.join(loc)}: {_unknown_key_hint(loc)}"]
+    if item["type"] == "model_type":
+        kind = _toml_type(item["input"])
+        return [f"{'.'.join(loc)}: must be a table ([{'.'.join(loc)}] in TOML, an object in JSON), not {kind}"]
+    if len(loc) == 1 and _SECTION_RULE.match(message):  # a section's rule names its key: `algo.tis_level`
+        key, message = message.split(": ", 1)
+        loc.append(key)
+    if "input" in item and not isinstance(item["input"], dict) and "(got " not in message:
+        message += f" (got {_short_repr(item['input'])})"
+    return [f"{'.'.join(loc)}: {message}"]
+
+
+def _override_key(arg: str) -> str:
+    """The dotted key of an override `--section.key[=VALUE]`; raises ConfigError saying how one is written."""
+    if not arg.startswith("--"):
+        raise ConfigError(f"{arg}: {_OVERRIDE_FORM}")
+    key = arg[2:].split("=", 1)[0]
+    parts = key.split(".")
+    if len(parts) == 1:
+        if key in TandemConfig.model_fields:
+            raise ConfigError(f"{arg}: [{key}] is a section, not a key: write --{key}.KEY VALUE")
+        raise ConfigError(f"{arg}: {_OVERRIDE_FORM}")
+    if not all(_KEY_PART.match(part) for part in parts):
+        raise ConfigError(
+            f"{arg}: a key's parts are names (letters, digits, '_'), none of them empty: {_OVERRIDE_FORM}"
+        )
+    return key
+
+
+def _is_override(arg: str) -> bool:
+    return arg.startswith("--") and arg[2:3].isalpha()
 
 
 def parse_override_value(text: str) -> Any:
@@ -448,23 +716,26 @@ def parse_override_value(text: str) -> Any:
         return tomllib.loads(f"value = {text}")["value"]
     except tomllib.TOMLDecodeError:
         return text
+    except RecursionError:  # tomllib recurses once per nesting level: "[[[[...": not a config value
+        raise ConfigError(f"{_short_repr(text)}: nested too deeply to be a config value") from None
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:
-    """`["--learner.lr", "1e-6", "--algo.max_staleness=0"]` -> `{"learner.lr": 1e-6, "algo.max_staleness": 0}`."""
+    """`["--learner.lr", "1e-6", "--algo.max_staleness=0"]` -> `{"learner.lr": 1e-6, "algo.max_staleness": 0}`.
+    A value is never taken from the next override (`--run.name --learner.lr 1` is a missing value); raises
+    ConfigError naming the argument for anything that is not an override."""
     overrides: dict[str, Any] = {}
     i = 0
     while i < len(args):
         arg = args[i]
-        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise ConfigError(f"{arg}: overrides look like --section.key VALUE or --section.key=VALUE")
+        key = _override_key(arg)
         if "=" in arg:
-            key, value = arg[2:].split("=", 1)
+            value = arg.split("=", 1)[1]
             i += 1
         else:
-            if i + 1 >= len(args):
-                raise ConfigError(f"{arg}: missing value")
-            key, value = arg[2:], args[i + 1]
+            if i + 1 >= len(args) or _is_override(args[i + 1]):
+                raise ConfigError(f"{arg}: missing value (write {arg} VALUE or {arg}=VALUE)")
+            value = args[i + 1]
             i += 2
         overrides[key] = parse_override_value(value)
     return overrides
@@ -485,31 +756,89 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
     return data
 
 
-def build_config(data: dict[str, Any]) -> TandemConfig:
+def build_config(data: Any) -> TandemConfig:
     """Validate a nested dict into a `TandemConfig`, raising `ConfigError` with one line per problem."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"the config must be a table of sections, not {_toml_type(data)}")
     try:
         return TandemConfig.model_validate(data)
     except ValidationError as error:
-        message = _format_validation_error(error)
-        unknown = [e for e in error.errors() if e["type"] == "extra_forbidden"]
-        if unknown:
-            loc = [str(p) for p in unknown[0]["loc"]]
-            message += f"\n(allowed under {'.'.join(loc[:-1]) or 'the top level'}: {_allowed_keys(TandemConfig, loc)})"
-        raise ConfigError(message) from None
+        raise ConfigError("\n".join(line for item in error.errors() for line in _error_lines(item))) from None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json.loads keeps the last of two equal keys; a config that has two means an edit went wrong."""
+    table: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in table:
+            raise ConfigError(f"not valid JSON: duplicate key '{key}'")
+        table[key] = value
+    return table
+
+
+def _with_line(message: str, text: str) -> str:
+    """tomllib's message with the text of the line it points at: `... (at line 3, column 6): lr = 2`."""
+    found = re.search(r"at line (\d+)", message)
+    lines = text.splitlines()
+    if found and 1 <= int(found.group(1)) <= len(lines):
+        return f"{message}: {_short_repr(lines[int(found.group(1)) - 1].strip())[1:-1]}"
+    return message
+
+
+def _read_text(path: Path) -> str:
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory: name the .toml file in it (or a run's config.json)")
+    if not path.exists():
+        raise ConfigError(f"{path}: no such config file")
+    if not path.is_file():
+        raise ConfigError(f"{path}: is not a regular file")
+    try:
+        with path.open("rb") as file:
+            raw = file.read(MAX_CONFIG_BYTES + 1)
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot be read: {error.strerror}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES >> 20} MiB: not a config file")
+    try:
+        text = raw.decode("utf-8-sig")  # an editor's byte-order mark is no error
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {error.start} is {raw[error.start]:#04x}): save it as UTF-8"
+        ) from None
+    if not text.strip():
+        raise ConfigError(
+            f"{path}: is empty: write the sections to change (docs/config.md), or name a packaged config such as 'demo'"
+        )
+    return text
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The sections in a TOML file, or in a JSON one (`.json`: a run's resolved `config.json`). Raises ConfigError
+    naming the file and what is wrong: missing, a directory, too large, not UTF-8, empty, not valid TOML or JSON
+    (with the line), nested too deeply, or (JSON) not an object at the top."""
+    text = _read_text(path)
+    kind = "JSON" if path.suffix == ".json" else "TOML"
+    try:
+        data = json.loads(text, object_pairs_hook=_unique_keys) if kind == "JSON" else tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path}: not valid TOML: {_with_line(str(error), text)}") from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path}: not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}") from None
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from None
+    except RecursionError:  # both parsers recurse once per nesting level
+        raise ConfigError(f"{path}: not valid {kind}: nested too deeply to be a config") from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f'{path}: must hold a JSON object of sections ({{"run": {{...}}, ...}}), not {_toml_type(data)}'
+        )
+    return data
 
 
 def load_config(path: str | Path | None, overrides: list[str] | dict[str, Any] | None = None) -> TandemConfig:
     """Read a TOML file (or the resolved `config.json` of a run; None = all defaults), apply dotted overrides,
-    validate everything."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: no such config file")
-        try:
-            data = json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
-        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
-            raise ConfigError(f"{path}: not valid {path.suffix.lstrip('.').upper() or 'TOML'}: {error}") from None
+    validate everything. Raises ConfigError, one line per problem, each naming the file or the key."""
+    data = read_config_file(Path(path)) if path is not None else {}
     if overrides:
         parsed = parse_overrides(overrides) if isinstance(overrides, list) else overrides
         data = apply_overrides(data, parsed)
@@ -529,13 +858,29 @@ def write_resolved(config: TandemConfig, run_dir: Path) -> Path:
 _CORE_LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
 
 
+def _cores_problem(spec: str) -> str | None:
+    """Why `spec` is not a core list (None if it is one, or empty)."""
+    if not spec:
+        return None
+    if not _CORE_LIST.match(spec):
+        return f"'{spec}' must look like '0', '0-3' or '0-3,6'"
+    for part in spec.split(","):
+        low, _, high = part.partition("-")
+        if high and int(high) < int(low):
+            return f"'{spec}': the range '{part}' runs backwards; write '{high}-{low}'"
+        if int(high or low) > 65535:
+            return f"'{spec}': core {int(high or low)} is beyond any machine"
+    return None
+
+
 def parse_cores(spec: str, key: str) -> set[int]:
     """A core list such as `generator.cpu_cores = "0-3,6"` -> {0, 1, 2, 3, 6}; empty -> empty set (no pinning).
     Raises ValueError naming `key` for anything else."""
     if not spec:
         return set()
-    if not _CORE_LIST.match(spec):
-        raise ValueError(f"{key}: '{spec}' must look like '0', '0-3' or '0-3,6'")
+    problem = _cores_problem(spec)
+    if problem:
+        raise ValueError(f"{key}: {problem}")
     cores: set[int] = set()
     for part in spec.split(","):
         low, _, high = part.partition("-")

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from common.config import ConfigError, load_config
+from launch.config_checks import missing_paths
 
 # role -> "module:function" taking the validated TandemConfig; imported only when that role runs.
 ROLES = {
@@ -39,6 +40,7 @@ RAY_ACTIONS = ("scale", "status", "stop")  # `tandem ray ACTION RUN ...` (launch
 # repository are symbolic links to these files.
 PACKAGED_CONFIGS = Path(__file__).resolve().parent / "configs"
 DEMO_CONFIG = PACKAGED_CONFIGS / "demo.toml"
+USAGE_ERROR = 2  # the exit code of a config error, as argparse's for a usage error
 
 
 def packaged_configs() -> dict[str, Path]:
@@ -53,6 +55,17 @@ def resolve_config_path(argument: str) -> Path:
     if path.exists():
         return path
     return packaged_configs().get(argument.removesuffix(".toml"), path)
+
+
+def config_error(config_path: Path, problems: list[str]) -> int:
+    """Print each problem as one line `tandem: config error in PATH: key: what to change` on stderr; return the
+    exit code of a usage error (2, as argparse's)."""
+    hint = "" if config_path.exists() else f" (packaged configs by name: {', '.join(packaged_configs())})"
+    for problem in problems:
+        print(
+            f"tandem: config error in {config_path}: {problem.removeprefix(f'{config_path}: ')}{hint}", file=sys.stderr
+        )
+    return USAGE_ERROR
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -106,9 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(config_path, overrides)
     except ConfigError as error:
-        hint = "" if config_path.exists() else f"\n(packaged configs by name: {', '.join(packaged_configs())})"
-        print(f"tandem: config error in {config_path}:\n{error}{hint}", file=sys.stderr)
-        return 2
+        return config_error(config_path, str(error).splitlines())
+    problems = missing_paths(config, "run" if args.command == "demo" else args.command)
+    if problems:
+        return config_error(config_path, problems)
     if args.command == "config":
         print(config.model_dump_json(indent=2))
         return 0

@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
+import functools
+import operator
+import types
 import typing
 
 from pydantic import BaseModel
@@ -12,7 +15,21 @@ from pydantic import BaseModel
 from common.config import TandemConfig
 
 
+def _without_validators(annotation: typing.Any) -> typing.Any:
+    """`dict[str, Annotated[int, BeforeValidator(f)]]` -> `dict[str, int]`: the type a user writes, not its checks."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _without_validators(typing.get_args(annotation)[0])
+    args = typing.get_args(annotation)
+    stripped = tuple(_without_validators(arg) for arg in args)
+    if not args or typing.get_origin(annotation) is typing.Literal or stripped == args:
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return functools.reduce(operator.or_, stripped)
+    return typing.get_origin(annotation)[stripped]
+
+
 def _type_name(annotation: typing.Any) -> str:
+    annotation = _without_validators(annotation)
     text = getattr(annotation, "__name__", None) if typing.get_origin(annotation) is None else None
     return text or str(annotation).replace("typing.", "")
 
@@ -33,6 +50,12 @@ def render() -> str:
         "Generated from `common/config.py` by `python -m launch.config_docs`; do not edit by hand.",
         "One TOML file describes a run; each role reads its own section. Any key can be overridden on the",
         'command line as `--section.key VALUE` (values parse as TOML: `1e-6`, `true`, `"text"`).',
+        "",
+        "Every value is checked at load, and each problem is one line naming the key (`tandem config FILE` shows",
+        "them): floats must be finite (TOML and JSON read `nan` and `inf`, no key takes them); integers, numbers",
+        'and booleans are written as such (`100`, not `"100"`; `true`, not `1`); integers fit in 64 bits;',
+        "timeouts are at most a week. The paths a role needs (`env.source`, `model.path`, `run.curve_keys_dir`) are",
+        "checked by that role when it starts, on its machine.",
         "",
     ]
     for section_name, section_field in TandemConfig.model_fields.items():
