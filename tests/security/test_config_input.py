@@ -11,13 +11,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import launch.cli
+from common.config import ConfigError, TandemConfig, load_config
 from launch.cli import main
+from launch.config_checks import missing_paths
 
 USAGE_ERROR = 2  # what `tandem` exits with on a config error (and argparse on a usage error)
 REPO = Path(__file__).resolve().parents[2]
@@ -286,3 +291,62 @@ def test_the_command_line_exits_2_with_one_line(item: Case, tmp_path: Path) -> N
     result = subprocess.run(argv, capture_output=True, text=True, check=False)
     assert result.returncode == USAGE_ERROR and result.stdout == ""
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
+
+
+# --- any input at all: a config is loaded or refused with ConfigError, never anything else
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12)
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+KNOWN_KEYS = st.sampled_from(
+    [f"{s}.{k}" for s, f in TandemConfig.model_fields.items() for k in f.annotation.model_fields]
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    sections=st.dictionaries(
+        st.sampled_from([*TandemConfig.model_fields, "x"]), st.dictionaries(st.text(max_size=12), VALUES, max_size=4)
+    ),
+    known=st.dictionaries(KNOWN_KEYS, VALUES, max_size=4),
+)
+def test_any_nested_value_is_loaded_or_refused_with_config_error(sections: dict, known: dict) -> None:
+    try:
+        load_config(None, {**{f"{s}.{k}": v for s, table in sections.items() for k, v in table.items()}, **known})
+    except ConfigError as error:
+        assert str(error).strip() and "Traceback" not in str(error)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(max_size=200), args=st.lists(st.text(max_size=20), max_size=4))
+def test_any_file_text_and_arguments_are_loaded_or_refused_with_config_error(text: str, args: list[str]) -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "any.toml"
+        path.write_text(text, encoding="utf-8", errors="surrogatepass")
+        try:
+            load_config(path, args)
+        except ConfigError as error:
+            assert str(error).strip()
+
+
+def test_the_paths_a_role_needs_pass_when_present_and_only_roles_check_them(tmp_path: Path) -> None:
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "What is 1 + 1?"}\n')
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "keys").mkdir()
+    present = {"env.kind": "file", "model.path": str(tmp_path / "model"), "run.curve_keys_dir": str(tmp_path / "keys")}
+    config = load_config(None, {**present, "env.source": str(tmp_path / "prompts.jsonl")})
+    assert all(missing_paths(config, role) == [] for role in ("run", "buffer", "generator", "learner"))
+    absent = load_config(None, {**present, "env.source": "/nonexistent.jsonl", "model.path": "/nonexistent"})
+    assert (
+        len(missing_paths(absent, "run")) == 2 and missing_paths(absent, "config") == missing_paths(absent, "ray") == []
+    )
+    assert missing_paths(load_config(None, {"model.path": "/nonexistent", "run.simulate": True}), "generator") == []
