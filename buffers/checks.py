@@ -55,7 +55,7 @@ def group_problem(group: RolloutGroup, limits: GroupLimits, newest_version: int)
     - 0 <= versions <= newest_version, token versions within [-1, newest_version] [bad_version,
       future_version], and each sample's version no newer than the oldest of its model tokens (else its staleness
       would be understated) [bad_version].
-    Cost: a few reductions over the group's arrays, no copy (a max-size group of 8 x 1024 tokens: well under 1 ms).
+    Cost: a few reductions over the group's arrays (a group of 8 x 1,008 tokens after a 16-token prompt: ~65 us here).
     """
     return (
         _shape_problem(group, limits)
