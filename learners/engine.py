@@ -19,6 +19,16 @@ ZeRO stages on CPU (DeepSpeed 0.19, gloo): 0, 1, 2 and 3 all train, in float32 a
 ZeRO-3 with 2 ranks give the update of one rank (tests/learners/test_data_parallel.py). The optimizer is torch's AdamW handed to DeepSpeed as a client optimizer:
 DeepSpeed's own FusedAdam/CPUAdam compile a C++ extension on first use (~80 s here), torch's needs nothing.
 
+Non-finite updates never reach the weights: an optimizer step whose gradients hold a NaN or an infinity on any
+rank, or whose micro-batches gave any rank a non-finite loss, is skipped on every rank together. DeepSpeed's ZeRO
+(1-3) and bf16 optimizers check the gradients themselves (all-reduced over the ranks) and skip such a step: they
+drop the gradients, leave the lr schedule where it is, and count it in `engine.skipped_steps`. With ZeRO off in
+float32 the engine steps torch's AdamW directly, so the optimizer handed to it (`_FiniteAdamW`) does the same
+check and raises DeepSpeed's `overflow` flag, which makes the engine skip it the same way. A non-finite loss is
+all-reduced before the last micro-batch's backward; if any rank saw one, that backward is multiplied by NaN, so
+the step takes the same skip whatever the gradients were. `TrainEngine.skipped_steps` counts skipped updates
+(restored with a checkpoint), `last_step_skipped` says whether the latest update was one.
+
 Failure modes: every call here is collective under data parallelism (forward/backward/step of ZeRO-3,
 `full_weights`, `save`, `load`, `all_reduce`, `barrier`): a rank that skips one hangs the others.
 """
@@ -112,7 +122,7 @@ class EngineSettings:
             "gradient_accumulation_steps": self.micro_steps,
             "train_batch_size": self.micro_batch_size * self.micro_steps * world_size,
             "zero_optimization": {"stage": self.zero_stage},
-            "bf16": {"enabled": self.bf16},
+            "bf16": {"enabled": self.bf16, "check_grad_overflow": True},  # skip non-finite steps (module docstring)
             "gradient_clipping": self.grad_clip,
             "zero_allow_untested_optimizer": True,  # torch AdamW (see the module docstring)
             "steps_per_print": 1 << 30,
@@ -131,11 +141,14 @@ class TrainEngine:
         trainable = [p for p in module.parameters() if p.requires_grad]
 
         def make_optimizer(params: Any) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+            # ZeRO-0 checks on all ranks (its gradients are whole); ZeRO's optimizers checked before calling it
+            return _FiniteAdamW(params, settings.zero_stage == 0, lr=settings.lr, weight_decay=settings.weight_decay)
 
         def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
             return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
 
+        self._nonfinite_loss = False  # a micro-batch of the current update had a non-finite loss on this rank
+        self.last_step_skipped = False  # the latest optimizer step was skipped (non-finite loss or gradient)
         self.engine, *_ = deepspeed.initialize(
             model=module,
             model_parameters=trainable,
@@ -160,12 +173,28 @@ class TrainEngine:
         self.engine.train(mode)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Accumulate d loss; the loss is not divided by the micro-steps (see the module docstring)."""
+        """Accumulate d loss; the loss is not divided by the micro-steps (see the module docstring). On the last
+        micro-step, a non-finite loss seen by any rank in this update makes every rank skip the step."""
+        self._nonfinite_loss |= not bool(torch.isfinite(loss.detach()).all())
+        if self.engine.is_gradient_accumulation_boundary():
+            flag = torch.tensor([float(self._nonfinite_loss)], device=loss.device)
+            if all_reduce(flag, "max").item() > 0:
+                loss = loss * float("nan")  # every gradient NaN: DeepSpeed's overflow check skips the step
+            self._nonfinite_loss = False
         self.engine.backward(loss, scale_wrt_gas=False)
 
     def step(self) -> None:
-        """Call after every backward; the optimizer (and lr scheduler) steps on the last micro-step only."""
+        """Call after every backward; the optimizer (and lr scheduler) steps on the last micro-step only, unless
+        the update is not finite (see the module docstring: then `last_step_skipped` is True)."""
+        boundary = self.engine.is_gradient_accumulation_boundary()
         self.engine.step()
+        if boundary:
+            self.last_step_skipped = not self.engine.was_step_applied()
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped as not finite since training began (DeepSpeed's count, kept in checkpoints)."""
+        return int(self.engine.skipped_steps)
 
     @property
     def optimizer_steps(self) -> int:
@@ -201,6 +230,28 @@ class TrainEngine:
         path, _ = self.engine.load_checkpoint(str(directory), tag=tag)
         if path is None:
             raise RuntimeError(f"{directory / tag}: DeepSpeed could not load this checkpoint (see its log above)")
+
+
+class _FiniteAdamW(torch.optim.AdamW):
+    """torch's AdamW that refuses a step whose gradients are not all finite, and says so in `overflow` (the flag
+    DeepSpeed's engine reads after stepping an optimizer: it then counts the step as skipped, zeroes the
+    gradients and does not advance the lr schedule). `all_ranks`: agree over the data-parallel ranks (a
+    collective; only where every rank steps this optimizer at the same point, as ZeRO-0 does)."""
+
+    def __init__(self, params: Any, all_ranks: bool, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        self.all_ranks = all_ranks
+        self.overflow = False
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+        flag = (~finite).float().reshape(1)
+        self.overflow = bool((all_reduce(flag, "max") if self.all_ranks else flag).item() > 0)
+        if self.overflow:
+            return None
+        return super().step(closure)
 
 
 def _chunks_by_bytes(named: list[tuple[str, torch.Tensor]], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

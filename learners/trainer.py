@@ -27,10 +27,16 @@ Metrics: `policy/kl` is the mean k3 estimate of KL(pi_theta || pi_ref) when a re
 KL(pi_behaviour || pi_theta) on the sampled tokens (how far the trained weights are from the ones that sampled:
 the proximal policy IS the current one here, so an approx-KL against it would always be 0);
 `policy/kl_behaviour` is the latter, always.
+
+Non-finite guard: a step whose loss or gradient is not finite on any rank is skipped on every rank (the weights
+and the optimizer state stay bit-identical; see `learners.engine`), logged, and counted in
+`learner/steps_skipped_nonfinite` (`learner/critic_steps_skipped_nonfinite` for the critic). Whatever the buffer
+lets through, a NaN never reaches the weights.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -49,6 +55,8 @@ from learners.estimators import batch_advantages
 from learners.losses import entropy_from_logits, kl_estimate, logprobs_from_logits, policy_loss, value_loss
 from learners.models import ValueModel, load_policy, load_reference, torch_dtype
 from learners.rollout_stats import Reduce, rollout_summary
+
+log = logging.getLogger("tandem.learner.trainer")
 
 
 def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str) -> torch.Tensor:
@@ -169,10 +177,24 @@ class Trainer:
             advantages, returns = self._advantages(batch, pre)
         pre_s = time.perf_counter() - start
         stats, forward_s, backward_s = self._update(batch, rows, pre, advantages, returns)
+        stats.update(self._skipped_steps())
         stats["perf/forward_s"] = pre_s + forward_s
         stats["perf/backward_s"] = backward_s
         stats["policy/lr"] = self.policy.learning_rate()
         return {**summary, **stats}
+
+    def _skipped_steps(self) -> dict[str, float]:
+        """Counts of updates skipped as not finite (`learners.engine`: the weights stay as they were, on every
+        rank), logged when the step just taken was one."""
+        engines = {"learner/steps_skipped_nonfinite": self.policy}
+        if self.critic is not None:
+            engines["learner/critic_steps_skipped_nonfinite"] = self.critic
+        for name, engine in engines.items():
+            if engine.last_step_skipped:
+                log.warning(
+                    "%s: a non-finite loss or gradient; this update was skipped (%d so far)", name, engine.skipped_steps
+                )
+        return {name: float(engine.skipped_steps) for name, engine in engines.items()}
 
     def _model_logprobs(self, model: object, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs [b, T'], logits [b, T', V] already divided by the temperature) of the completion tokens."""
