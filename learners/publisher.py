@@ -31,7 +31,8 @@ that ZeroMQ has not finished sending keeps its snapshot's buckets alive. Bounds,
     more than `max_snapshots` snapshots are alive the readers of the oldest ones are dropped at once
     (`dropped_readers/superseded`). Dropping shuts the reader's TCP connection down (the descriptor its request
     came on, checked against the peer address seen then): ZeroMQ closes it and frees what it held. An honest
-    generator that is dropped reconnects and asks again, and is then sent the newest version.
+    generator that is dropped gets no reply: its request times out (`ZmqWeightsSource.timeout_s`), it asks
+    again on a new connection and is sent the newest version.
 So at most `max_snapshots` snapshots are alive, plus the one `publish` is writing until the serving thread next
 looks (every `poll_ms`), and no slow reader holds memory longer than `reader_deadline_s` (+ `poll_ms`).
 `live_bucket_bytes()` reports what is allocated (weak references: it counts what ZeroMQ still holds too).
