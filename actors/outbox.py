@@ -37,7 +37,7 @@ class BufferLink:
         self, address: str, security: SocketSecurity, generator_id: int, reconnect_max_s: float, timeout_s: float = 3.0
     ) -> None:
         self.address = address
-        self.client = Client(address, security, identity=f"generator-{generator_id}")
+        self.client = Client(address, security, identity=f"generator-{generator_id}", role="generator")
         self.reconnect_max_s = reconnect_max_s
         self.timeout_s = timeout_s
         self.down_since: float | None = None

@@ -88,7 +88,7 @@ class ZmqWeightsSource:
     """Pulls weights from the learner's publisher over a ZeroMQ request (the CPU transport)."""
 
     def __init__(self, address: str, security: SocketSecurity, generator_id: int, timeout_s: float = 120.0) -> None:
-        self.client = Client(address, security, identity=f"generator-{generator_id}-weights")
+        self.client = Client(address, security, identity=f"generator-{generator_id}-weights", role="generator")
         self.generator_id = generator_id
         self.timeout_s = timeout_s
         self.layout: list[tuple[str, str, list[int]]] | None = None  # of the first update accepted

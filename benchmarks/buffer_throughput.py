@@ -86,7 +86,7 @@ def _other_cores() -> set[int]:
 def generator_process(address: str, generator_id: int, samples: int, tokens: int, stop_at: float, out: Any) -> None:
     """Lease 16 prompts at a time and push one group per prompt, each waiting for its ack, until `stop_at`."""
     os.sched_setaffinity(0, _other_cores())
-    client = Client(address, SECURITY, identity=f"bench-generator-{generator_id}")
+    client = Client(address, SECURITY, identity=f"bench-generator-{generator_id}", role="generator")
     base = synthetic_group(samples, tokens)
     pushed = 0
     while time.time() < stop_at:
@@ -107,7 +107,7 @@ def generator_process(address: str, generator_id: int, samples: int, tokens: int
 def learner_process(address: str, num_groups: int, stop_at: float, out: Any) -> None:
     """Pull the batch of each step and report the next version, until `stop_at`."""
     os.sched_setaffinity(0, _other_cores())
-    client = Client(address, SECURITY, identity="bench-learner")
+    client = Client(address, SECURITY, identity="bench-learner", role="learner")
     step = 0
     while time.time() < stop_at:
         try:

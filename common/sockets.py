@@ -6,15 +6,22 @@
         if request is not None:
             server.reply(request, Ok(learner_version=3))   # now, or later (a deferred reply is allowed)
 
-    client = Client("127.0.0.1:5555", security, identity="generator-0")
+    client = Client("127.0.0.1:5555", security, identity="generator-0", role="generator")
     reply, payload = client.request(LeaseRequest(...), timeout_s=5)   # raises PeerUnavailable on timeout
 
-Frames on the wire: DEALER sends [b"", request_id (8 bytes), *message frames]; the ROUTER prepends the sender's
-identity. Replies echo the request id, so a late reply to an abandoned request is recognised and dropped.
+Frames on the wire: DEALER sends [b"", request_id (8 bytes), *message frames]; the ROUTER prepends the routing id
+that ZeroMQ gave the connection (the client sets none, so no peer can take over another's replies by naming
+itself like it). Replies echo the request id, so a late reply to an abandoned request is recognised and dropped.
 
-Security: binding a non-loopback address requires CurveZMQ keys (`zmq.auth.create_certificates`) or an explicit
-`insecure` opt-out, which logs a warning. Every socket has a maximum message size (ZMQ_MAXMSGSIZE per frame, and
-the total checked by `common.wire.decode`).
+Roles: every `Request` carries the sender's role (one of `common.keys.ROLES`, or "" for none), fixed for the life
+of its connection. With CurveZMQ keys (`run.curve_keys_dir`, made by `tandem keys DIR`) the role is the one whose
+key the client connected with: a ZAP handler maps each public key to its role, which arrives as the message's
+User-Id and cannot be forged. Without keys (loopback only) the client declares its role in the connection's
+handshake metadata (X-Tandem-Role): loopback without keys trusts every local process to say who it is.
+
+Security: binding a non-loopback address requires CurveZMQ keys or an explicit `insecure` opt-out, which logs a
+warning. Every socket has a maximum message size (ZMQ_MAXMSGSIZE per frame, and the total checked by
+`common.wire.decode`).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from typing import Any
 import zmq
 
 from common.config import is_loopback
+from common.keys import ROLES, SecurityError, load_public, load_secret, role_public_keys
 from common.types import ErrorReply
 from common.wire import WireError, decode, encode
 
@@ -44,8 +52,9 @@ class PeerUnavailable(ConnectionError):
     """The peer did not answer in time (dead, restarting, or overloaded). The caller decides how to back off."""
 
 
-class SecurityError(RuntimeError):
-    """A socket would be exposed beyond loopback without CurveZMQ keys or an explicit insecure opt-out."""
+__all__ = ["ROLES", "Client", "PeerUnavailable", "Request", "SecurityError", "Server", "SocketSecurity"]
+_ROLE_PROPERTY = "X-Tandem-Role"  # the role a client declares in its handshake (used without CURVE only)
+_NAME_PROPERTY = "X-Tandem-Name"  # the client's name, for logs (never trusted)
 
 
 @dataclass(frozen=True)
@@ -80,19 +89,35 @@ def _tcp(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
-def _load_keys(keys_dir: Path, name: str) -> tuple[bytes, bytes]:
-    from zmq.auth import load_certificate
+class _RoleKeys:
+    """The ZAP credentials provider and User-Id map: a client may connect iff its public key is a role's key."""
 
-    secret_file = keys_dir / f"{name}.key_secret"
-    if not secret_file.is_file():
-        raise SecurityError(
-            f"{secret_file}: missing; create keys with zmq.auth.create_certificates('{keys_dir}', '{name}')"
-        )
-    public, secret = load_certificate(str(secret_file))
-    return public, secret
+    def __init__(self) -> None:
+        self.roles: dict[bytes, str] = {}  # z85 public key -> role
+
+    def callback(self, domain: str, z85_key: bytes) -> bool:
+        return z85_key in self.roles
 
 
-_authenticators: dict[int, Any] = {}
+def _start_authenticator(ctx: zmq.Context) -> _RoleKeys:
+    """One ZAP handler per context (ZeroMQ allows one); its User-Id for a client is the role of the client's key."""
+    from zmq.auth.thread import ThreadAuthenticator
+    from zmq.utils import z85
+
+    keys = _RoleKeys()
+
+    class RoleAuthenticator(ThreadAuthenticator):
+        def curve_user_id(self, client_public_key: bytes) -> str:
+            return keys.roles.get(z85.encode(client_public_key), "")
+
+    auth = RoleAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=keys)
+    _authenticators[id(ctx)] = (auth, keys)
+    return keys
+
+
+_authenticators: dict[int, tuple[Any, _RoleKeys]] = {}
 
 
 def release_context() -> None:
@@ -109,20 +134,22 @@ def release_context() -> None:
     context = zmq.Context.instance()
     authenticator = _authenticators.pop(id(context), None)
     if authenticator is not None:
-        authenticator.stop()
+        authenticator[0].stop()
     context.destroy(linger=0)
 
 
 def _configure_server_security(ctx: zmq.Context, sock: zmq.Socket, host: str, security: SocketSecurity) -> None:
     if security.curve_keys_dir is not None:
-        from zmq.auth.thread import ThreadAuthenticator
-
-        if id(ctx) not in _authenticators:
-            auth = ThreadAuthenticator(ctx)
-            auth.start()
-            auth.configure_curve(domain="*", location=str(security.curve_keys_dir))
-            _authenticators[id(ctx)] = auth
-        public, secret = _load_keys(security.curve_keys_dir, "server")
+        public, secret = load_secret(security.curve_keys_dir, "server")
+        roles = role_public_keys(security.curve_keys_dir)
+        keys = _authenticators[id(ctx)][1] if id(ctx) in _authenticators else _start_authenticator(ctx)
+        clash = {key: role for key, role in roles.items() if keys.roles.get(key, role) != role}
+        if clash:
+            raise SecurityError(
+                f"{security.curve_keys_dir}: a key of role {next(iter(clash.values()))!r} is another role's key in "
+                "a keys dir this process already serves: give every role its own key (tandem keys DIR)"
+            )
+        keys.roles.update(roles)  # servers of one process share the handler: it admits the keys of each dir
         sock.curve_publickey, sock.curve_secretkey, sock.curve_server = public, secret, True
     elif not is_loopback(host):
         if not security.insecure:
@@ -137,7 +164,8 @@ class Server:
     """A ROUTER socket that receives validated requests and sends replies (possibly deferred).
 
     Malformed, oversized or wrong-version messages never raise out of `poll`: the sender gets an `ErrorReply`,
-    and the reason is logged and counted in `rejected` (keys: the reason's first words).
+    and the reason is logged and counted in `rejected` (keys: the reason's first words). Each `Request` says the
+    sender's role (see the module docstring): the User-Id with CURVE, the declared role without.
     """
 
     def __init__(self, host: str, port: int, security: SocketSecurity, name: str) -> None:
@@ -146,7 +174,6 @@ class Server:
         self.context = zmq.Context.instance()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.socket.setsockopt(zmq.MAXMSGSIZE, security.max_message_bytes)
         self.socket.setsockopt(zmq.RCVHWM, 10_000)
         _configure_server_security(self.context, self.socket, host, security)
@@ -184,13 +211,15 @@ class Server:
         except WireError as error:
             self._reject(identity, request_id, error.reason, error.kind)
             return None
-        return Request(identity, request_id, message, payload, peer_fd=_source_fd(frames[0]))
+        role = _property(frames[3], "User-Id" if self.security.curve_keys_dir is not None else _ROLE_PROPERTY)
+        role = role if role in ROLES else ""
+        return Request(identity, request_id, message, payload, role, _name(frames[3]), _source_fd(frames[0]))
 
     def _reject(self, identity: bytes, request_id: bytes | None, reason: str, kind: str) -> None:
         self.rejected[kind] += 1
         log.warning("%s: rejected a message from %r: %s", self.name, identity, reason)
         if request_id is not None:
-            self._send(identity, request_id, encode(ErrorReply(reason=reason)))
+            self._send(identity, request_id, encode(ErrorReply(reason=reason, kind=kind)))
 
     def reject(self, request: Request, reason: str, kind: str = "refused") -> None:
         """Refuse a well-formed message whose content is not acceptable (counted like malformed input)."""
@@ -209,6 +238,14 @@ class Server:
         self.socket.close(linger=0)
 
 
+def _property(frame: zmq.Frame, name: str) -> str:
+    """A connection property of a received frame ("" when the connection has none of that name)."""
+    try:
+        return frame.get(name)
+    except zmq.ZMQError:
+        return ""
+
+
 def _source_fd(frame: zmq.Frame) -> int:
     """The descriptor of the TCP connection a received frame came on (ZMQ_SRCFD), -1 when unknown."""
     try:
@@ -217,17 +254,25 @@ def _source_fd(frame: zmq.Frame) -> int:
         return -1
 
 
+def _name(frame: zmq.Frame) -> str:
+    name = _property(frame, _NAME_PROPERTY)
+    return "".join(c if c.isprintable() else "?" for c in name[:64]) or "?"
+
+
 @dataclass
 class Request:
-    identity: bytes  # ZeroMQ identity of the sender (for logs and replies)
+    identity: bytes  # the connection's ZeroMQ routing id (ZeroMQ chose it: unique per connection, unforgeable)
     request_id: bytes
     message: Any
     payload: list[memoryview]
+    role: str = ""  # one of common.keys.ROLES, or "" (none declared / key of no role)
+    name: str = "?"  # what the client calls itself (for logs only: any peer may claim any name)
     peer_fd: int = -1  # its TCP connection's descriptor (ZMQ_SRCFD; -1 unknown): how a server drops a stalled peer
 
     @property
     def sender(self) -> str:
-        return self.identity.decode(errors="replace")
+        """'name@routing-id': who it claims to be, and which connection it is (unique while connected)."""
+        return f"{self.name}@{self.identity.hex()}"
 
 
 class Client:
@@ -235,13 +280,22 @@ class Client:
 
     After a timeout the socket is closed and reopened, so no stale request is delivered later and no stale
     reply is mistaken for a new one. Safe to use from one thread at a time.
+
+    `role` (one of `common.keys.ROLES`) is what the server lets this client do: with CURVE it picks the key
+    (`ROLE.key_secret`), without CURVE it is declared at connect. None: no role (loopback only; a server then
+    answers only what anyone may ask, e.g. the buffer's stats).
     """
 
     _ids = itertools.count()
 
-    def __init__(self, address: str, security: SocketSecurity, identity: str) -> None:
+    def __init__(self, address: str, security: SocketSecurity, identity: str, role: str | None = None) -> None:
+        if role is not None and role not in ROLES:
+            raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
+        if role is None and security.curve_keys_dir is not None:
+            raise SecurityError(f"client '{identity}': with run.curve_keys_dir set, a client needs a role (its key)")
         self.host, self.port = split_address(address)
         self.security = security
+        self.role = role
         self.identity = f"{identity}-{os.getpid()}-{next(self._ids)}"
         self.context = zmq.Context.instance()
         self._sequence = itertools.count(1)
@@ -250,13 +304,13 @@ class Client:
     def _open(self) -> zmq.Socket:
         sock = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, self.identity.encode())
+        sock.setsockopt(zmq.METADATA, f"{_NAME_PROPERTY}:{self.identity}".encode())
+        if self.role is not None:
+            sock.setsockopt(zmq.METADATA, f"{_ROLE_PROPERTY}:{self.role}".encode())
         sock.setsockopt(zmq.MAXMSGSIZE, self.security.max_message_bytes)
         if self.security.curve_keys_dir is not None:
-            from zmq.auth import load_certificate
-
-            public, secret = _load_keys(self.security.curve_keys_dir, "client")
-            server_public, _ = load_certificate(str(self.security.curve_keys_dir / "server.key"))
+            public, secret = load_secret(self.security.curve_keys_dir, self.role)
+            server_public = load_public(self.security.curve_keys_dir, "server")
             sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, server_public
         sock.connect(_tcp(self.host, self.port))
         return sock

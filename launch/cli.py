@@ -11,6 +11,7 @@ so `tandem --help` and config errors answer at once.
     tandem ray status RUN | tandem ray stop RUN
     tandem prepare-model [--check]                # build the embedded SmolLM2 model in the cache
     tandem config CONFIG                          # print the resolved config as JSON
+    tandem keys DIR                               # CurveZMQ keys: the server's and one per role (run.curve_keys_dir)
 
 CONFIG is a TOML file, or the name of a config shipped in the package (`launch/configs/`, installed with the
 wheel): `demo` (the embedded default) or `gpu_cluster` (a `tandem ray` fleet on GPU nodes). A file of that
@@ -95,6 +96,12 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument(
             "config", type=resolve_config_path, help=f"TOML run config, or a packaged one by name ({names})"
         )
+    keys = sub.add_parser(
+        "keys",
+        help="write CurveZMQ keys for run.curve_keys_dir: the server's and one per role (generator, learner, reward, "
+        "eval, monitor), secrets 0600 in a 0700 directory",
+    )
+    keys.add_argument("dir", type=Path, help="directory to create (or an empty one); existing keys are never replaced")
     prep = sub.add_parser("prepare-model", help="prepare the embedded SmolLM2-135M-Instruct model in the cache")
     prep.add_argument("--check", action="store_true", help="also load it with transformers and vLLM")
     return parser
@@ -107,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return ray_control(argv[1:])
     args, overrides = _parser().parse_known_args(argv)
+    if args.command == "keys":
+        return _write_keys(args.dir)
     if args.command == "prepare-model":
         from common.model_prep import check_model, prepare_smollm2
 
@@ -134,6 +143,20 @@ def main(argv: list[str] | None = None) -> int:
 
         release_context()  # no zero-copy frame may outlive the memory it points into (see release_context)
     return int(result or 0)
+
+
+def _write_keys(directory: Path) -> int:
+    from common.keys import SecurityError, write_keys
+
+    try:
+        written = write_keys(directory)
+    except SecurityError as error:
+        print(f"tandem keys: {error}", file=sys.stderr)
+        return 2
+    print(f'wrote {len(written)} key files to {directory} (secrets 0600). Set run.curve_keys_dir = "{directory}".')
+    print("Servers (buffer, learner rank 0) need server.key_secret and every ROLE.key; a client of role R needs")
+    print("R.key_secret and server.key: copy to each machine only the secrets of the roles it runs.")
+    return 0
 
 
 if __name__ == "__main__":

@@ -36,10 +36,10 @@ def ray_cluster() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def curve_keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """CurveZMQ server and client keys: on a Ray cluster the services bind the node's (non-loopback) IP."""
-    from zmq.auth import create_certificates
+    """CurveZMQ server and per-role keys (`tandem keys`): on a Ray cluster the services bind the node's
+    (non-loopback) IP."""
+    from common.keys import write_keys
 
-    keys = tmp_path_factory.mktemp("curve")
-    create_certificates(str(keys), "server")
-    create_certificates(str(keys), "client")
+    keys = tmp_path_factory.mktemp("curve") / "keys"
+    write_keys(keys)
     return keys

@@ -104,7 +104,7 @@ def processes_of(run_dir: Path) -> list[str]:
 
 def live_buffer_counters(address: str, keys: Path | None, timeout_s: float = 5.0) -> dict[str, int]:
     """The running buffer's counters, asked over its socket (StatsRequest)."""
-    client = Client(address, SocketSecurity(curve_keys_dir=keys), identity="test-stats")
+    client = Client(address, SocketSecurity(curve_keys_dir=keys), identity="test-stats", role="monitor")
     try:
         reply, _ = client.request(StatsRequest(), timeout_s=timeout_s)
         return reply.counters
