@@ -7,7 +7,9 @@
 Ordering: shares are contiguous slices of the drawn order (rank r gets groups [r·k, (r+1)·k), k = num_groups /
 world_size). A batch every rank received moves to `completed` and stays there (for a rank whose reply was
 lost and asks again) until another batch completes. Requests that cannot be answered yet are held, one per
-(step, rank) (a retry replaces the older one), until they can be served or their deadline passes.
+(step, rank, sender connection) (a retry on the same connection replaces the older one; a request from another
+connection never displaces it, so no peer can take a held learner request's batch), until they can be served or
+their deadline passes.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class HeldRequest:
     reply_to: Any
     request: BatchRequest
     deadline: float
+    sender: str = ""  # the connection it came on (`common.sockets.Request.sender`)
 
 
 class BatchBook:
@@ -63,7 +66,7 @@ class BatchBook:
     def __init__(self) -> None:
         self.drawn: dict[int, DrawnBatch] = {}
         self.completed: DrawnBatch | None = None
-        self.held: dict[tuple[int, int], HeldRequest] = {}
+        self.held: dict[tuple[int, int, str], HeldRequest] = {}
 
     def find(self, step: int) -> DrawnBatch | None:
         if step in self.drawn:
@@ -100,8 +103,8 @@ class BatchBook:
         if len(batch.delivered) == batch.world_size:
             self.completed = self.drawn.pop(step)
 
-    def hold(self, reply_to: Any, request: BatchRequest, deadline: float) -> None:
-        self.held[(request.step, request.rank)] = HeldRequest(reply_to, request, deadline)
+    def hold(self, reply_to: Any, request: BatchRequest, deadline: float, sender: str = "") -> None:
+        self.held[(request.step, request.rank, sender)] = HeldRequest(reply_to, request, deadline, sender)
 
     def release_all(self) -> list[HeldRequest]:
         """Take every held request out, lowest step first (the caller serves or holds each again)."""

@@ -1,12 +1,13 @@
 """The buffer's answers to every message, without sockets: `handle` maps a request to the replies to send now.
 
     core = BufferCore(state, wire_rejections=server.rejected)
-    replies = core.handle(request.message, reply_to=request, sender=request.sender, now=time.time())
+    replies = core.handle(request.message, reply_to=request, sender=request.sender, now=time.time(), role=request.role)
     for reply_to, message in replies: server.reply(reply_to, message)      # may answer earlier, held requests
     for reply_to, message in core.tick(time.time()): ...                   # expiries, BatchNotReady at timeouts
 
 Failure modes: a well-formed message the buffer cannot accept (unknown lease, rank >= world_size, a version
-from the future, ...) raises `RequestRejected(kind, reason)`; the caller answers it with an ErrorReply and
+from the future, a role that may not send it, a state change out of order: see `buffers.authority`) raises
+`RequestRejected(kind, reason)` before anything is committed; the caller answers it with an ErrorReply and
 counts it. A rollout group that breaks the contract or its lease is not an error: it is acked "rejected" with
 the reason, counted (samples and `rejected_<kind>`) and logged with its sender. Nothing here raises for bad
 input otherwise; an exception from here is a bug.
@@ -18,6 +19,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from buffers.authority import draw_problem, heartbeat_lease_problem, role_problem, version_order_problem
 from buffers.batches import DrawnBatch
 from buffers.checks import (
     batch_request_problem,
@@ -52,6 +54,7 @@ Reply = tuple[Any, Any]  # (reply_to, message)
 RETRY_FULL_S = 0.25  # how long a generator refused for admission control waits before asking again
 RETRY_STALE_S = 0.5
 RETRY_EXHAUSTED_S = 5.0
+MAX_HELD = 64  # held batch requests at once (one per step, rank and connection; a learner holds world_size)
 
 
 class RequestRejected(Exception):
@@ -98,13 +101,17 @@ class BufferCore:
             StatsRequest: self._stats,
         }
 
-    def handle(self, message: Any, reply_to: Any, sender: str, now: float) -> list[Reply]:
+    def handle(self, message: Any, reply_to: Any, sender: str, now: float, role: str | None = None) -> list[Reply]:
         """The replies to send now (to this request and to held ones it made answerable); may raise
-        RequestRejected. A held BatchRequest gets no reply now (it is answered by a later call or `tick`)."""
+        RequestRejected. A held BatchRequest gets no reply now (it is answered by a later call or `tick`).
+        `role`: the peer's role (`common.sockets.Request.role`), checked against `buffers.authority.PERMITTED`;
+        None only for an in-process caller that speaks for itself (tests, tools), which may send anything."""
         handler = self._handlers.get(type(message))
         if handler is None:
             name = getattr(type(message), "WIRE_NAME", type(message).__name__)
             raise RequestRejected("unexpected_message", f"the buffer does not take '{name}' messages")
+        if role is not None:
+            self._check(role_problem(type(message), role))
         return handler(message, reply_to, sender, now)
 
     # ------------------------------------------------------------------------------------------ generators
@@ -171,6 +178,9 @@ class BufferCore:
 
     def _heartbeat(self, heartbeat: Heartbeat, reply_to: Any, sender: str, now: float) -> list[Reply]:
         self._check(heartbeat_problem(heartbeat, self.state.newest_version))
+        leases = self.state.dispenser.leases
+        owners = {i: leases[i].generator_id for i in heartbeat.lease_ids if i in leases}
+        self._check(heartbeat_lease_problem(heartbeat, owners))
         self.state.dispenser.seen(heartbeat.generator_id, now)
         return [(reply_to, Ok(self.state.learner_version))]
 
@@ -193,21 +203,29 @@ class BufferCore:
         self._check(
             batch_request_problem(request, self.capacity_groups, self.state.learner_version, self.settings.sync_every)
         )
-        conflict = self.state.book.conflict(request)
+        book = self.state.book
+        conflict = book.conflict(request)
         if conflict:
             raise RequestRejected("batch_mismatch", conflict)
+        if book.find(request.step) is None:
+            self._check(draw_problem(request, self.state.draw_floor, self.state.batch_shape))
         batch = self._serve(request)
         if batch is not None:  # other ranks may be waiting for the batch this request just drew
             return [(reply_to, batch), *self._serve_held(now)]
         if request.timeout_s == 0:
             return [(reply_to, BatchNotReady(request.step, len(self.state.replay)))]
-        self.state.book.hold(reply_to, request, now + request.timeout_s)
+        if len(book.held) >= MAX_HELD and (request.step, request.rank, sender) not in book.held:
+            raise RequestRejected("too_many_held", f"{MAX_HELD} batch requests are held already: retry later")
+        book.hold(reply_to, request, now + request.timeout_s, sender)
         return []
 
     def _serve(self, request: BatchRequest) -> Batch | None:
-        """This rank's share of the batch of `request.step`, drawing the batch first if nobody has yet."""
+        """This rank's share of the batch of `request.step`, drawing the batch first if nobody has yet (and a draw
+        is in order: a held request whose step fell behind the draws stays held until its timeout)."""
         batch = self.state.book.find(request.step)
         if batch is None:
+            if draw_problem(request, self.state.draw_floor, self.state.batch_shape) is not None:
+                return None
             batch = self._draw(request.step, request.world_size, request.num_groups)
             if batch is None:
                 return None
@@ -243,20 +261,24 @@ class BufferCore:
         for held in self.state.book.release_all():
             batch = self._serve(held.request)
             if batch is None:
-                self.state.book.hold(held.reply_to, held.request, held.deadline)
+                self.state.book.hold(held.reply_to, held.request, held.deadline, held.sender)
             else:
                 replies.append((held.reply_to, batch))
         return replies
 
     def _version_report(self, report: VersionReport, reply_to: Any, sender: str, now: float) -> list[Reply]:
+        state = self.state
         self._check(version_report_problem(report))
-        if report.step < self.state.learner_version:
-            log.warning(
-                "learner reported step %d < %d: resumed from an older checkpoint?",
+        self._check(version_order_problem(report, state.learner_version, state.policy_version, state.drawn_high))
+        if report.resync:
+            log.info(
+                "learner %s announced step %d (was %d): %s",
+                sender,
                 report.step,
-                self.state.learner_version,
+                state.learner_version,
+                "resumed from an older checkpoint" if report.step < state.learner_version else "continuing",
             )
-        self.state.report_version(report.step, report.policy_version)
+        state.report_version(report.step, report.policy_version, report.resync)
         return [(reply_to, Ok(self.state.learner_version))]
 
     def _stats(self, request: StatsRequest, reply_to: Any, sender: str, now: float) -> list[Reply]:

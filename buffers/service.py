@@ -125,9 +125,10 @@ def run(config: TandemConfig) -> int:
 
 
 def _answer(server: Server, core: BufferCore, request: Any) -> None:
-    """Answer one request; a refused one gets an ErrorReply and is counted under its kind (the buffer stays up)."""
+    """Answer one request; a refused one (malformed for its state, or from a role that may not send it: see
+    `buffers.authority`) gets an ErrorReply, is counted under its kind and is not journaled (the buffer stays up)."""
     try:
-        replies = core.handle(request.message, request, request.sender, time.time())
+        replies = core.handle(request.message, request, request.sender, time.time(), role=request.role)
     except RequestRejected as refusal:
         server.reject(request, refusal.reason, refusal.kind)
         return

@@ -101,6 +101,11 @@ class BufferState:
         # Trained groups that the learner's current timeline does not know: set when a learner reports an older step
         # than before (it resumed from an older checkpoint), so that admission counts V·B trained groups again.
         self.trained_offset = 0
+        # The lowest step a new batch may be drawn for (one past the last draw, or the step a learner re-announced)
+        # and the (world_size, num_groups) of the last draw: see buffers.authority for the rules they enforce.
+        self.draw_floor = 0
+        self.drawn_high = 0  # one past the highest step ever drawn (never lowered: bounds every reported step)
+        self.batch_shape: tuple[int, int] | None = None
         self.next_seq = 1  # arrival number of the next accepted group
         self._held: dict[int, RolloutGroup] = {}  # during restore: groups only a pending draw still holds
         self._saved_counts: dict[str, int] = {}
@@ -203,8 +208,10 @@ class BufferState:
     def requeue(self, lease_id: int, prompt_ids: list[int], now: float) -> None:
         self.commit("requeue", {"lease_id": lease_id, "prompt_ids": prompt_ids, "t": now})
 
-    def report_version(self, step: int, policy_version: int) -> None:
-        self.commit("version", {"step": step, "policy_version": policy_version})
+    def report_version(self, step: int, policy_version: int, resync: bool = False) -> None:
+        """`resync`: the learner announced itself (start or resume): it may move back, and re-opens the draws."""
+        meta = {"step": step, "policy_version": policy_version}
+        self.commit("version", {**meta, "resync": True} if resync else meta)
 
     def save_counters(self) -> None:
         """Record the ledger if it changed (so counters that are not group flows survive a restart)."""
@@ -228,6 +235,9 @@ class BufferState:
                 "step": self.learner_version,
                 "policy_version": self.policy_version,
                 "trained_offset": self.trained_offset,
+                "draw_floor": self.draw_floor,
+                "drawn_high": self.drawn_high,
+                "batch_shape": list(self.batch_shape) if self.batch_shape else None,
             },
             [],
         )
@@ -288,6 +298,9 @@ class BufferState:
         self.ledger.flow("trained", sum(e.samples for e in retired), len(retired))
         batch = DrawnBatch.split(meta["step"], meta["world_size"], meta["seqs"], [e.group for e in served])
         self.book.add(batch)
+        self.draw_floor = max(self.draw_floor, batch.step + 1)
+        self.drawn_high = max(self.drawn_high, batch.step + 1)
+        self.batch_shape = (batch.world_size, batch.num_groups)
         return batch
 
     def _apply_deliver(self, meta: dict[str, Any], _: Any) -> None:
@@ -305,8 +318,16 @@ class BufferState:
         step = meta["step"]
         if "trained_offset" in meta:  # a compacted journal's snapshot
             self.trained_offset = meta["trained_offset"]
-        elif step < self.learner_version:  # the learner resumed from an older checkpoint: re-base admission
-            self.trained_offset = self.ledger.counts["trained_groups"] - step * self.settings.groups_per_step
+            self.draw_floor = meta.get("draw_floor", step)
+            self.drawn_high = max(self.drawn_high, meta.get("drawn_high", step))
+            self.batch_shape = tuple(meta["batch_shape"]) if meta.get("batch_shape") else None
+        else:
+            if step < self.learner_version:  # the learner resumed from an older checkpoint: re-base admission
+                self.trained_offset = self.ledger.counts["trained_groups"] - step * self.settings.groups_per_step
+            if meta.get("resync"):  # the learner (re)started at `step`: its draws start there, of any shape
+                self.draw_floor, self.batch_shape = step, None
+            else:
+                self.draw_floor = max(self.draw_floor, step)
         self.learner_version, self.policy_version = step, meta["policy_version"]
 
     def _apply_counters(self, meta: dict[str, Any], _: Any) -> None:
@@ -320,6 +341,7 @@ class BufferState:
         groups = [self.replay.entries[s].group if s in self.replay else self._held[s] for s in meta["seqs"]]
         batch = DrawnBatch.split(meta["step"], meta["world_size"], meta["seqs"], groups)
         batch.delivered.update(meta["delivered"])
+        self.drawn_high = max(self.drawn_high, batch.step + 1)
         if len(batch.delivered) == batch.world_size:
             self.book.completed = batch
         else:

@@ -49,7 +49,6 @@ from common.types import (
     PromptItem,
     RolloutGroup,
     TensorSpec,
-    VersionReport,
     WeightsHeader,
     WeightsNotNewer,
     WeightsRequest,
@@ -430,8 +429,8 @@ class FakeBuffer(ServerThread):
 
     def _follow(self, version: int) -> None:
         """The learner stands at the newest version any generator reports (so no version is from the future)."""
-        if version > self.core.state.learner_version:
-            self._core(VersionReport(policy_version=version, step=version), "fake-learner")
+        if version > self.core.state.learner_version:  # the state event: no batch is drawn here to report after
+            self.core.state.report_version(version, version)
 
     def _lease(self, request: LeaseRequest, sender: str) -> LeaseGrant | LeaseRefused:
         reply = self.refusal(request) if self.refusal is not None else None

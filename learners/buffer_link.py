@@ -1,26 +1,47 @@
 """The learner's side of the buffer protocol: pull this rank's batch for a step, report published versions.
 
     link = BufferLink(config.learner.buffer_address, security, rank=0, world_size=1, num_groups=4)
+    link.report_version(policy_version, step, resync=True)   # rank 0, first: announce where this learner stands
     batch, wait_s = link.fetch_batch(step)          # blocks until the buffer has it (long-poll, retries)
     link.report_version(policy_version, step)       # rank 0, after each publish
 
-Fault handling (deliberate, counted in `counters` and logged): `BatchNotReady` -> ask again at once (the buffer
-already held the request for `hold_s`); `PeerUnavailable` (buffer dead or restarting) -> back off 0.1 s, 0.2 s,
-... up to `reconnect_max_s` and retry, forever: a learner outlives a buffer restart. An `ErrorReply` or a batch
-for another step/rank is a protocol bug, not a fault: it raises RuntimeError with the buffer's reason.
+Fault handling (deliberate, counted in `counters` and logged):
+- `BatchNotReady` -> ask again at once (the buffer already held the request for `hold_s`);
+- `PeerUnavailable` (buffer dead or restarting) -> back off 0.1 s, 0.2 s, ... up to `reconnect_max_s` and retry,
+  forever: a learner outlives a buffer restart;
+- `ErrorReply` (the buffer refused the request: counted as `refused_<kind>`) -> back off the same way and retry.
+  Rank 0 first re-announces its own step and version (`resync`): the learner is the authority on where it stands,
+  so a buffer that lost its state, or whose view a confused peer moved, is set right, and the retry is served.
+  Refusals no retry can change (`FATAL_KINDS`: this learner's key or its own config) stop it at once; any other
+  stops it when they last `refusal_patience_s` without a break: `BufferRefused` with the buffer's last reason.
+A batch for another step/rank, or an empty one, is a protocol bug, not a fault: RuntimeError.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 from common.sockets import Client, PeerUnavailable, SocketSecurity, backoff_delays
 from common.types import Batch, BatchNotReady, BatchRequest, ErrorReply, Ok, VersionReport
 
 log = logging.getLogger("tandem.learner.buffer")
+
+# Refusals that say this learner cannot be served as configured: its key is not the learner's (forbidden_role), or
+# its rank / world_size / num_groups / timeout are impossible for the buffer. Retrying would change nothing.
+FATAL_KINDS = frozenset({"forbidden_role", "bad_rank", "bad_num_groups", "bad_timeout", "bad_version"})
+
+
+class BufferRefused(RuntimeError):
+    """The buffer kept refusing a request (or refused it for a reason no retry changes); `kind` is its key."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class BufferLink:
@@ -36,16 +57,20 @@ class BufferLink:
         hold_s: float = 5.0,
         reply_margin_s: float = 5.0,
         reconnect_max_s: float = 10.0,
+        refusal_patience_s: float = 120.0,
     ) -> None:
         """`hold_s`: how long the buffer may hold a batch request; a reply later than hold_s + reply_margin_s
-        means the buffer is unavailable."""
-        self.client = Client(address, security, identity=f"learner-{rank}")
+        means the buffer is unavailable. `refusal_patience_s`: how long refusals may go on before the learner stops."""
+        self.client = Client(address, security, identity=f"learner-{rank}", role="learner")
         self.address, self.rank, self.world_size, self.num_groups = address, rank, world_size, num_groups
         self.hold_s, self.reply_margin_s, self.reconnect_max_s = hold_s, reply_margin_s, reconnect_max_s
+        self.refusal_patience_s = refusal_patience_s
         self.counters: Counter[str] = Counter()
+        self.announced: tuple[int, int] | None = None  # (policy_version, step) of the last report the buffer took
 
     def _request(self, message: Any, what: str) -> Any:
-        """Send until some reply arrives; PeerUnavailable is retried with back-off (counted, logged)."""
+        """Send until some reply arrives (PeerUnavailable is retried with back-off, counted, logged). An ErrorReply
+        is returned (counted); one of `FATAL_KINDS` raises BufferRefused."""
         delays = backoff_delays(self.reconnect_max_s)
         while True:
             try:
@@ -57,8 +82,23 @@ class BufferLink:
                 time.sleep(delay)
                 continue
             if isinstance(reply, ErrorReply):
-                raise RuntimeError(f"the buffer at {self.address} refused {what}: {reply.reason}")
+                self.counters[f"refused_{reply.kind or 'unknown'}"] += 1
+                if reply.kind in FATAL_KINDS:
+                    raise BufferRefused(f"the buffer at {self.address} refused {what}: {reply.reason}", reply.kind)
             return reply
+
+    def _after_refusal(self, refusal: ErrorReply, what: str, since: float, delays: Iterator[float]) -> None:
+        """Log, give up once refusals have lasted `refusal_patience_s` (BufferRefused), else back off."""
+        waited = time.monotonic() - since
+        if waited >= self.refusal_patience_s:
+            raise BufferRefused(
+                f"the buffer at {self.address} refused {what} for {waited:.0f}s (learner.buffer refusal patience "
+                f"{self.refusal_patience_s:.0f}s): {refusal.reason}",
+                refusal.kind,
+            )
+        delay = next(delays)
+        log.warning("%s refused (%s): %s; retrying in %.1fs", what, refusal.kind or "?", refusal.reason, delay)
+        time.sleep(delay)
 
     def fetch_batch(self, step: int) -> tuple[Batch, float]:
         """(this rank's `Batch` for `step`, seconds spent waiting for it)."""
@@ -66,8 +106,17 @@ class BufferLink:
         request = BatchRequest(
             step=step, rank=self.rank, world_size=self.world_size, num_groups=self.num_groups, timeout_s=self.hold_s
         )
+        what = f"the batch for step {step}"
+        refused_since, delays = None, backoff_delays(self.reconnect_max_s)
         while True:
-            reply = self._request(request, f"batch for step {step}")
+            reply = self._request(request, what)
+            if isinstance(reply, ErrorReply):
+                refused_since = time.monotonic() if refused_since is None else refused_since
+                self._after_refusal(reply, what, refused_since, delays)
+                if self.announced is not None:  # rank 0: where this learner stands, before it asks again
+                    self.report_version(*self.announced, resync=True)
+                continue
+            refused_since, delays = None, backoff_delays(self.reconnect_max_s)
             if isinstance(reply, BatchNotReady):
                 self.counters["batch_not_ready"] += 1
                 continue
@@ -81,11 +130,23 @@ class BufferLink:
                 raise RuntimeError(f"the buffer sent an empty batch for step {step}")
             return reply, time.perf_counter() - start
 
-    def report_version(self, policy_version: int, step: int) -> int:
-        """Tell the buffer that `policy_version` is published; returns the buffer's view of the learner version."""
-        reply = self._request(VersionReport(policy_version=policy_version, step=step), "version report")
+    def report_version(self, policy_version: int, step: int, resync: bool = False) -> int:
+        """Tell the buffer that `policy_version` is published at `step`; returns the buffer's view of the learner
+        version. `resync`: announce it (at the start, after a resume or a refusal; see `common.types.VersionReport`).
+        A refused plain report is sent again as an announcement (this learner knows where it stands)."""
+        message = VersionReport(policy_version=policy_version, step=step, resync=resync)
+        what = f"the version report (step {step}, policy_version {policy_version})"
+        refused_since, delays = None, backoff_delays(self.reconnect_max_s)
+        while True:
+            reply = self._request(message, what)
+            if not isinstance(reply, ErrorReply):
+                break
+            refused_since = time.monotonic() if refused_since is None else refused_since
+            self._after_refusal(reply, what, refused_since, delays)
+            message = dataclasses.replace(message, resync=True)
         if not isinstance(reply, Ok):
             raise RuntimeError(f"the buffer answered a version_report with {type(reply).WIRE_NAME}")
+        self.announced = (policy_version, step)
         return reply.learner_version
 
     def close(self) -> None:

@@ -13,9 +13,13 @@ The loop, per step s (s = optimizer steps taken so far = the policy_version the 
     checkpoint every save_every steps and at the end (learners.checkpoint)
 
 Versions: the weights at start (step 0, or the step a resume continues from) are published first with version
-= that step, so a generator that (re)starts always finds weights; a resume keeps the numbering.
-Failure modes: a dead buffer is waited for (backoff, logged); a malformed batch, a protocol error or an engine
-error ends the learner with the error (a later `--learner.resume true` continues from the last checkpoint).
+= that step, so a generator that (re)starts always finds weights; a resume keeps the numbering. Rank 0 announces
+that step to the buffer (`resync`), which may move the buffer's view back to an older checkpoint's step.
+Failure modes: a dead buffer is waited for (backoff, logged); a refused request is counted and retried, rank 0
+re-announcing its step first (`learners.buffer_link`), until refusals outlast the link's patience or say the
+learner's key or config is wrong: then it stops with the buffer's reason (`BufferRefused`); a malformed batch, a
+protocol error or an engine error ends the learner with the error (a later `--learner.resume true` continues
+from the last checkpoint).
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ def run(config: TandemConfig) -> int:
     try:
         _publish(trainer, publisher, state.step)
         if dist.rank == 0:
-            buffer.report_version(state.policy_version, state.step)
+            buffer.report_version(state.policy_version, state.step, resync=True)
             reporter = _reporter(config, state, log)
         saved_step = state.step if learner.resume else -1
         while state.step < learner.total_steps:

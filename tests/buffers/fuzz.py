@@ -1,5 +1,7 @@
 """Fuzzing the buffer's socket: random bytes, mutated valid messages, wrong versions and types, broken frames,
-oversized messages, broken envelopes and well-formed but unacceptable requests, from one raw DEALER socket.
+oversized messages, broken envelopes and well-formed but unacceptable requests, from three raw DEALER sockets:
+one declares the generator role, one the learner role and one none (each message goes out on a random one), so
+that requests both reach the checks of their content and meet the role checks.
 
 Every message carries a unique request id, so each reply is matched to its message. Messages are sent in
 windows (so the buffer's send queue never overflows) and every window's replies are awaited.
@@ -31,6 +33,7 @@ from common.wire import decode, encode
 from tests.buffers.fakes import make_group
 
 WINDOW = 200
+ROLES = ("generator", "learner", None)
 
 
 @dataclass
@@ -102,9 +105,7 @@ def fuzz_buffer(address: str, count: int, seed: int, reply_timeout_s: float = 20
     rng = random.Random(seed)
     valid = _valid_messages()
     host, port = split_address(address)
-    socket = zmq.Context.instance().socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(f"tcp://{host}:{port}")
+    sockets = [_dealer(host, port, role) for role in ROLES]
     outcome = FuzzOutcome()
     try:
         next_id = 1
@@ -112,6 +113,7 @@ def fuzz_buffer(address: str, count: int, seed: int, reply_timeout_s: float = 20
             waiting = set()
             for _ in range(min(WINDOW, count - outcome.sent)):
                 frames, envelope = _message(rng, valid)
+                socket = rng.choice(sockets)
                 request_id = struct.pack("<Q", next_id)
                 next_id += 1
                 if envelope:
@@ -121,26 +123,41 @@ def fuzz_buffer(address: str, count: int, seed: int, reply_timeout_s: float = 20
                     socket.send_multipart([b"x" + request_id, *frames])
                     outcome.bad_envelopes += 1
                 outcome.sent += 1
-            _collect(socket, waiting, outcome, reply_timeout_s)
+            _collect(sockets, waiting, outcome, reply_timeout_s)
             outcome.unanswered += len(waiting)
     finally:
-        socket.close()
+        for socket in sockets:
+            socket.close()
     return outcome
 
 
-def _collect(socket: zmq.Socket, waiting: set[bytes], outcome: FuzzOutcome, timeout_s: float) -> None:
+def _dealer(host: str, port: int, role: str | None) -> zmq.Socket:
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    if role is not None:
+        socket.setsockopt(zmq.METADATA, f"X-Tandem-Role:{role}".encode())  # as common.sockets.Client declares it
+    socket.connect(f"tcp://{host}:{port}")
+    return socket
+
+
+def _collect(sockets: list[zmq.Socket], waiting: set[bytes], outcome: FuzzOutcome, timeout_s: float) -> None:
+    poller = zmq.Poller()
+    for socket in sockets:
+        poller.register(socket, zmq.POLLIN)
     deadline = time.monotonic() + timeout_s
     while waiting and time.monotonic() < deadline:
-        if not socket.poll(100):
-            continue
-        frames = socket.recv_multipart()
-        if len(frames) < 3 or frames[1] not in waiting:
-            continue
-        waiting.discard(frames[1])
-        reply, _ = decode(frames[2:])
-        if isinstance(reply, ErrorReply):
-            outcome.error_replies += 1
-        elif isinstance(reply, GroupAck) and reply.status == "rejected":
-            outcome.rejected_acks += 1
-        else:
-            outcome.other_replies += 1
+        for socket, _ in poller.poll(100):
+            frames = socket.recv_multipart()
+            if len(frames) >= 3 and frames[1] in waiting:
+                waiting.discard(frames[1])
+                _classify(frames, outcome)
+
+
+def _classify(frames: list[bytes], outcome: FuzzOutcome) -> None:
+    reply, _ = decode(frames[2:])
+    if isinstance(reply, ErrorReply):
+        outcome.error_replies += 1
+    elif isinstance(reply, GroupAck) and reply.status == "rejected":
+        outcome.rejected_acks += 1
+    else:
+        outcome.other_replies += 1

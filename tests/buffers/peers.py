@@ -71,7 +71,7 @@ class Learner(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        client = Client(self.address, SECURITY, identity="learner")
+        client = Client(self.address, SECURITY, identity="learner", role="learner")
         try:
             step = 0
             while True:
@@ -112,7 +112,7 @@ class Generator(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
-        client = Client(self.address, SECURITY, identity=f"generator-{self.generator_id}")
+        client = Client(self.address, SECURITY, identity=f"generator-{self.generator_id}", role="generator")
         try:
             while not self.stop.is_set():
                 version = self.learner.version  # load the newest published weights before leasing
@@ -139,7 +139,7 @@ class Generator(threading.Thread):
 
 def hang(address: str, generator_id: int) -> None:
     """Lease prompts, say so on stdout, then never send anything again (to be killed)."""
-    client = Client(address, SECURITY, identity=f"hanging-{generator_id}")
+    client = Client(address, SECURITY, identity=f"hanging-{generator_id}", role="generator")
     reply = call(client, LeaseRequest(generator_id, 4, 0), time.monotonic() + 30)
     if isinstance(reply, ErrorReply):
         raise SystemExit(reply.reason)

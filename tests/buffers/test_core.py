@@ -28,7 +28,7 @@ from common.types import (
     VersionReport,
     WeightsRequest,
 )
-from tests.buffers.fakes import GROUP, OP_MIX, RandomRun, ask, make_core, make_group
+from tests.buffers.fakes import GROUP, OP_MIX, RandomRun, advance_learner, ask, make_core, make_group
 
 
 def lease(core: BufferCore, count: int, version: int = 0, generator: int = 0, now: float = 0.0) -> LeaseGrant:
@@ -48,7 +48,7 @@ def test_lease_grant_respects_admission_and_refuses_full_then_stale() -> None:
     refused = ask(core, LeaseRequest(0, 3, 0))
     assert isinstance(refused, LeaseRefused) and refused.reason == "full" and refused.retry_after_s > 0
     for version in (1, 2):
-        ask(core, VersionReport(version, version))
+        advance_learner(core, version)
     refused = ask(core, LeaseRequest(0, 3, 0))
     assert (refused.reason, refused.min_version) == ("stale", 1)
     assert len(lease(core, 8, version=2).prompts) == 4  # (2 + 1 + 1) * 2 - 4 outstanding
@@ -76,7 +76,7 @@ def test_group_acks_accepted_duplicate_and_rejected_with_reasons() -> None:
     lying = dataclasses.replace(
         good, token_versions=np.zeros_like(good.token_versions), versions=np.full(GROUP, 1, np.int32)
     )
-    ask(core, VersionReport(1, 1))
+    advance_learner(core, 1)
     assert "oldest" in ask(core, lying).reason
     counters = core.counters()
     assert counters["rejected_groups"] == 6 and counters["rejected"] == 5 * GROUP + GROUP + 1
@@ -170,7 +170,7 @@ def test_stale_groups_are_dropped_at_draw_time_and_counted() -> None:
     old = lease(core, 2)
     push_all(core, old)
     for step in (1, 2):
-        ask(core, VersionReport(step, step))
+        advance_learner(core, step)
     fresh = lease(core, 2, version=2)
     push_all(core, fresh, version=2)
     batch = ask(core, BatchRequest(2, 0, 1, 2, 0.0))
@@ -285,7 +285,7 @@ def test_learner_resumed_from_an_older_checkpoint_is_not_starved() -> None:
         batch = ask(core, BatchRequest(step, 0, 1, 2, 0.0))
         assert isinstance(batch, Batch) and len(batch.groups) == 2
         ask(core, VersionReport(step + 1, step + 1))
-    ask(core, VersionReport(1, 1))  # resumed at step 1 with the step-1 weights
+    ask(core, VersionReport(1, 1, resync=True))  # resumed at step 1 with the step-1 weights
     grant = lease(core, 4, version=1)
     assert len(grant.prompts) == 4  # (1 + 1 + 1) * 2 - 1 * 2 trained in the new timeline
     push_all(core, grant, version=1)

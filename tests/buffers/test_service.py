@@ -187,6 +187,7 @@ def test_ten_thousand_fuzzed_messages_are_answered_counted_and_survived(buffers)
         "unknown_lease",
         "bad_rank",
         "unexpected_message",
+        "forbidden_role",
     ):
         assert counters.get(f"rejected_{kind}", 0) > 0, kind
     _assert_balanced(counters)
@@ -194,7 +195,8 @@ def test_ten_thousand_fuzzed_messages_are_answered_counted_and_survived(buffers)
     # and it still works: a normal lease, group and batch (after the learner resets the version that fuzzed
     # VersionReports may have moved)
     deadline = time.monotonic() + 30
-    assert call(Client(buffer.address, SECURITY, identity="reset"), VersionReport(0, 0), deadline).learner_version == 0
+    reset = Client(buffer.address, SECURITY, identity="reset", role="learner")
+    assert call(reset, VersionReport(0, 0, resync=True), deadline).learner_version == 0
     learner = Learner(buffer.address, num_groups=2, total_groups=2, max_staleness=1, deadline=deadline)
     generator = Generator(buffer.address, 1, learner, GROUP, deadline)
     learner.start()

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
+from buffers.core import RequestRejected
 from common.sockets import Server, SocketSecurity
-from common.types import ErrorReply, VersionReport
-from launch.testing import free_port
-from learners.buffer_link import BufferLink
+from common.types import LeaseRequest, VersionReport
+from launch.testing import ServerThread, free_port
+from learners.buffer_link import BufferLink, BufferRefused
+from tests.buffers.fakes import GROUP, make_core, make_group
 from tests.learners.learner_fakes import SyntheticBuffer
 
 
@@ -74,21 +78,96 @@ def test_not_ready_is_asked_again_and_versions_are_reported() -> None:
         buffer.close()
 
 
-def test_a_refusal_is_an_error_that_names_the_buffers_reason() -> None:
-    port = free_port()
-    server = Server("127.0.0.1", port, SocketSecurity(), name="refusing-buffer")
+def _refusing_server(port: int, kind: str, reason: str) -> Callable[[], None]:
+    """A server that refuses every request with `kind`, in a thread; returns the function that stops it."""
+    server, stop = Server("127.0.0.1", port, SocketSecurity(), name="refusing-buffer"), threading.Event()
 
     def refuse() -> None:
-        request = server.poll(timeout_ms=10_000)
-        server.reply(request, ErrorReply(reason="step 9 is not in [0, 2]"))
+        try:
+            while not stop.is_set():
+                request = server.poll(timeout_ms=50)
+                if request is not None:
+                    server.reject(request, reason, kind)
+        finally:
+            server.close()
 
-    thread = threading.Thread(target=refuse)
+    thread = threading.Thread(target=refuse, daemon=True)
     thread.start()
+    return lambda: (stop.set(), thread.join(timeout=10))
+
+
+def test_a_refusal_no_retry_can_change_stops_the_learner_naming_the_buffers_reason() -> None:
+    port = free_port()
+    stop = _refusing_server(port, "forbidden_role", "a peer of role 'generator' may not send 'batch_request'")
     client = link(port)
     try:
-        with pytest.raises(RuntimeError, match=r"refused batch for step 9: step 9 is not in \[0, 2\]"):
+        with pytest.raises(BufferRefused, match=r"refused the batch for step 9: a peer of role 'generator'"):
             client.fetch_batch(9)
+        assert client.counters["refused_forbidden_role"] == 1
     finally:
-        thread.join(timeout=10)
+        stop()
         client.close()
-        server.close()
+
+
+def test_refusals_are_retried_until_they_outlast_the_patience_then_stop_with_the_reason() -> None:
+    port = free_port()
+    stop = _refusing_server(port, "old_step", "step 9 was drawn already")
+    client = link(port)
+    client.refusal_patience_s = 1.0
+    try:
+        started = time.monotonic()
+        with pytest.raises(BufferRefused, match=r"refused the batch for step 9 for 1s .*: step 9 was drawn already"):
+            client.fetch_batch(9)
+        assert time.monotonic() - started >= 1.0 and client.counters["refused_old_step"] >= 3
+    finally:
+        stop()
+        client.close()
+
+
+class CoreServer(ServerThread):
+    """A buffer core behind a real socket, checking roles as the service does; the test feeds it groups."""
+
+    name = "core-buffer"
+
+    def __init__(self, port: int) -> None:
+        super().__init__(port)
+        self.core = make_core(groups_per_step=2, max_staleness=1)
+        self.start()
+
+    def answer(self, server: Server, request: Any) -> list[tuple[Any, Any, list[Any]]]:
+        try:
+            replies = self.core.handle(request.message, request, request.sender, time.time(), role=request.role)
+        except RequestRejected as refusal:
+            server.reject(request, refusal.reason, refusal.kind)
+            return []
+        return [(reply_to, reply, []) for reply_to, reply in replies]
+
+    def feed(self, version: int) -> None:
+        """Lease the prompts of one batch at `version` and push their groups."""
+        with self.lock:
+            ((_, grant),) = self.core.handle(LeaseRequest(0, 2, version), None, "generator", time.time())
+            for prompt in grant.prompts:
+                self.core.handle(make_group(grant.lease_id, prompt, 0, GROUP, version), None, "generator", time.time())
+
+
+def test_a_buffer_whose_view_was_moved_back_is_set_right_by_re_announcing() -> None:
+    """Another learner-role peer rewound the buffer to step 0: the next batch request is refused (bad_step), and
+    rank 0 re-announces its own step (resync) and is served; nothing made it exit."""
+    port = free_port()
+    buffer = CoreServer(port)
+    client = link(port)
+    try:
+        client.report_version(0, 0, resync=True)
+        for step in range(4):
+            buffer.feed(step)
+            if step < 3:
+                assert client.fetch_batch(step)[0].step == step
+                client.report_version(step + 1, step + 1)
+        with buffer.lock:
+            buffer.core.handle(VersionReport(0, 0, resync=True), None, "intruder", time.time(), role="learner")
+        batch, _ = client.fetch_batch(3)
+        assert batch.step == 3 and client.counters["refused_bad_step"] == 1
+        assert buffer.core.state.learner_version == 3 and client.announced == (3, 3)
+    finally:
+        client.close()
+        buffer.stop()
