@@ -14,6 +14,7 @@ group the fixed buffer accepts has 8 x (1024 - 16) tokens: `--tokens 1008`.
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import sys
 import tempfile
@@ -66,7 +67,9 @@ def flood(workdir: Path, tokens: int, groups: int, persist: bool) -> dict[str, f
         env={"num_prompts": 4096},
     )
     buffer = RoleUnderTest(config, "buffer").start()
-    client = Client(config.generator.buffer_address, SocketSecurity(), identity="flood")
+    # a generator's role (checkouts before per-role identities have no `role`: their buffer takes anyone's groups)
+    role = {"role": "generator"} if "role" in inspect.signature(Client).parameters else {}
+    client = Client(config.generator.buffer_address, SocketSecurity(), identity="flood", **role)
     try:
         client.request(StatsRequest(), timeout_s=60)
         time.sleep(1.0)
