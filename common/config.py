@@ -238,8 +238,9 @@ class RunConfig(_Section):
     )
     curve_keys_dir: Path | None = Field(
         None,
-        description="Folder with CurveZMQ keys made by `zmq.auth.create_certificates` (`server.key_secret`, "
-        "`client.key_secret` and their public files). Required to bind a non-loopback address unless insecure.",
+        description="Folder with CurveZMQ keys made by `tandem keys DIR`: `server.key_secret` and one key per role "
+        "(`generator`, `learner`, `reward`, `eval`, `monitor`: `ROLE.key` public, `ROLE.key_secret` mode 0600). The "
+        "key a client connects with is its role. Required to bind a non-loopback address unless insecure.",
     )
     max_message_mb: float = Field(
         1024.0,
