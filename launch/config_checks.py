@@ -54,7 +54,7 @@ def _keys_problem(config: TandemConfig) -> str | None:
         return None
     return (
         f"run.curve_keys_dir: '{folder}' is not a folder on this machine: make the keys with "
-        f"zmq.auth.create_certificates('{folder}', 'server') and (..., 'client'), the same on every machine"
+        f"`tandem keys {folder}` and give each machine the files its roles need (docs/security.md)"
     )
 
 

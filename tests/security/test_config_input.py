@@ -160,7 +160,7 @@ CASES = [
         "missing-keys-dir",
         f'[run]\ncurve_keys_dir = "{NO_FILE_FOR_KEYS}"\n',
         "run.curve_keys_dir",
-        "zmq.auth.create_certificates",
+        "tandem keys",
         command="learner",
     ),
     # --- overrides
