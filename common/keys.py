@@ -125,6 +125,18 @@ def role_public_keys(keys_dir: Path) -> dict[bytes, str]:
     return keys
 
 
+def check_keys(keys_dir: Path, clients: tuple[str, ...] = (), serves: bool = False) -> None:
+    """Load what a process will: the server's secret and the role keys when it `serves`, each client role's secret
+    and the server's public key. Raises SecurityError (naming the file and the fix) on the first problem, so a role
+    can refuse to start with one line rather than fail at its first socket."""
+    if serves:
+        load_secret(keys_dir, SERVER)
+        role_public_keys(keys_dir)
+    for role in clients:
+        load_secret(keys_dir, role)
+        load_public(keys_dir, SERVER)
+
+
 def _refuse_legacy(keys_dir: Path) -> None:
     if (keys_dir / f"{_LEGACY_CLIENT}.key").is_file() and not any((keys_dir / f"{r}.key").is_file() for r in ROLES):
         raise SecurityError(

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.config import BUILT_IN_MODELS, TandemConfig
+from common.keys import SecurityError, check_keys
 
 # role -> the checks it needs; `run` starts every role on this machine
 NEEDS = {
@@ -21,9 +22,17 @@ NEEDS = {
     "generator": ("model", "keys"),
     "learner": ("model", "keys"),
 }
+# role -> (the client roles it connects as, whether it serves): which key files it loads (common.keys.check_keys).
+# A learner serves the weights on rank 0 only, so its server key is checked when that socket opens.
+KEY_USERS = {
+    "run": (("generator", "learner"), True),
+    "buffer": ((), True),
+    "generator": (("generator",), False),
+    "learner": (("learner",), False),
+}
 
 
-def _prompts_problem(config: TandemConfig) -> str | None:
+def _prompts_problem(config: TandemConfig, role: str) -> str | None:
     if config.env.kind != "file":
         return None
     source = Path(config.env.source).expanduser()
@@ -37,7 +46,7 @@ def _prompts_problem(config: TandemConfig) -> str | None:
     return None
 
 
-def _model_problem(config: TandemConfig) -> str | None:
+def _model_problem(config: TandemConfig, role: str) -> str | None:
     if config.run.simulate or config.model.path in BUILT_IN_MODELS:  # SIMULATION loads no model
         return None
     if not (Path(config.model.path).expanduser() / "config.json").is_file():
@@ -48,14 +57,21 @@ def _model_problem(config: TandemConfig) -> str | None:
     return None
 
 
-def _keys_problem(config: TandemConfig) -> str | None:
+def _keys_problem(config: TandemConfig, role: str) -> str | None:
     folder = config.run.curve_keys_dir
-    if folder is None or folder.expanduser().is_dir():
+    if folder is None:
         return None
-    return (
-        f"run.curve_keys_dir: '{folder}' is not a folder on this machine: make the keys with "
-        f"`tandem keys {folder}` and give each machine the files its roles need (docs/security.md)"
-    )
+    if not folder.expanduser().is_dir():
+        return (
+            f"run.curve_keys_dir: '{folder}' is not a folder on this machine: make the keys with "
+            f"`tandem keys {folder}` and give each machine the files its roles need (docs/security.md)"
+        )
+    clients, serves = KEY_USERS[role]
+    try:
+        check_keys(folder.expanduser(), clients, serves)
+    except SecurityError as error:
+        return f"run.curve_keys_dir: {error}"
+    return None
 
 
 CHECKS = {"prompts": _prompts_problem, "model": _model_problem, "keys": _keys_problem}
@@ -64,4 +80,4 @@ CHECKS = {"prompts": _prompts_problem, "model": _model_problem, "keys": _keys_pr
 def missing_paths(config: TandemConfig, role: str) -> list[str]:
     """One line per path that `role` needs and this machine lacks, each naming its key; [] for a role that needs
     none here (`config`, `ray`)."""
-    return [problem for need in NEEDS.get(role, ()) if (problem := CHECKS[need](config)) is not None]
+    return [problem for need in NEEDS.get(role, ()) if (problem := CHECKS[need](config, role)) is not None]

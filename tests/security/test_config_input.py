@@ -9,6 +9,7 @@ A role that would start is replaced by one that fails the test, so a refusal can
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 
 import launch.cli
 from common.config import ConfigError, TandemConfig, load_config
+from common.keys import write_keys
 from launch.cli import main
 from launch.config_checks import missing_paths
 
@@ -341,7 +343,7 @@ def test_the_paths_a_role_needs_pass_when_present_and_only_roles_check_them(tmp_
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "What is 1 + 1?"}\n')
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
-    (tmp_path / "keys").mkdir()
+    write_keys(tmp_path / "keys")
     present = {"env.kind": "file", "model.path": str(tmp_path / "model"), "run.curve_keys_dir": str(tmp_path / "keys")}
     config = load_config(None, {**present, "env.source": str(tmp_path / "prompts.jsonl")})
     assert all(missing_paths(config, role) == [] for role in ("run", "buffer", "generator", "learner"))
@@ -350,3 +352,20 @@ def test_the_paths_a_role_needs_pass_when_present_and_only_roles_check_them(tmp_
         len(missing_paths(absent, "run")) == 2 and missing_paths(absent, "config") == missing_paths(absent, "ray") == []
     )
     assert missing_paths(load_config(None, {"model.path": "/nonexistent", "run.simulate": True}), "generator") == []
+
+
+def test_keys_a_role_cannot_load_are_one_line_at_start(tmp_path: Path) -> None:
+    """The key files each role loads are checked before it starts (common.keys.check_keys): an empty folder, a
+    secret others may read, the old shared `client` key. One line each, naming run.curve_keys_dir and the fix."""
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    config = load_config(None, {"run.curve_keys_dir": str(keys), "run.simulate": True})
+    for role in ("run", "buffer", "generator", "learner"):
+        (problem,) = missing_paths(config, role)
+        assert problem.startswith("run.curve_keys_dir: ") and "tandem keys" in problem, problem
+    keys.rmdir()
+    write_keys(keys)
+    os.chmod(keys / "generator.key_secret", 0o644)
+    assert missing_paths(config, "buffer") == [] and missing_paths(config, "learner") == []
+    (problem,) = missing_paths(config, "generator")
+    assert f"chmod 600 {keys / 'generator.key_secret'}" in problem
