@@ -37,7 +37,7 @@ from common.config import TandemConfig, write_resolved
 from common.logs import setup_logging
 from common.sockets import SocketSecurity
 from common.types import RolloutGroup
-from learners.buffer_link import BufferLink
+from learners.buffer_link import BufferLink, BufferRefused
 from learners.checkpoint import CheckpointManager, LearnerState
 from learners.publisher import WeightsPublisher, open_weights_publisher
 from learners.ranks import launch_ranks, pin_cores
@@ -116,6 +116,11 @@ def run(config: TandemConfig) -> int:
             state.policy_version,
             state.samples_trained,
         )
+    except BufferRefused as refusal:  # refused for longer than the link's patience, or for good: say why, and stop
+        log.error(
+            "stopping at step %d: %s (last checkpoint: --learner.resume true continues from it)", state.step, refusal
+        )
+        return 1
     finally:
         buffer.close()
         if publisher is not None:

@@ -134,6 +134,7 @@ class Run:
             learner={"groups_per_step": B},
         )
         self.address = config.generator.buffer_address
+        self.buffer_port, self.weights_port = config.buffer.port, config.learner.weights_port
         self.buffer = RoleUnderTest(config, "buffer")
         self.learner = LearnerThread(self.address, self.security)
         self.generator = GeneratorThread(self.address, self.security)
@@ -317,3 +318,34 @@ def test_a_secret_key_file_others_can_read_is_refused_at_start(tmp_path: Path) -
     code = run.buffer.wait(WAIT_S)
     assert code != 0 and f"chmod 600 {keys / 'server.key_secret'}" in run.buffer.output(), run.buffer.tail()
     assert code != -signal.SIGKILL
+
+
+def test_a_learner_refused_for_good_stops_with_the_buffers_reason(tmp_path: Path) -> None:
+    """A learner machine given the generator's secret as its own: every request it sends is a generator's, refused
+    (forbidden_role). The learner (a real process, simulated trainer) stops at once with exit code 1 and the reason
+    in its log, not a traceback and not a retry loop; the buffer stays up."""
+    keys = tmp_path / "keys"
+    write_keys(keys)
+    (keys / "learner.key_secret").write_bytes((keys / "generator.key_secret").read_bytes())  # still 0600
+    buffer_run = Run(tmp_path, keys=keys)
+    buffer_run.buffer.start()
+    assert buffer_run.buffer.wait_until(buffer_run.stats, WAIT_S, "the buffer's first answer")
+    config = run_config(
+        tmp_path / "runs",
+        "attacks",
+        ports=(buffer_run.buffer_port, buffer_run.weights_port),
+        run={"simulate": True, "curve_keys_dir": str(keys)},
+        algo={"group_size": GROUP, "max_staleness": 1},
+        learner={"groups_per_step": B, "total_steps": 4},
+    )
+    learner = RoleUnderTest(config, "learner")
+    try:
+        learner.start()
+        assert learner.wait(WAIT_S) == 1, learner.tail()
+        log = (config.run.run_dir / "logs" / "learner-0.log").read_text()
+        assert "stopping at step 0" in log and "may not send 'version_report'" in log, log
+        assert "Traceback" not in learner.output(), learner.tail()
+        assert buffer_run.counters()["rejected_forbidden_role"] >= 1
+    finally:
+        learner.kill()
+        buffer_run.buffer.kill()
