@@ -100,7 +100,7 @@ def measure_publishing(trainer: Any) -> dict[str, float]:
 
     port = free_port()
     publisher = ZmqWeightsPublisher("127.0.0.1", port, SocketSecurity())
-    client = Client(f"127.0.0.1:{port}", SocketSecurity(), identity="benchmark-generator")
+    client = Client(f"127.0.0.1:{port}", SocketSecurity(), identity="benchmark-generator", role="generator")
     try:
         layout = trainer.weight_layout()
         times = [publisher.publish(version, layout, trainer.full_weights()) for version in range(7)]

@@ -34,6 +34,7 @@ from common.wire import encode
 sock = zmq.Context().socket(zmq.DEALER)
 sock.setsockopt(zmq.RCVHWM, 1)
 sock.setsockopt(zmq.RCVBUF, 4096)
+sock.setsockopt(zmq.METADATA, b"X-Tandem-Role:generator")  # declared as a generator would (loopback, no keys)
 sock.connect(f"tcp://127.0.0.1:{sys.argv[1]}")
 for n, _ in enumerate(sys.stdin, 1):  # one request per line the benchmark writes (after each publish)
     sock.send_multipart([b"", struct.pack("<Q", n), *encode(WeightsRequest(generator_id=99, have_version=-1))])
@@ -73,7 +74,7 @@ def main() -> None:
             time.sleep(0.2)
             if version % 5 == 4:
                 print(f"v{version}: RSS {status_mb('VmRSS'):.0f} MB  {dict(publisher.counters)}", flush=True)
-        client = Client(f"127.0.0.1:{port}", SocketSecurity(), identity="honest-generator")
+        client = Client(f"127.0.0.1:{port}", SocketSecurity(), identity="honest-generator", role="generator")
         reply, payload = client.request(WeightsRequest(generator_id=0, have_version=-1), timeout_s=60)
         client.close()
         newest = isinstance(reply, WeightsHeader) and reply.policy_version == args.versions - 1

@@ -7,7 +7,8 @@
 
 Protocol (layout in `common.weights`): a `WeightsRequest(have_version)` is answered with the latest snapshot,
 `WeightsHeader` + bucket frames as payload, when its version is newer than `have_version`, else with
-`WeightsNotNewer(latest_version)` (-1 before the first publish). Any other message is rejected (counted).
+`WeightsNotNewer(latest_version)` (-1 before the first publish). Any other message is rejected (counted), and so is a request from a peer of another role than `WEIGHTS_READERS`
+(the role its CURVE key proves, or the one it declared on loopback without keys: `common.sockets`).
 
 Invariants:
   * A snapshot is never written while it can be read: `publish` copies (the gather + one copy per tensor,
@@ -64,6 +65,7 @@ from common.types import WeightsHeader, WeightsNotNewer, WeightsRequest
 from common.weights import DEFAULT_BUCKET_MB, plan_buckets, storage_dtype
 
 log = logging.getLogger("tandem.learner.publisher")
+WEIGHTS_READERS = ("generator", "eval")  # the roles that sample with the policy (common.keys.ROLES)
 
 Layout = Sequence[tuple[str, str, Sequence[int]]]  # (HF name, dtype name, shape) per tensor, in publish order
 DEFAULT_READER_DEADLINE_S = 60.0  # one reply: ~270 MB take < 1 s on loopback, 15 GB ~ 15 s on 10 GbE
@@ -330,6 +332,13 @@ class ZmqWeightsPublisher:
                 f"the weights publisher answers weights_request only, not {type(message).WIRE_NAME}",
                 "unexpected_type",
             )
+            return
+        if request.role not in WEIGHTS_READERS:
+            reason = (
+                f"a peer of role '{request.role or 'none'}' may not fetch weights (only {', '.join(WEIGHTS_READERS)}):"
+                " connect with that role's key (tandem keys), or without keys declare the role (Client role=...)"
+            )
+            server.reject(request, reason, "forbidden_role")
             return
         if request.identity in self._readers:  # one reply in flight per connection: this one waits for it
             if self._waiting.pop(request.identity, None) is not None:

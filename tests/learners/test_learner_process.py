@@ -67,7 +67,7 @@ def test_learner_trains_publishes_checkpoints_survives_sigkill_and_resumes(tiny_
     )
     checkpoints = tmp_path / "run" / "checkpoints"
     buffer = SyntheticBuffer(config.buffer.port, groups_per_step=2, group_size=4, gate=0, stale_at=3)
-    generator = Client(config.generator.weights_address, SocketSecurity(), identity="fake-generator")
+    generator = Client(config.generator.weights_address, SocketSecurity(), identity="fake-generator", role="generator")
     try:
         with RoleUnderTest(config, "learner") as learner:
             learner.wait_until(lambda: any(r.step == 0 for r in buffer.requests), 120, "the first batch request")
@@ -126,7 +126,7 @@ def test_simulated_learner_serves_real_bytes_and_real_versions(tmp_path: Path) -
         learner__total_steps=3,
     )
     buffer = SyntheticBuffer(config.buffer.port, groups_per_step=2, group_size=4, gate=2)
-    generator = Client(config.generator.weights_address, SocketSecurity(), identity="fake-generator")
+    generator = Client(config.generator.weights_address, SocketSecurity(), identity="fake-generator", role="generator")
     try:
         with RoleUnderTest(config, "learner") as learner:
             learner.wait_until(lambda: any(r.step == 2 for r in buffer.requests), 60, "step 2's batch request")

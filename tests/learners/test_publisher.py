@@ -39,7 +39,7 @@ def layout_of(weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, l
 def publisher_and_client():
     port = free_port()
     publisher = ZmqWeightsPublisher("127.0.0.1", port, SocketSecurity(), bucket_bytes=4096)
-    client = Client(f"127.0.0.1:{port}", SocketSecurity(), identity="fake-generator")
+    client = Client(f"127.0.0.1:{port}", SocketSecurity(), identity="fake-generator", role="generator")
     try:
         yield publisher, client
     finally:

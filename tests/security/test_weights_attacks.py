@@ -49,6 +49,7 @@ class NonReader:
         self.socket.setsockopt(zmq.RCVHWM, 1)
         self.socket.setsockopt(zmq.RCVBUF, 4096)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.METADATA, b"X-Tandem-Role:generator")  # what a generator declares (no keys)
         self.socket.connect(f"tcp://127.0.0.1:{port}")
         self.sent = 0
 
@@ -76,7 +77,7 @@ def served():
 
 
 def newest_is_served(publisher: ZmqWeightsPublisher, port: int, version: int) -> None:
-    client = Client(f"127.0.0.1:{port}", SocketSecurity(), identity="honest-generator")
+    client = Client(f"127.0.0.1:{port}", SocketSecurity(), identity="honest-generator", role="generator")
     try:
         header, arrays = fetch_weights(client, -1)
     finally:
@@ -137,7 +138,7 @@ def test_more_readers_than_allowed_are_refused_not_queued() -> None:
             attacker.ask()
             attacker.ask()  # the second reply stalls: both reader slots are taken for 30 s
         wait_until(lambda: publisher.counters["served"] == 4, 10, "both non-readers' second replies")
-        client = Client(f"127.0.0.1:{port}", SocketSecurity(), identity="late-generator")
+        client = Client(f"127.0.0.1:{port}", SocketSecurity(), identity="late-generator", role="generator")
         try:
             reply, _ = client.request(WeightsRequest(generator_id=0, have_version=-1), timeout_s=10)
         finally:
@@ -219,3 +220,20 @@ def test_a_generator_that_adopted_a_forged_version_returns_to_the_learners_weigh
     finally:
         poller.close()
         server.stop()
+
+
+@pytest.mark.parametrize("role", ["learner", "monitor", None])
+def test_only_roles_that_sample_get_weights(served, role: str | None) -> None:
+    """Weights go to generators (and evaluators) only: a peer of another role, or of none, is refused and counted,
+    and the publisher goes on serving generators."""
+    publisher, port = served
+    publish(publisher, 1)
+    client = Client(f"127.0.0.1:{port}", SocketSecurity(), identity="other-role", role=role)
+    try:
+        reply, payload = client.request(WeightsRequest(generator_id=0, have_version=-1), timeout_s=10)
+    finally:
+        client.close()
+    assert isinstance(reply, ErrorReply) and "may not fetch weights" in reply.reason and not payload
+    newest_is_served(publisher, port, 1)
+    publisher.close()  # the serving thread adds the socket's rejections to the counters as it stops
+    assert publisher.counters["rejected/forbidden_role"] == 1
