@@ -1,6 +1,6 @@
 """The buffer's memory and push latency under a flood of big groups (issue 12, item 6: memory per group).
 
-    .venv/bin/python -m benchmarks.buffer_flood [--tokens 16384] [--groups 600] [--persist]
+    .venv/bin/python -m benchmarks.buffer_flood [--tokens 16384 1008] [--groups 600] [--persist]
     git archive c6e4337 | tar -x -C /tmp/before && cp benchmarks/buffer_flood.py /tmp/before/benchmarks/ &&
         (cd /tmp/before && /work/main/.venv/bin/python -m benchmarks.buffer_flood)     # the buffer before issue 12
 
@@ -20,9 +20,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from benchmarks.common import save
 from common.sockets import Client, SocketSecurity
 from common.types import GroupAck, LeaseGrant, LeaseRequest, RolloutGroup, StatsRequest
 from launch.testing import RoleUnderTest, run_config
@@ -105,15 +107,36 @@ def flood(workdir: Path, tokens: int, groups: int, persist: bool) -> dict[str, f
         buffer.kill()
 
 
+def headline(result: dict[str, Any]) -> dict[str, Any]:
+    """The figures issue 12 quotes, per flood (`tokens_per_sample`): the buffer's memory before and after, the push
+    round trip, and how many groups it holds."""
+    figures: dict[str, Any] = {}
+    for run in result["runs"]:
+        tag = f"{run['tokens_per_sample']}_tokens"
+        for key in ("buffered_groups", "rss_mb_start", "rss_mb_end", "push_ms_median", "push_ms_max"):
+            figures[f"{key}_{tag}"] = run[key]
+    return figures
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=16384, help="completion tokens per sample")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[16384, 1008],
+        help="completion tokens per sample, one flood each (1008: the largest group the buffer accepts)",
+    )
     parser.add_argument("--groups", type=int, default=600, help="groups pushed")
     parser.add_argument("--persist", action="store_true", help="journal every group (buffer.persist = true)")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        result = flood(Path(tmp), args.tokens, args.groups, args.persist)
-    print(f"{Path(__file__).resolve().parents[1]}: {result}")
+    runs = []
+    for tokens in args.tokens:
+        with tempfile.TemporaryDirectory() as tmp:
+            runs.append(flood(Path(tmp), tokens, args.groups, args.persist))
+        print(f"{Path(__file__).resolve().parents[1]}: {runs[-1]}")
+    result = {"runs": runs}
+    save("buffer_flood", {"headline": headline(result), **result})
     return 0
 
 

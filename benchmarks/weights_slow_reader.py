@@ -19,9 +19,11 @@ import inspect
 import subprocess
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
+from benchmarks.common import save
 from common.sockets import Client, SocketSecurity, free_port
 from common.types import WeightsHeader, WeightsRequest
 from launch.testing import unpack_weights
@@ -48,6 +50,13 @@ def status_mb(field: str) -> float:
     return int(line.split()[1]) / 1024
 
 
+def headline(result: dict[str, Any]) -> dict[str, Any]:
+    """The figures issue 12 quotes: the publisher process's memory before, during and after the flood of unread
+    replies, and whether an honest generator still got the newest version."""
+    keys = ("snapshot_mib", "versions", "rss_mb_start", "rss_mb_max_during", "rss_mb_end", "honest_byte_exact")
+    return {key: result[key] for key in keys}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--versions", type=int, default=30)
@@ -62,9 +71,13 @@ def main() -> None:
     layout = [(f"layer.{i}", "float32", [args.snapshot_mib << 16]) for i in range(4)]  # 4 x snapshot / 4 MiB
     arrays = [np.zeros(shape, np.float32) for _, _, shape in layout]
     reader = subprocess.Popen([sys.executable, "-c", NON_READER, str(port)], stdin=subprocess.PIPE, text=True)
+    # a generator's role (checkouts before per-role identities have no `role`: their publisher serves anyone)
+    role = {"role": "generator"} if "role" in inspect.signature(Client).parameters else {}
+    during: list[float] = []
     try:
         time.sleep(1.0)
-        print(f"start: RSS {status_mb('VmRSS'):.0f} MB, snapshots of {args.snapshot_mib} MiB, {options}")
+        start = status_mb("VmRSS")
+        print(f"start: RSS {start:.0f} MB, snapshots of {args.snapshot_mib} MiB, {options}")
         for version in range(args.versions):
             for array in arrays:
                 array.fill(version)
@@ -72,18 +85,33 @@ def main() -> None:
             reader.stdin.write("ask\n")
             reader.stdin.flush()
             time.sleep(0.2)
+            during.append(status_mb("VmRSS"))
             if version % 5 == 4:
                 print(f"v{version}: RSS {status_mb('VmRSS'):.0f} MB  {dict(publisher.counters)}", flush=True)
-        client = Client(f"127.0.0.1:{port}", SocketSecurity(), identity="honest-generator", role="generator")
+        client = Client(f"127.0.0.1:{port}", SocketSecurity(), identity="honest-generator", **role)
         reply, payload = client.request(WeightsRequest(generator_id=0, have_version=-1), timeout_s=60)
         client.close()
         newest = isinstance(reply, WeightsHeader) and reply.policy_version == args.versions - 1
         exact = newest and all(bool((a == args.versions - 1).all()) for _, a in unpack_weights(reply, payload))
         print(f"honest client: v{getattr(reply, 'policy_version', reply)}, byte-exact {exact}")
-        print(f"end: RSS {status_mb('VmRSS'):.0f} MB, peak {status_mb('VmHWM'):.0f} MB")
+        end = status_mb("VmRSS")
+        print(f"end: RSS {end:.0f} MB, peak {status_mb('VmHWM'):.0f} MB")
+        counters = dict(publisher.counters)
     finally:
         reader.kill()
         publisher.close()
+    result = {
+        "snapshot_mib": args.snapshot_mib,
+        "versions": args.versions,
+        "publisher_options": options,
+        "rss_mb_start": start,
+        "rss_mb_max_during": max(during),
+        "rss_mb_end": end,
+        "rss_mb_peak": status_mb("VmHWM"),
+        "honest_byte_exact": exact,
+        "publisher_counters": counters,
+    }
+    save("weights_slow_reader", {"headline": headline(result), **result})
 
 
 if __name__ == "__main__":

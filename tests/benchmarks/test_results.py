@@ -25,12 +25,14 @@ def test_every_saved_result_has_a_headline(path: Path) -> None:
 @pytest.mark.parametrize(
     "name",
     [
+        "buffer_flood",
         "buffer_throughput",
         "env_latency",
         "generator_throughput",
         "learner_throughput",
         "ray_overhead",
         "weight_sync",
+        "weights_slow_reader",
         "wire_codec",
     ],
 )
