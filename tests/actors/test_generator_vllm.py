@@ -117,7 +117,10 @@ def rig(tiny_model_dir: Path, tmp_path: Path):
         tmp / "runs",
         "gen",
         model={"path": str(tiny_model_dir), "max_model_len": 512},
-        algo={"group_size": GROUP_SIZE},
+        # η far above the run's groups: with no learner to train them, every group stays buffered and counts
+        # against admission ((v + η + 1)·B), so with the default η = 2 the generator was refused "full" in phase C and
+        # could load v2 idle, with no sample left to straddle the switch
+        algo={"group_size": GROUP_SIZE, "max_staleness": 1000},
         env={"reward_fn": "tests.actors.reward_fns:explode_or_length", "fallback_reward": -1.0},
         generator={
             "max_tokens": MAX_TOKENS,
