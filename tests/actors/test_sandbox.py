@@ -40,6 +40,21 @@ def probe(attempts: str, **limits) -> dict[str, str]:
     return {line.split()[0]: line.split()[1] for line in result.stdout.splitlines()}
 
 
+def python_under(prefix: list[str], code: str) -> object:
+    """Run `code` with this interpreter under the command `prefix` (e.g. `unshare --user`) from the repository root;
+    the JSON it printed."""
+    result = subprocess.run(
+        [*prefix, sys.executable, "-c", code],
+        cwd=BOOT.parents[1],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
 @pytest.fixture
 def listening_port():
     """A real TCP server on loopback that the sandbox must not reach."""
@@ -218,16 +233,7 @@ except SandboxUnavailable as error:
 opted = run_python("print(open('/etc/hostname').read() != '')", limits=SandboxLimits(allow_audit_hook_only=True))
 print(json.dumps({"refused": refused, "stdout": opted.stdout, "isolation": opted.isolation}))
 """
-    result = subprocess.run(
-        ["unshare", "--user", sys.executable, "-c", code],
-        cwd=BOOT.parents[1],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    outcome = json.loads(result.stdout)
+    outcome = python_under(["unshare", "--user"], code)
     assert "the kernel granted no namespaces" in outcome["refused"]
     assert "SandboxLimits(allow_audit_hook_only=True)" in outcome["refused"]
     assert outcome["stdout"] == "True\n"  # the host's files are visible in that mode: it is the weaker one
@@ -266,16 +272,7 @@ def test_in_a_user_namespace_it_confines_without_root() -> None:
         pytest.skip("unshare --user --map-user is not permitted here")
     code = "import json\nfrom actors.sandbox import run_python\nr = run_python('print(1)')\n"
     code += "print(json.dumps([r.stdout, r.isolation]))"
-    result = subprocess.run(
-        [*command, sys.executable, "-c", code],
-        cwd=BOOT.parents[1],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    stdout, granted = json.loads(result.stdout)
+    stdout, granted = python_under(command, code)
     assert stdout == "1\n" and granted["mode"] == "namespaces" and granted["namespaces"].endswith(",user")
     assert granted["uid"].split()[0] == "0" and granted["capeff"] == granted["capbnd"] == "0" * 16
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from hypothesis import event, given, settings
@@ -83,6 +84,16 @@ def _restart(settings_: dict, path: Path, now: float) -> BufferCore:
     return core
 
 
+def _journaled_run(tmp: Path, reuse: int, world_size: int) -> tuple[dict[str, Any], Path, Any, RandomRun]:
+    """A core restored from (and journaling to) `tmp`/journal.bin, with a random run over it: (the settings a restart
+    needs, the journal's path, the core, the run)."""
+    settings_ = {"max_staleness": 1, "max_reuse": reuse, "capacity": 6 * GROUP, "heartbeat_timeout_s": 50.0}
+    path = tmp / "journal.bin"
+    core = make_core(prompts=12, journal=Journal(path), **settings_)
+    core.state.restore(0.0)
+    return settings_, path, core, RandomRun(core, world_size)
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     ops=st.lists(st.tuples(st.sampled_from(OP_MIX), st.integers(0, 1 << 16)), min_size=10, max_size=100),
@@ -91,12 +102,8 @@ def _restart(settings_: dict, path: Path, now: float) -> BufferCore:
     half_step=st.booleans(),
 )
 def test_restart_from_the_journal_restores_the_state_exactly(ops, reuse, world_size, half_step) -> None:
-    settings_ = {"max_staleness": 1, "max_reuse": reuse, "capacity": 6 * GROUP, "heartbeat_timeout_s": 50.0}
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "journal.bin"
-        core = make_core(prompts=12, journal=Journal(path), **settings_)
-        core.state.restore(0.0)
-        run = RandomRun(core, world_size)
+        settings_, path, core, run = _journaled_run(Path(tmp), reuse, world_size)
         for op, pick in ops:
             run.play(op, pick)
         if half_step and world_size == 2:  # leave a drawn batch that rank 1 has not received yet
@@ -173,12 +180,8 @@ def _assert_nothing_hostile_held(core: BufferCore) -> None:
     world_size=st.sampled_from([1, 2]),
 )
 def test_hostile_groups_journaled_before_the_checks_are_skipped_on_replay(ops, how, reuse, world_size) -> None:
-    settings_ = {"max_staleness": 1, "max_reuse": reuse, "capacity": 6 * GROUP, "heartbeat_timeout_s": 50.0}
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "journal.bin"
-        core = make_core(prompts=12, journal=Journal(path), **settings_)
-        core.state.restore(0.0)
-        run = RandomRun(core, world_size)
+        settings_, path, core, run = _journaled_run(Path(tmp), reuse, world_size)
         for op, pick in ops:
             if op == "hostile":
                 _hostile_push(core, run, how)
