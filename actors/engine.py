@@ -175,13 +175,15 @@ class VllmEngine(TokenizerTexts):
     def load_weights(self, update: WeightsUpdate, inflight: bool) -> None:
         if self._start_versions and not inflight:
             raise RuntimeError(f"load_weights(inflight=False) with {len(self._start_versions)} samples running")
-        tensors = self._staging.write(update)
+        path, tensors = (
+            update.staged if update.staged is not None else (self._staging.path, self._staging.write(update))
+        )
         core = self.engine.engine_core
         pause = inflight and hasattr(core, "call_utility")  # a separate engine-core process keeps stepping
         try:
             if pause:  # no step may run between the reload and the new version label
                 core.call_utility("pause_scheduler", "keep", False)
-            self.engine.collective_rpc("tandem_load_shared_weights", args=(str(self._staging.path), tensors))
+            self.engine.collective_rpc("tandem_load_shared_weights", args=(str(path), tensors))
             self.engine.set_weight_version(str(update.policy_version))
             # Running samples (inflight) are preempted and their keys/values recomputed with the new weights.
             if not self.engine.reset_prefix_cache(reset_running_requests=inflight):

@@ -64,6 +64,9 @@ class WeightsUpdate:
     header: WeightsHeader
     buckets: list[memoryview]
     received_at: float
+    # Where the bytes already lie in a shared-memory file that vLLM's workers can map (a host copy), with each
+    # tensor's (name, dtype name, shape, byte offset in the file, nbytes): then no staging copy is needed.
+    staged: tuple[Path, list[tuple[str, str, list[int], int, int]]] | None = None
 
     @property
     def policy_version(self) -> int:

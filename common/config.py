@@ -525,6 +525,49 @@ class LearnerConfig(_Section):
     )
 
 
+class WeightsConfig(_Section):
+    """How new weights travel from learner rank 0 to the generators (learners/publisher.py, actors/weights.py)."""
+
+    transport: Literal["relay", "star", "broadcast"] = Field(
+        "relay",
+        description="relay: the publisher feeds `fanout` generators and every other generator pulls each chunk from "
+        "a parent generator as it arrives (the publisher's bytes stay flat as the fleet grows); star: every "
+        "generator pulls the whole update from the publisher; broadcast: a static group (NCCL on GPUs, gloo on "
+        "CPU) fixed at start.",
+    )
+    fanout: int = Field(2, description="relay: generators the publisher sends an update to directly (k).", ge=1, le=64)
+    relay_fanout: int = Field(
+        1,
+        description="relay: children per relaying generator. 1 = pipelined chains: each generator's uplink carries "
+        "an update once, as in a ring broadcast; more = a shallower tree that shares each uplink among its children.",
+        ge=1,
+        le=64,
+    )
+    chunk_mb: float = Field(
+        4.0, description="relay: bytes per checksummed chunk, in MiB (a relay forwards each as it arrives).", gt=0
+    )
+    stall_timeout_s: float = Field(
+        5.0,
+        description="relay: a parent that sends no chunk for this long is dropped and the generator re-attaches.",
+        gt=0,
+        le=MAX_TIMEOUT_S,
+    )
+    relay_host: Host = Field(
+        "127.0.0.1",
+        description="relay: address a generator's relay server binds, reachable by the other generators (any "
+        "non-loopback one needs run.curve_keys_dir or run.insecure).",
+    )
+    host_id: str = Field(
+        "",
+        description="Generators with the same host_id share one received copy in shared memory (empty = this "
+        "machine: its hostname and boot id).",
+        max_length=200,
+    )
+    share_host_copy: bool = Field(
+        True, description="One generator per host receives each update; the others on the host map its copy."
+    )
+
+
 class RayConfig(_Section):
     """`tandem ray`: where the fleets run on a Ray cluster and what each role instance reserves there."""
 
@@ -578,6 +621,7 @@ class TandemConfig(_Section):
     generator: GeneratorConfig = GeneratorConfig()
     buffer: BufferConfig = BufferConfig()
     learner: LearnerConfig = LearnerConfig()
+    weights: WeightsConfig = WeightsConfig()
     ray: RayConfig = RayConfig()
 
     @model_validator(mode="after")
