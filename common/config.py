@@ -566,6 +566,31 @@ class WeightsConfig(_Section):
     share_host_copy: bool = Field(
         True, description="One generator per host receives each update; the others on the host map its copy."
     )
+    broadcast_host: Host = Field(
+        "127.0.0.1",
+        description="broadcast: address of the group's rendezvous, hosted by learner rank 0 (every generator "
+        "connects there). The group is unauthenticated: a non-loopback address needs run.insecure.",
+    )
+    broadcast_port: int = Field(29517, description="broadcast: TCP port of the group's rendezvous.", ge=1, le=65535)
+    broadcast_fleet_size: int = Field(
+        0,
+        description="broadcast: generators in the group, fixed at start (generator i is rank i + 1, the publisher "
+        "rank 0). Required (>= 1) with transport broadcast: no generator joins or is replaced later.",
+        ge=0,
+        le=4096,
+    )
+    broadcast_backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto",
+        description="broadcast: nccl (CUDA: vLLM's StatelessProcessGroup + PyNcclCommunicator; never run on a GPU "
+        "yet), gloo (CPU) or auto (nccl where CUDA is available, else gloo).",
+    )
+    broadcast_timeout_s: float = Field(
+        60.0,
+        description="broadcast: longest wait for the group to form and for each collective; a member that died or "
+        "stalled fails the update on every member within this, and the fixed group is then broken for good.",
+        gt=0,
+        le=MAX_TIMEOUT_S,
+    )
 
 
 class RayConfig(_Section):
