@@ -37,7 +37,7 @@ from actors.groups import LeaseBook, PendingGroup, build_group, sample_request_i
 from actors.outbox import BufferLink, Outbox
 from actors.rewards import RewardScorer
 from actors.trajectory import build_episode_group
-from actors.weights import WeightsPoller, WeightsUpdate, ZmqWeightsSource
+from actors.weights import WeightsPoller, WeightsUpdate, open_weights_source, weights_store_dir
 from common.config import TandemConfig
 from common.envs import EnvironmentFactory, environment_factory
 from common.logs import setup_logging
@@ -132,7 +132,11 @@ class Generator:
         self.link = BufferLink(gen.buffer_address, security, gen.index, gen.reconnect_max_s)
         self.outbox = Outbox(gen.max_unsent_groups)
         self.weights = WeightsPoller(
-            ZmqWeightsSource(gen.weights_address, security, gen.index), WEIGHTS_POLL_S, gen.reconnect_max_s
+            open_weights_source(
+                config.weights, gen.weights_address, security, gen.index, weights_store_dir(config.run.run_dir)
+            ),
+            WEIGHTS_POLL_S,
+            gen.reconnect_max_s,
         )
         self.scorer = scorer
         self.book = LeaseBook(config.algo.group_size)

@@ -28,6 +28,7 @@ generator returns to the learner's real weights at the next poll.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import tempfile
@@ -36,8 +37,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
+from common.config import WeightsConfig
 from common.sockets import Client, PeerUnavailable, SocketSecurity, backoff_delays
 from common.types import ErrorReply, WeightsHeader, WeightsNotNewer, WeightsRequest
 from common.weights import ALIGN, WeightsLayoutError, check_frames, total_bytes
@@ -67,6 +69,7 @@ class WeightsUpdate:
     # Where the bytes already lie in a shared-memory file that vLLM's workers can map (a host copy), with each
     # tensor's (name, dtype name, shape, byte offset in the file, nbytes): then no staging copy is needed.
     staged: tuple[Path, list[tuple[str, str, list[int], int, int]]] | None = None
+    keep: Any = None  # what the buckets' memory and `staged` need alive (a relay's host copy)
 
     @property
     def policy_version(self) -> int:
@@ -129,6 +132,27 @@ class ZmqWeightsSource:
 
     def close(self) -> None:
         self.client.close()
+
+
+def open_weights_source(
+    weights: WeightsConfig, address: str, security: SocketSecurity, generator_id: int, store_dir: Path
+) -> WeightsSource:
+    """The generator's source for `weights.transport`: 'star' pulls whole updates from the publisher; 'relay'
+    (`actors.relay`) pulls chunks from the parent the publisher names and shares one copy per host in
+    `store_dir`. Raises ValueError for a transport this build cannot receive."""
+    if weights.transport == "star":
+        return ZmqWeightsSource(address, security, generator_id)
+    if weights.transport == "relay":
+        from actors.relay import RelayWeightsSource  # here: actors.relay builds on this module
+
+        return RelayWeightsSource(address, security, generator_id, weights, store_dir)
+    raise ValueError(f"weights.transport '{weights.transport}' cannot be received by this build (relay, star)")
+
+
+def weights_store_dir(run_dir: Path) -> Path:
+    """Where the generators of one run on this machine keep their host copies (shared memory)."""
+    key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+    return shared_memory_dir() / f"tandem-weights-{key}"
 
 
 class WeightsPoller:

@@ -309,12 +309,35 @@ class TensorSpec:
     nbytes: int = count()
 
 
+def _default(value: Any, low: int = 0, high: int = MAX_COUNT) -> Any:
+    """An integer field with a default (older peers may omit it), decoded within [low, high]."""
+    return field(default=value, metadata={"low": low, "high": high})
+
+
+MAX_ADDRESS_CHARS = 300  # host:port, or "host:<generator id>" for a host copy
+
+
 @message("weights_request")
 class WeightsRequest:
-    """Generator -> learner publisher: send weights newer than `have_version` (-1 = any)."""
+    """Generator -> learner publisher: send weights newer than `have_version` (-1 = any).
+
+    Relay transport (learners/fanout.py): `relay_address` is where this generator serves chunks to children
+    ("" = it cannot relay), `host_id` the host whose copy it shares. A generator whose parent failed asks again with
+    `failed_parent` (the parent's address as the publisher gave it) and `failure` ("stalled", "bad_chunk",
+    "unavailable"), for `version`: the update it was receiving (-1 = none)."""
 
     generator_id: int = count()
     have_version: int = version(low=-1)
+    relay_address: str = ""
+    host_id: str = ""
+    failed_parent: str = ""
+    failure: str = ""
+    version: int = _default(-1, -1, MAX_VERSION)
+
+    def validate(self) -> None:
+        for name in ("relay_address", "host_id", "failed_parent", "failure"):
+            if len(getattr(self, name)) > MAX_ADDRESS_CHARS:
+                raise ContractError(f"weights_request.{name}: longer than {MAX_ADDRESS_CHARS} characters")
 
 
 @message("weights_header")
@@ -327,8 +350,20 @@ class WeightsHeader:
     tensors: list[TensorSpec]
     bucket_sizes: list[int] = count()  # bytes of each bucket
     transport: str = "zmq"
+    # relay: the payload comes in chunks (`common.weights.chunk_ranges`) pulled from `parent` ("" = this publisher,
+    # "host:<generator id>" = that generator's copy on this host, else a generator's relay address); every chunk's
+    # sha256 comes here, from the publisher, so a relay cannot alter what it forwards. `depth`: hops from the
+    # publisher once attached there.
+    chunk_bytes: int = _default(0)
+    chunk_digests: list[str] = field(default_factory=list)
+    parent: str = ""
+    depth: int = _default(0)
 
     def validate(self) -> None:
+        if len(self.parent) > MAX_ADDRESS_CHARS:
+            raise ContractError(f"weights_header.parent: longer than {MAX_ADDRESS_CHARS} characters")
+        if any(len(d) != 64 for d in self.chunk_digests):
+            raise ContractError("weights_header.chunk_digests: each must be a sha256 hex digest (64 characters)")
         for spec in self.tensors:
             if not 0 <= spec.bucket < len(self.bucket_sizes):
                 raise ContractError(f"weights_header.{spec.name}: bucket {spec.bucket} out of range")
@@ -341,6 +376,38 @@ class WeightsNotNewer:
     """Learner -> generator: nothing newer than what you have; `latest_version` is the current one."""
 
     latest_version: int = version(low=-1)
+
+
+@message("chunk_request")
+class ChunkRequest:
+    """Generator -> its relay parent (or the publisher): chunks of `version` from index `first`, at most
+    `max_chunks` of them. The parent answers with the contiguous run of chunks it holds from `first` (at least
+    one: it holds the request until chunk `first` arrives), or `ChunkUnavailable`."""
+
+    generator_id: int = count()
+    version: int = version()
+    first: int = count()
+    max_chunks: int = count(1, 1024)
+
+
+@message("chunk_reply")
+class ChunkReply:
+    """The chunks `first .. first + n_chunks - 1` of `version`, one raw frame each (checked against the digests of
+    the publisher's header by the receiver, never trusted). n_chunks = 0: the parent is alive but does not hold
+    chunk `first` yet (it answers a held request so after a while, so a child tells a waiting parent from a dead
+    one)."""
+
+    version: int = version()
+    first: int = count()
+    n_chunks: int = count(0, 1024)
+
+
+@message("chunk_unavailable")
+class ChunkUnavailable:
+    """The parent holds no copy of `version` (any more): ask the publisher for another parent."""
+
+    version: int = version()
+    reason: str = ""
 
 
 # ---------------------------------------------------------------------------------------------------- decoding

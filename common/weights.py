@@ -35,8 +35,10 @@ Imports numpy only (no torch).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -105,22 +107,28 @@ def check_frames(header: WeightsHeader, buckets: Sequence[Any]) -> list[memoryvi
     non-negative dims whose product times the item size is `nbytes`, a bucket index in range and an `ALIGN`-ed
     offset with its bytes inside that bucket; and no two tensors sharing a byte.
     """
-    if not 0 <= header.policy_version <= MAX_POLICY_VERSION:
-        raise WeightsLayoutError(f"policy_version {header.policy_version} is outside [0, {MAX_POLICY_VERSION}]")
     views = [_byte_view(b) for b in buckets]
     if len(views) != len(header.bucket_sizes):
         raise WeightsLayoutError(f"header announces {len(header.bucket_sizes)} buckets, {len(views)} frames came")
     for index, (view, size) in enumerate(zip(views, header.bucket_sizes)):
         if view.nbytes != size:
             raise WeightsLayoutError(f"bucket {index}: {view.nbytes} bytes arrived, header says {size}")
-    names: set[str] = set()
-    for spec in header.tensors:
-        _check_spec(spec, views, names)
-    _check_disjoint(header.tensors)
+    check_layout(header)
     return views
 
 
-def _check_spec(spec: TensorSpec, views: list[memoryview], names: set[str]) -> None:
+def check_layout(header: WeightsHeader) -> None:
+    """`check_frames` without the frames: the version and every tensor against the header's bucket sizes (what a
+    relay receiver checks before any chunk arrives); raises `WeightsLayoutError`."""
+    if not 0 <= header.policy_version <= MAX_POLICY_VERSION:
+        raise WeightsLayoutError(f"policy_version {header.policy_version} is outside [0, {MAX_POLICY_VERSION}]")
+    names: set[str] = set()
+    for spec in header.tensors:
+        _check_spec(spec, header.bucket_sizes, names)
+    _check_disjoint(header.tensors)
+
+
+def _check_spec(spec: TensorSpec, sizes: Sequence[int], names: set[str]) -> None:
     label = repr(spec.name[:80])
     if not spec.name or spec.name in names:
         raise WeightsLayoutError(f"tensor {label}: names must be non-empty and unique")
@@ -132,9 +140,9 @@ def _check_spec(spec: TensorSpec, views: list[memoryview], names: set[str]) -> N
     expected = math.prod(spec.shape) * STORAGE_DTYPES[spec.dtype].itemsize  # Python ints: no overflow
     if spec.nbytes != expected:
         raise WeightsLayoutError(f"tensor {label}: nbytes {spec.nbytes} != shape {spec.shape} x itemsize")
-    if not 0 <= spec.bucket < len(views):
-        raise WeightsLayoutError(f"tensor {label}: bucket {spec.bucket} out of range (0..{len(views) - 1})")
-    if spec.offset < 0 or spec.offset % ALIGN or spec.offset + spec.nbytes > views[spec.bucket].nbytes:
+    if not 0 <= spec.bucket < len(sizes):
+        raise WeightsLayoutError(f"tensor {label}: bucket {spec.bucket} out of range (0..{len(sizes) - 1})")
+    if spec.offset < 0 or spec.offset % ALIGN or spec.offset + spec.nbytes > sizes[spec.bucket]:
         raise WeightsLayoutError(
             f"tensor {label}: offset {spec.offset} unaligned or bytes outside bucket {spec.bucket}"
         )
@@ -156,3 +164,30 @@ def _byte_view(frame: Any) -> memoryview:
 def total_bytes(header: WeightsHeader) -> int:
     """Bytes of all buckets of an update (what travels)."""
     return int(sum(header.bucket_sizes))
+
+
+# ------------------------------------------------------------------------------------------------------ chunks
+def chunk_ranges(bucket_sizes: Sequence[int], chunk_bytes: int) -> list[tuple[int, int, int]]:
+    """The relay transport's chunks: (bucket, start, end) byte ranges, each bucket cut into `chunk_bytes` pieces
+    in order (the last piece of a bucket may be shorter; an empty bucket has none). Chunk i of an update is the
+    i-th range; both ends of a relay derive the same list from the header."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be > 0 (got {chunk_bytes})")
+    return [
+        (bucket, start, min(start + chunk_bytes, size))
+        for bucket, size in enumerate(bucket_sizes)
+        for start in range(0, size, chunk_bytes)
+    ]
+
+
+def chunk_digest(data: Any) -> str:
+    """The sha256 hex digest of a chunk's bytes (hashlib releases the GIL: threads digest in parallel)."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def digest_chunks(buckets: Sequence[Any], chunk_bytes: int, threads: int = 2) -> list[str]:
+    """Every chunk's digest, in chunk order (`threads` at once)."""
+    views = [_byte_view(b) for b in buckets]
+    ranges = chunk_ranges([v.nbytes for v in views], chunk_bytes)
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        return list(pool.map(lambda r: chunk_digest(views[r[0]][r[1] : r[2]]), ranges))

@@ -75,7 +75,7 @@ def run(config: TandemConfig) -> int:
     security = SocketSecurity.from_run(config.run)
     publisher = None
     if dist.rank == 0:
-        publisher = open_weights_publisher("zmq", learner.weights_host, learner.weights_port, security)
+        publisher = open_weights_publisher(config.weights, learner.weights_host, learner.weights_port, security)
     buffer = BufferLink(learner.buffer_address, security, dist.rank, dist.world_size, learner.groups_per_step)
     reporter = None
     try:

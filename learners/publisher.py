@@ -55,14 +55,16 @@ import time
 import weakref
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
 
+from common.config import WeightsConfig
 from common.sockets import Request, Server, SocketSecurity
-from common.types import WeightsHeader, WeightsNotNewer, WeightsRequest
-from common.weights import DEFAULT_BUCKET_MB, plan_buckets, storage_dtype
+from common.types import ChunkReply, ChunkRequest, ChunkUnavailable, WeightsHeader, WeightsNotNewer, WeightsRequest
+from common.weights import ALIGN, DEFAULT_BUCKET_MB, chunk_ranges, digest_chunks, plan_buckets, storage_dtype
+from learners.fanout import FanoutTree
 
 log = logging.getLogger("tandem.learner.publisher")
 WEIGHTS_READERS = ("generator", "eval")  # the roles that sample with the policy (common.keys.ROLES)
@@ -71,6 +73,9 @@ Layout = Sequence[tuple[str, str, Sequence[int]]]  # (HF name, dtype name, shape
 DEFAULT_READER_DEADLINE_S = 60.0  # one reply: ~270 MB take < 1 s on loopback, 15 GB ~ 15 s on 10 GbE
 DEFAULT_MAX_READERS = 64  # replies in flight at once (generators fetching together)
 DEFAULT_MAX_SNAPSHOTS = 3  # the latest, the retired one (reused), one older that a reader may finish
+DEFAULT_HOLD_S = 30.0  # a request with nothing newer waits this long for a publish (a long poll); 0 = answer at once
+MAX_REPLY_BYTES = 64 << 20  # chunks in one relay reply, at most (at least one chunk)
+KEEP_BYTE_COUNTS = 16  # versions whose bytes out are kept in `bytes_by_version`
 
 
 class WeightsPublisher(Protocol):
@@ -90,6 +95,19 @@ class Snapshot:
     header: WeightsHeader
     buckets: list[np.ndarray]  # uint8 [bucket_sizes[i]]
     readers: int = 0  # serving threads about to send it (guarded by the publisher's lock)
+    chunk_bytes: int = 0  # relay: the chunking of `digests` (0: not chunked, star only)
+    digests: list[str] = field(default_factory=list)  # relay: sha256 of each chunk (common.weights.chunk_ranges)
+
+    def relay_header(self, parent: str, depth: int) -> WeightsHeader:
+        """The header a relay receiver gets from the publisher: the layout, every chunk's digest and its parent."""
+        return replace(
+            self.header,
+            transport="relay",
+            chunk_bytes=self.chunk_bytes,
+            chunk_digests=self.digests,
+            parent=parent,
+            depth=depth,
+        )
 
     @property
     def version(self) -> int:
@@ -230,10 +248,13 @@ class ZmqWeightsPublisher:
         port: int,
         security: SocketSecurity,
         bucket_bytes: int = int(DEFAULT_BUCKET_MB * (1 << 20)),
-        poll_ms: int = 100,
+        poll_ms: int = 10,
         reader_deadline_s: float = DEFAULT_READER_DEADLINE_S,
         max_readers: int = DEFAULT_MAX_READERS,
         max_snapshots: int = DEFAULT_MAX_SNAPSHOTS,
+        hold_s: float = 0.0,
+        relay: FanoutTree | None = None,
+        chunk_bytes: int = 4 << 20,
     ) -> None:
         if reader_deadline_s <= 0 or max_readers < 1 or max_snapshots < 2:
             raise ValueError(
@@ -242,7 +263,11 @@ class ZmqWeightsPublisher:
             )
         self.bucket_bytes = bucket_bytes
         self.reader_deadline_s, self.max_readers, self.max_snapshots = reader_deadline_s, max_readers, max_snapshots
+        self.hold_s = hold_s
+        self.relay, self.chunk_bytes = relay, chunk_bytes  # relay None: the star (every reader gets everything)
         self.counters: Counter[str] = Counter()
+        self.bytes_by_version: dict[int, int] = {}  # bytes sent of each version (serving thread writes)
+        self._held: dict[bytes, tuple[Request, float]] = {}  # routing id -> a request waiting for a newer version
         self._latest: Snapshot | None = None
         self._retired: deque[Snapshot] = deque(maxlen=1)  # the previous snapshot: its buckets are reused
         self._readers: dict[bytes, _Reader] = {}  # routing id -> its reply in flight (serving thread only)
@@ -277,6 +302,9 @@ class ZmqWeightsPublisher:
             if self._latest is not None and version < self._latest.version:
                 raise ValueError(f"policy_version {version} is older than the published {self._latest.version}")
         snapshot = copy_into_snapshot(version, layout, weights, self.bucket_bytes, self._reusable_buckets())
+        if self.relay is not None:
+            snapshot.chunk_bytes = self.chunk_bytes
+            snapshot.digests = digest_chunks(snapshot.buckets, self.chunk_bytes)
         self._live_buckets.update({id(bucket): bucket for bucket in snapshot.buckets})
         with self._lock:
             if self._latest is not None:
@@ -320,16 +348,17 @@ class ZmqWeightsPublisher:
                 if request is not None:
                     self._answer(server, request)
                 self._tend_readers(server, time.monotonic())
+                self._tend_held(server, time.monotonic())
         finally:
             self.counters.update({f"rejected/{k}": v for k, v in server.rejected.items()})
             server.close()
 
     def _answer(self, server: Server, request: Request) -> None:
         message = request.message
-        if not isinstance(message, WeightsRequest):
+        if not isinstance(message, (WeightsRequest, ChunkRequest)):
             server.reject(
                 request,
-                f"the weights publisher answers weights_request only, not {type(message).WIRE_NAME}",
+                f"the weights publisher answers weights_request and chunk_request only, not {type(message).WIRE_NAME}",
                 "unexpected_type",
             )
             return
@@ -345,18 +374,33 @@ class ZmqWeightsPublisher:
                 self.counters["requests_superseded"] += 1
             self._waiting[request.identity] = request
             return
-        self._send_latest(server, request, message.have_version)
+        self._dispatch(server, request)
 
-    def _send_latest(self, server: Server, request: Request, have_version: int) -> None:
+    def _dispatch(self, server: Server, request: Request) -> None:
+        if isinstance(request.message, ChunkRequest):
+            self._send_chunks(server, request)
+        else:
+            self._send_latest(server, request)
+
+    def _send_latest(self, server: Server, request: Request) -> None:
+        message: WeightsRequest = request.message
+        self._held.pop(request.identity, None)
         with self._lock:
             snapshot = self._latest
-            newer = snapshot is not None and snapshot.version > have_version
-            busy = newer and len(self._readers) >= self.max_readers
-            if newer and not busy:
+            newer = snapshot is not None and snapshot.version > message.have_version
+            relayed = newer and self.relay is not None and bool(message.relay_address or message.host_id)
+            busy = newer and not relayed and len(self._readers) >= self.max_readers
+            if newer and not busy and not relayed:
                 snapshot.readers += 1
         if not newer:
+            if self.hold_s > 0:  # a long poll: answered at the next publish, or after hold_s
+                self._held[request.identity] = (request, time.monotonic())
+                return
             server.reply(request, WeightsNotNewer(latest_version=-1 if snapshot is None else snapshot.version))
             self.counters["not_newer"] += 1
+            return
+        if relayed:
+            self._send_relay_header(server, request, snapshot)
             return
         if busy:
             reason = f"the weights publisher is sending to {self.max_readers} readers already: ask again shortly"
@@ -370,7 +414,72 @@ class ZmqWeightsPublisher:
             with self._lock:
                 snapshot.readers -= 1
         self.counters["served"] += 1
-        self.counters["served_bytes"] += sum(b.nbytes for b in snapshot.buckets)
+        self._count_bytes(snapshot.version, sum(b.nbytes for b in snapshot.buckets))
+
+    def _count_bytes(self, version: int, nbytes: int) -> None:
+        self.counters["served_bytes"] += nbytes
+        self.bytes_by_version[version] = self.bytes_by_version.get(version, 0) + nbytes
+        for old in sorted(self.bytes_by_version)[:-KEEP_BYTE_COUNTS]:
+            del self.bytes_by_version[old]
+
+    def _send_relay_header(self, server: Server, request: Request, snapshot: Snapshot) -> None:
+        """Attach the generator to this version's tree and tell it its parent (no weight bytes go out here)."""
+        message: WeightsRequest = request.message
+        failed = message.failed_parent if message.failure and message.version == snapshot.version else None
+        attached = self.relay.attach(
+            snapshot.version, message.generator_id, message.relay_address, message.host_id, failed, message.failure
+        )
+        server.reply(request, snapshot.relay_header(attached.parent, attached.depth))
+        self.counters["relay_headers"] += 1
+
+    def _send_chunks(self, server: Server, request: Request) -> None:
+        """Chunks of a version to a generator this publisher feeds directly (see `learners.fanout`)."""
+        message: ChunkRequest = request.message
+        with self._lock:
+            snapshot = next(
+                (s for s in (self._latest, *self._retired) if s is not None and s.version == message.version), None
+            )
+            served = snapshot is not None and bool(snapshot.digests)
+            direct = served and self.relay.direct(message.version, message.generator_id)
+            if direct:
+                snapshot.readers += 1
+        if not served:
+            server.reply(request, ChunkUnavailable(message.version, "the publisher holds no copy of that version"))
+            self.counters["chunks_unavailable"] += 1
+            return
+        if not direct:
+            reason = f"generator {message.generator_id} was not told to pull v{message.version} from the publisher"
+            server.reject(request, reason, "not_assigned")
+            return
+        try:
+            ranges = chunk_ranges(snapshot.header.bucket_sizes, snapshot.chunk_bytes)
+            frames, size = [], 0
+            for bucket, start, end in ranges[message.first : message.first + message.max_chunks]:
+                if frames and size + end - start > MAX_REPLY_BYTES:
+                    break
+                frames.append(snapshot.buckets[bucket][start:end])
+                size += end - start
+            if not frames:
+                server.reject(request, f"chunk {message.first} is past the last ({len(ranges) - 1})", "bad_chunk")
+                return
+            self._readers[request.identity] = _Reader(snapshot, frames, time.monotonic(), request.peer_fd)
+            server.reply(request, ChunkReply(message.version, message.first, len(frames)), payload=frames)
+        finally:
+            with self._lock:
+                snapshot.readers -= 1
+        self.counters["chunk_replies"] += 1
+        self._count_bytes(snapshot.version, size)
+
+    def _tend_held(self, server: Server, now: float) -> None:
+        """Answer the long polls: with the new version once there is one, else `WeightsNotNewer` after hold_s."""
+        latest = self.latest_version
+        for identity, (request, since) in list(self._held.items()):
+            if latest > request.message.have_version:
+                self._send_latest(server, request)
+            elif now - since > self.hold_s:
+                del self._held[identity]
+                server.reply(request, WeightsNotNewer(latest_version=latest))
+                self.counters["not_newer"] += 1
 
     def _tend_readers(self, server: Server, now: float) -> None:
         """Retire finished replies (answering what waited for them), drop readers past the deadline, and drop the
@@ -380,7 +489,7 @@ class ZmqWeightsPublisher:
                 del self._readers[identity]
                 waiting = self._waiting.pop(identity, None)
                 if waiting is not None:
-                    self._send_latest(server, waiting, waiting.message.have_version)
+                    self._dispatch(server, waiting)
             elif not reader.dropped and now - reader.sent_at > self.reader_deadline_s:
                 self._drop(identity, reader, "slow")
         with self._lock:
@@ -419,13 +528,18 @@ class ZmqWeightsPublisher:
         self._thread.join(timeout=5)
 
 
-def open_weights_publisher(transport: str, host: str, port: int, security: SocketSecurity) -> WeightsPublisher:
-    """The publisher for `transport`: 'zmq' is the one this build has; raises ValueError for anything else."""
-    if transport == "zmq":
-        return ZmqWeightsPublisher(host, port, security)
-    if transport == "nccl":
+def open_weights_publisher(weights: WeightsConfig, host: str, port: int, security: SocketSecurity) -> WeightsPublisher:
+    """The publisher for `weights.transport` (common.config.WeightsConfig): 'relay' and 'star' are this module's
+    ZeroMQ publisher (it long-polls: a request with nothing newer is answered at the next publish); raises
+    ValueError for a transport this build cannot serve."""
+    if weights.transport in ("relay", "star"):
+        relay = None
+        if weights.transport == "relay":
+            relay = FanoutTree(weights.fanout, weights.relay_fanout, weights.share_host_copy)
+        chunk_bytes = max(ALIGN, int(weights.chunk_mb * (1 << 20)))
+        return ZmqWeightsPublisher(host, port, security, hold_s=DEFAULT_HOLD_S, relay=relay, chunk_bytes=chunk_bytes)
+    if weights.transport == "broadcast":
         raise ValueError(
-            "NCCL weight broadcast is not part of this build (it needs CUDA GPUs on both sides and "
-            "vLLM's StatelessProcessGroup); use the 'zmq' transport, which works on CPU and GPU machines"
+            "weights.transport 'broadcast' is not part of this build yet; use 'relay' (the default) or 'star'"
         )
-    raise ValueError(f"weights transport must be 'zmq' (got {transport!r})")
+    raise ValueError(f"weights.transport must be 'relay', 'star' or 'broadcast' (got {weights.transport!r})")

@@ -9,7 +9,9 @@ import time
 import numpy as np
 import pytest
 import torch
+from pydantic import ValidationError
 
+from common.config import WeightsConfig
 from common.sockets import Client, SocketSecurity
 from common.types import ErrorReply, LeaseRequest, WeightsHeader, WeightsNotNewer
 from launch.testing import free_port
@@ -17,7 +19,6 @@ from learners.publisher import (
     ZmqWeightsPublisher,
     buckets_reusable,
     copy_into_snapshot,
-    open_weights_publisher,
 )
 from tests.learners.learner_fakes import fetch_weights
 
@@ -134,15 +135,13 @@ def test_weights_that_do_not_match_the_layout_are_refused() -> None:
 def test_other_messages_are_refused_and_the_publisher_stays_up(publisher_and_client) -> None:
     _publisher, client = publisher_and_client
     reply, _ = client.request(LeaseRequest(generator_id=0, max_prompts=1, policy_version=0), timeout_s=10)
-    assert isinstance(reply, ErrorReply) and "weights_request only" in reply.reason
+    assert isinstance(reply, ErrorReply) and "weights_request and chunk_request only" in reply.reason
     assert fetch_weights(client, -1)[0] == WeightsNotNewer(latest_version=-1)
 
 
-def test_a_busy_port_fails_at_construction_and_nccl_says_it_is_not_built(publisher_and_client) -> None:
+def test_a_busy_port_fails_at_construction_and_an_unknown_transport_at_config_load(publisher_and_client) -> None:
     _publisher, client = publisher_and_client
     with pytest.raises(OSError, match="cannot bind"):
         ZmqWeightsPublisher("127.0.0.1", client.port, SocketSecurity())
-    with pytest.raises(ValueError, match="not part of this build.*use the 'zmq' transport"):
-        open_weights_publisher("nccl", "127.0.0.1", free_port(), SocketSecurity())
-    with pytest.raises(ValueError, match="must be 'zmq'"):
-        open_weights_publisher("carrier-pigeon", "127.0.0.1", free_port(), SocketSecurity())
+    with pytest.raises(ValidationError, match="transport"):
+        WeightsConfig(transport="carrier-pigeon")

@@ -1,0 +1,180 @@
+"""Who sends each weights update to whom (the relay transport): the publisher's side of the fan-out tree.
+
+    tree = FanoutTree(fanout=2, relay_fanout=1, share_host_copy=True)
+    attached = tree.attach(version, generator_id, relay_address, host_id)       # for each WeightsRequest
+    attached.parent      # "" = the publisher, "host:<id>" = that generator's copy on this host, else a relay address
+    tree.direct(version, generator_id)                                            # may it pull from the publisher?
+
+Rules, per version (every version has a tree of its own, built as generators ask for it):
+  * At most `fanout` generators (k) pull a version from the publisher. Every other one gets a parent among the
+    generators attached to that version (they hold it or are receiving it), each taking at most `relay_fanout`
+    children: the shallowest such parent (then the one with fewest children, then the earliest), so the chains or
+    trees grow evenly. With relay_fanout = 1 the fleet forms k pipelined chains: every uplink carries an update once
+    (a ring broadcast's bandwidth), and the latency grows by one chunk's transfer per hop.
+  * With `share_host_copy`, only the first generator of a host attaches to the tree; the others read its copy
+    ("host:<its generator id>"), so a host costs one transfer whatever its number of generators.
+  * A parent reported failed (stalled, a bad chunk, or no copy) leaves that version's tree, and so does its role as
+    its host's receiver; it is never offered again for that version. A generator is never given a parent inside its
+    own subtree (that would be a cycle that never receives).
+  * When no attached generator can take a child (none relays), the publisher takes it beyond k: counted
+    `over_fanout`, the only way its bytes can exceed k x the update.
+Only the newest `keep_versions` trees are kept (a child still receiving an older version re-attaches to the newest).
+A generator that reports a healthy parent as failed only reshapes the tree (and can push it to `over_fanout`); it
+cannot make another generator load wrong bytes, since every chunk is checked against the publisher's digests.
+
+Counters (`counters`): attached, reattached/<failure>, bad_relays, over_fanout.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+HOST_PREFIX = "host:"  # parent = a generator's copy on this host
+FAILURES = ("stalled", "bad_chunk", "unavailable")
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """Where a generator gets a version from, and how many hops from the publisher that is."""
+
+    parent: str
+    depth: int
+
+
+@dataclass
+class _Node:
+    generator_id: int
+    address: str  # its relay server ("" = it cannot relay)
+    parent: str
+    order: int  # when it first attached (ties)
+
+
+@dataclass
+class _Tree:
+    nodes: dict[int, _Node] = field(default_factory=dict)
+    hosts: dict[str, int] = field(default_factory=dict)  # host id -> the generator that receives for it
+    failed: set[str] = field(default_factory=set)  # parents reported failed (their addresses)
+
+
+class FanoutTree:
+    """The fan-out trees of the newest versions (see the module docstring). One thread (the publisher's)."""
+
+    def __init__(self, fanout: int, relay_fanout: int, share_host_copy: bool = True, keep_versions: int = 2) -> None:
+        if fanout < 1 or relay_fanout < 1 or keep_versions < 1:
+            raise ValueError(f"fanout, relay_fanout and keep_versions must be >= 1 (got {fanout}, {relay_fanout})")
+        self.fanout, self.relay_fanout, self.share_host_copy = fanout, relay_fanout, share_host_copy
+        self.keep_versions = keep_versions
+        self.counters: Counter[str] = Counter()
+        self._trees: dict[int, _Tree] = {}
+        self._order = 0
+
+    def attach(
+        self,
+        version: int,
+        generator_id: int,
+        relay_address: str = "",
+        host_id: str = "",
+        failed_parent: str | None = None,
+        failure: str = "",
+    ) -> Attachment:
+        """The parent `generator_id` pulls `version` from. `failed_parent` (not None): the parent it had for this
+        version failed (`failure`: one of FAILURES); it leaves the tree first."""
+        tree = self._tree(version)
+        if failed_parent is not None:
+            self._fail(tree, failed_parent, failure)
+        if self.share_host_copy and host_id:
+            receiver = tree.hosts.get(host_id)
+            if receiver is not None and receiver != generator_id and receiver in tree.nodes:
+                return Attachment(f"{HOST_PREFIX}{receiver}", self._depth(tree, tree.nodes[receiver]))
+            tree.hosts[host_id] = generator_id
+        parent = self._choose_parent(tree, generator_id)
+        node = tree.nodes.get(generator_id)
+        if node is None:
+            self._order += 1
+            tree.nodes[generator_id] = node = _Node(generator_id, relay_address, parent, self._order)
+            self.counters["attached"] += 1
+        node.address, node.parent = relay_address, parent
+        return Attachment(parent, self._depth(tree, node))
+
+    def direct(self, version: int, generator_id: int) -> bool:
+        """True when `generator_id` was told to pull `version` from the publisher itself."""
+        node = self._trees.get(version, _Tree()).nodes.get(generator_id)
+        return node is not None and node.parent == ""
+
+    def publisher_children(self, version: int) -> int:
+        return sum(1 for node in self._trees.get(version, _Tree()).nodes.values() if node.parent == "")
+
+    def depths(self, version: int) -> dict[int, int]:
+        """Each attached generator's hops from the publisher (host-copy readers are not in the tree)."""
+        tree = self._trees.get(version, _Tree())
+        return {gid: self._depth(tree, node) for gid, node in tree.nodes.items()}
+
+    # ------------------------------------------------------------------------------------------------ internals
+    def _tree(self, version: int) -> _Tree:
+        if version not in self._trees:
+            self._trees[version] = _Tree()
+            for old in sorted(self._trees)[: -self.keep_versions]:
+                del self._trees[old]
+        return self._trees.setdefault(version, _Tree())  # an old version asked again: a tree of its own
+
+    def _fail(self, tree: _Tree, parent: str, failure: str) -> None:
+        self.counters[f"reattached/{failure if failure in FAILURES else 'other'}"] += 1
+        if failure == "bad_chunk":
+            self.counters["bad_relays"] += 1
+        if parent == "":
+            return  # the publisher itself was slow: nothing to take out of the tree
+        tree.failed.add(parent)
+        if parent.startswith(HOST_PREFIX):
+            gone = int(parent.removeprefix(HOST_PREFIX)) if parent.removeprefix(HOST_PREFIX).isdigit() else None
+        else:
+            gone = next((g for g, n in tree.nodes.items() if n.address == parent), None)
+        if gone is not None:
+            tree.nodes.pop(gone, None)
+            for host in [h for h, receiver in tree.hosts.items() if receiver == gone]:
+                del tree.hosts[host]
+
+    def _choose_parent(self, tree: _Tree, generator_id: int) -> str:
+        others = [node for gid, node in tree.nodes.items() if gid != generator_id]
+        if sum(1 for node in others if node.parent == "") < self.fanout:
+            return ""
+        banned = self._subtree(tree, generator_id)
+        children = Counter(node.parent for node in others)
+        candidates = [
+            node
+            for node in others
+            if node.address
+            and node.address not in tree.failed
+            and node.generator_id not in banned
+            and children[node.address] < self.relay_fanout
+            and self._depth(tree, node) < len(tree.nodes) + 1  # attached to the publisher, not orphaned
+        ]
+        if not candidates:
+            self.counters["over_fanout"] += 1
+            return ""
+        best = min(candidates, key=lambda n: (self._depth(tree, n), children[n.address], n.order))
+        return best.address
+
+    def _subtree(self, tree: _Tree, generator_id: int) -> set[int]:
+        """`generator_id` and every generator below it."""
+        node = tree.nodes.get(generator_id)
+        members, frontier = {generator_id}, [node.address] if node is not None and node.address else []
+        while frontier:
+            address = frontier.pop()
+            for child in tree.nodes.values():
+                if child.parent == address and child.generator_id not in members:
+                    members.add(child.generator_id)
+                    if child.address:
+                        frontier.append(child.address)
+        return members
+
+    def _depth(self, tree: _Tree, node: _Node) -> int:
+        """Hops from the publisher; len(nodes) + 1 for a node whose chain is broken (its parent left the tree)."""
+        by_address = {n.address: n for n in tree.nodes.values() if n.address}
+        depth, parent, limit = 1, node.parent, len(tree.nodes) + 1
+        while parent != "" and depth < limit:
+            above = by_address.get(parent)
+            if above is None:
+                return limit
+            depth, parent = depth + 1, above.parent
+        return depth
