@@ -1,7 +1,7 @@
 """A static broadcast group for weights (`weights.transport = "broadcast"`): learner rank 0's publisher is group
 rank 0, generator i is rank i + 1, and the group has `weights.broadcast_fleet_size` + 1 members, fixed at start.
 
-    group = BroadcastGroup.open(host, port, rank, world_size, backend, timeout_s)   # blocks until all have joined
+    group = BroadcastGroup.open(host, port, rank, world_size, backend, timeout_s, join_timeout_s)  # all joined
     send_round(group, version, buckets)          # rank 0: one update
     receive_round(group, header, buckets)        # every other rank, into buckets sized by header.bucket_sizes
     group.close()
@@ -20,8 +20,8 @@ by `common.weights`) in order, each broadcast from rank 0. The header (names, dt
 travel in the group: a receiver has it already, from the publisher's ZeroMQ socket (authenticated there), and
 `receive_round` refuses a round whose stamp disagrees with it.
 
-The group is fixed at start: no member joins later and none is replaced. `open` waits up to `timeout_s` for every
-member, then raises `BroadcastError`. Every collective has the same deadline: when a member dies, or stops taking
+The group is fixed at start: no member joins later and none is replaced. `open` waits up to `join_timeout_s` for
+every member (members may start in any order), then raises `BroadcastError`. Every collective has the same deadline: when a member dies, or stops taking
 part, the round fails on every other member within `timeout_s` (gloo: its timeout, or at once on a closed
 connection; nccl: the communicator is aborted when the stream has not finished by then) and raises `BroadcastError`.
 A group that failed a round is broken for good (members may disagree on where the stream stands); `broadcast` on it
@@ -52,6 +52,7 @@ log = logging.getLogger("tandem.common.broadcast")
 ROUND_MAGIC = 0x54414E44454D5742  # "TANDEMWB": the first word of every round's stamp
 BACKENDS = ("auto", "nccl", "gloo")
 _NCCL_POLL_S = 0.001  # how often a waiting nccl member checks its stream
+_JOINED_KEY = "tandem-weights/joined"  # set by rank 0 once every member reached the store
 
 
 class BroadcastError(RuntimeError):
@@ -99,11 +100,19 @@ class BroadcastGroup:
 
     @classmethod
     def open(
-        cls, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float, insecure: bool = False
+        cls,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+        join_timeout_s: float,
+        insecure: bool = False,
     ) -> BroadcastGroup:
         """Join the group (rank 0 hosts its rendezvous on host:port); blocks until all `world_size` members joined,
-        at most `timeout_s`. Raises ValueError for arguments that cannot work, BroadcastError when the group does
-        not form in time."""
+        at most `join_timeout_s`; each later collective waits at most `timeout_s`. Raises ValueError for arguments
+        that cannot work, BroadcastError when the group does not form in time."""
         if not 0 <= rank < world_size or world_size < 2:
             raise ValueError(f"broadcast group: rank {rank} of {world_size} members (need 0 <= rank < size, size >= 2)")
         if not is_loopback(host) and not insecure:
@@ -114,38 +123,51 @@ class BroadcastGroup:
         resolved = resolve_backend(backend)
         try:
             if resolved == "gloo":
-                return cls._open_gloo(host, port, rank, world_size, timeout_s)
-            return cls._open_nccl(host, port, rank, world_size, timeout_s)
+                return cls._open_gloo(host, port, rank, world_size, timeout_s, join_timeout_s)
+            return cls._open_nccl(host, port, rank, world_size, timeout_s, join_timeout_s)
         except (RuntimeError, OSError) as error:  # torch raises DistStoreError (a RuntimeError) on a timeout
             raise BroadcastError(
                 f"broadcast group {host}:{port} ({resolved}): rank {rank} could not form the group of {world_size} "
-                f"within {timeout_s:.0f}s ({error}); every generator of weights.broadcast_fleet_size must start"
+                f"within {join_timeout_s:.0f}s ({error}); every generator of weights.broadcast_fleet_size must start"
             ) from None
 
     @classmethod
-    def _open_gloo(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> BroadcastGroup:
+    def _open_gloo(
+        cls, host: str, port: int, rank: int, world_size: int, timeout_s: float, join_timeout_s: float
+    ) -> BroadcastGroup:
         import torch
         from torch.distributed import PrefixStore, TCPStore
         from torch.distributed.distributed_c10d import ProcessGroupGloo
 
+        join = datetime.timedelta(seconds=join_timeout_s)
+        store = TCPStore(host, port, world_size, rank == 0, timeout=join, use_libuv=False)  # rank 0: waits for all
+        if rank == 0:
+            store.set(_JOINED_KEY, b"1")
+        else:
+            store.wait([_JOINED_KEY], join)  # so the full mesh below forms at once, within `timeout_s`
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = TCPStore(host, port, world_size, rank == 0, timeout=timeout, use_libuv=False)
         gloo = ProcessGroupGloo(PrefixStore("tandem-weights", store), rank, world_size, timeout)
         return cls(rank, world_size, "gloo", timeout_s, torch.device("cpu"), gloo, store)
 
     @classmethod
-    def _open_nccl(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> BroadcastGroup:
+    def _open_nccl(
+        cls, host: str, port: int, rank: int, world_size: int, timeout_s: float, join_timeout_s: float
+    ) -> BroadcastGroup:
         import torch
 
-        try:
-            from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+        try:  # what vllm.distributed.weight_transfer.nccl_common.stateless_init_process_group does, with our timeout
+            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+            from vllm.distributed.utils import StatelessProcessGroup
+            from vllm.utils.nccl import unpinned_nccl_env
         except ImportError as error:
             raise ValueError(
                 f"weights.broadcast_backend 'nccl' uses vLLM's weight-transfer group, and vLLM does not import "
                 f"here ({error}): install vllm beside the learner too, or use 'gloo'"
             ) from None
         device = torch.device("cuda", torch.cuda.current_device())
-        communicator = stateless_init_process_group(host, port, rank, world_size, device)
+        store = StatelessProcessGroup.create(host, port, rank, world_size, store_timeout=int(join_timeout_s))
+        with unpinned_nccl_env():
+            communicator = PyNcclCommunicator(store, device=device)  # blocks until every member is there
         if communicator.disabled:  # pynccl disables itself, silently, when it cannot load libnccl
             raise ValueError("vLLM's PyNcclCommunicator found no NCCL library: use weights.broadcast_backend 'gloo'")
         return cls(rank, world_size, "nccl", timeout_s, device, communicator)

@@ -584,9 +584,16 @@ class WeightsConfig(_Section):
         description="broadcast: nccl (CUDA: vLLM's StatelessProcessGroup + PyNcclCommunicator; never run on a GPU "
         "yet), gloo (CPU) or auto (nccl where CUDA is available, else gloo).",
     )
+    broadcast_join_timeout_s: float = Field(
+        600.0,
+        description="broadcast: longest wait, from the first member's start, for the whole fleet to join the group "
+        "(generators join once their engine is up).",
+        gt=0,
+        le=MAX_TIMEOUT_S,
+    )
     broadcast_timeout_s: float = Field(
         60.0,
-        description="broadcast: longest wait for the group to form and for each collective; a member that died or "
+        description="broadcast: longest wait for each collective of an update; a member that died or "
         "stalled fails the update on every member within this, and the fixed group is then broken for good.",
         gt=0,
         le=MAX_TIMEOUT_S,

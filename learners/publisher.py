@@ -38,9 +38,8 @@ So at most `max_snapshots` snapshots are alive, plus the one `publish` is writin
 looks (every `poll_ms`), and no slow reader holds memory longer than `reader_deadline_s` (+ `poll_ms`).
 `live_bucket_bytes()` reports what is allocated (weak references: it counts what ZeroMQ still holds too).
 
-Transport: `zmq` (this module's publisher; CPU and any machine). A GPU broadcast over NCCL (vLLM's stateless
-process group) is not part of this build: `open_weights_publisher` refuses it with an error that says so, and a
-generator refuses a header announcing it (`actors/weights.py`).
+Transport: relay and star are this module's publisher (CPU and any machine). `weights.transport = "broadcast"`
+(a static fleet: gloo on CPU, NCCL on GPUs, fixed at start) is `learners/broadcast_publisher.py`.
 """
 
 from __future__ import annotations
@@ -539,7 +538,7 @@ def open_weights_publisher(weights: WeightsConfig, host: str, port: int, securit
         chunk_bytes = max(ALIGN, int(weights.chunk_mb * (1 << 20)))
         return ZmqWeightsPublisher(host, port, security, hold_s=DEFAULT_HOLD_S, relay=relay, chunk_bytes=chunk_bytes)
     if weights.transport == "broadcast":
-        raise ValueError(
-            "weights.transport 'broadcast' is not part of this build yet; use 'relay' (the default) or 'star'"
-        )
+        from learners.broadcast_publisher import open_broadcast_publisher  # here: it builds on this module
+
+        return open_broadcast_publisher(weights, host, port, security)
     raise ValueError(f"weights.transport must be 'relay', 'star' or 'broadcast' (got {weights.transport!r})")
