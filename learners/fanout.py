@@ -86,9 +86,10 @@ class FanoutTree:
         if self.share_host_copy and host_id:
             receiver = tree.hosts.get(host_id)
             if receiver is not None and receiver != generator_id and receiver in tree.nodes:
+                tree.nodes.pop(generator_id, None)  # a reader relays nothing: its children, if any, re-attach
                 return Attachment(f"{HOST_PREFIX}{receiver}", self._depth(tree, tree.nodes[receiver]))
             tree.hosts[host_id] = generator_id
-        parent = self._choose_parent(tree, generator_id)
+        parent = self._choose_parent(tree, generator_id, relay_address)
         node = tree.nodes.get(generator_id)
         if node is None:
             self._order += 1
@@ -104,6 +105,10 @@ class FanoutTree:
 
     def publisher_children(self, version: int) -> int:
         return sum(1 for node in self._trees.get(version, _Tree()).nodes.values() if node.parent == "")
+
+    def parents(self, version: int) -> dict[int, str]:
+        """Each attached generator's parent address ("" = the publisher)."""
+        return {gid: node.parent for gid, node in self._trees.get(version, _Tree()).nodes.items()}
 
     def depths(self, version: int) -> dict[int, int]:
         """Each attached generator's hops from the publisher (host-copy readers are not in the tree)."""
@@ -134,11 +139,11 @@ class FanoutTree:
             for host in [h for h, receiver in tree.hosts.items() if receiver == gone]:
                 del tree.hosts[host]
 
-    def _choose_parent(self, tree: _Tree, generator_id: int) -> str:
+    def _choose_parent(self, tree: _Tree, generator_id: int, relay_address: str) -> str:
         others = [node for gid, node in tree.nodes.items() if gid != generator_id]
         if sum(1 for node in others if node.parent == "") < self.fanout:
             return ""
-        banned = self._subtree(tree, generator_id)
+        banned = self._subtree(tree, generator_id, relay_address)
         children = Counter(node.parent for node in others)
         candidates = [
             node
@@ -155,10 +160,10 @@ class FanoutTree:
         best = min(candidates, key=lambda n: (self._depth(tree, n), children[n.address], n.order))
         return best.address
 
-    def _subtree(self, tree: _Tree, generator_id: int) -> set[int]:
-        """`generator_id` and every generator below it."""
-        node = tree.nodes.get(generator_id)
-        members, frontier = {generator_id}, [node.address] if node is not None and node.address else []
+    def _subtree(self, tree: _Tree, generator_id: int, relay_address: str) -> set[int]:
+        """`generator_id` and every generator below it (found by its address: after it left the tree as a failed
+        parent, its old children still name it)."""
+        members, frontier = {generator_id}, [relay_address] if relay_address else []
         while frontier:
             address = frontier.pop()
             for child in tree.nodes.values():
