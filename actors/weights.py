@@ -1,15 +1,21 @@
 """New weights for a generator: where they come from (`WeightsSource`), when to ask (`WeightsPoller`), and how they
 are handed to vLLM's worker processes (`SharedMemoryStaging`).
 
-    poller = WeightsPoller(ZmqWeightsSource(address, security, generator_id), poll_s=1.0, backoff_max_s=10.0)
+    source = open_weights_source(config.weights, address, security, generator_id, weights_store_dir(run_dir))
+    poller = WeightsPoller(source, poll_s=1.0, backoff_max_s=10.0)
     update = poller.poll(time.monotonic(), engine.policy_version)   # never blocks; None: nothing (yet)
     if update is not None:
         engine.load_weights(update, inflight=False)
 
-Transport. `WeightsSource.fetch` is the seam; this build has one source, `ZmqWeightsSource`, on CPU and GPU
-machines alike: it pulls the learner's publisher (`WeightsRequest` -> `WeightsHeader` + bucket frames laid out
-by `common.weights`, or `WeightsNotNewer`). A header announcing any transport but "zmq" is refused with
-`WeightsTransportError` rather than misread.
+Transport. `WeightsSource.fetch` is the seam, one source per `weights.transport`:
+  * relay (default, `actors.relay.RelayWeightsSource`): the publisher names a parent (itself for k generators,
+    else a generator holding or receiving the version, or this host's receiver); chunks are checked against the
+    publisher's digests, forwarded to this generator's children, and land in a shared-memory host copy that the
+    engine maps (`WeightsUpdate.staged`). A star reply (the whole update as payload) is taken as well.
+  * star (`ZmqWeightsSource`): the whole update from the publisher (`WeightsRequest` -> `WeightsHeader` + bucket
+    frames laid out by `common.weights`, or `WeightsNotNewer`); a header announcing another transport is refused
+    with `WeightsTransportError` rather than misread.
+  * broadcast (`actors.broadcast_source`): a static group fixed at start (gloo on CPU, NCCL on GPUs).
 
 Failure modes: an unreachable publisher is not an error for the generator (it keeps sampling with the weights it
 has and asks again after a back-off); a malformed reply raises `WeightsTransportError`, which the poller counts,
@@ -139,14 +145,19 @@ def open_weights_source(
 ) -> WeightsSource:
     """The generator's source for `weights.transport`: 'star' pulls whole updates from the publisher; 'relay'
     (`actors.relay`) pulls chunks from the parent the publisher names and shares one copy per host in
-    `store_dir`. Raises ValueError for a transport this build cannot receive."""
+    `store_dir`; 'broadcast' (`actors.broadcast_source`) joins the static group. Raises ValueError for a
+    configuration that cannot work."""
     if weights.transport == "star":
         return ZmqWeightsSource(address, security, generator_id)
     if weights.transport == "relay":
         from actors.relay import RelayWeightsSource  # here: actors.relay builds on this module
 
         return RelayWeightsSource(address, security, generator_id, weights, store_dir)
-    raise ValueError(f"weights.transport '{weights.transport}' cannot be received by this build (relay, star)")
+    if weights.transport == "broadcast":
+        from actors.broadcast_source import open_broadcast_source  # here: it builds on this module too
+
+        return open_broadcast_source(weights, address, security, generator_id)
+    raise ValueError(f"weights.transport '{weights.transport}' cannot be received by this build")
 
 
 def weights_store_dir(run_dir: Path) -> Path:

@@ -38,8 +38,16 @@ So at most `max_snapshots` snapshots are alive, plus the one `publish` is writin
 looks (every `poll_ms`), and no slow reader holds memory longer than `reader_deadline_s` (+ `poll_ms`).
 `live_bucket_bytes()` reports what is allocated (weak references: it counts what ZeroMQ still holds too).
 
-Transport: relay and star are this module's publisher (CPU and any machine). `weights.transport = "broadcast"`
-(a static fleet: gloo on CPU, NCCL on GPUs, fixed at start) is `learners/broadcast_publisher.py`.
+Transports (`open_weights_publisher`, from `weights.transport`):
+  * relay (default): a `WeightsRequest` that names a relay address or host is answered with the relay header only
+    (the layout, each chunk's sha256, computed at publish, and the parent `learners.fanout.FanoutTree` assigns);
+    the k generators whose parent is the publisher then pull `ChunkRequest`s from it. The publisher's bytes per
+    update are k x the model whatever the fleet (`bytes_by_version`). A request without relay fields (a reader
+    that speaks only the star) gets the whole snapshot.
+  * star: every reader gets the whole snapshot (bytes per update = readers x the model).
+  * broadcast: `learners/broadcast_publisher.py` (a static fleet: gloo on CPU, NCCL on GPUs, fixed at start).
+Both ZeroMQ transports long-poll in production (`hold_s`): a request with nothing newer is answered at the next
+publish (within `poll_ms`) or with `WeightsNotNewer` after `hold_s`.
 """
 
 from __future__ import annotations
