@@ -72,6 +72,8 @@ PIPELINE_CHUNKS = 16  # chunks asked for at once (a parent answers what it holds
 MAX_REPLY_BYTES = 64 << 20
 STUCK_FACTOR = 3  # no progress for this many stall timeouts: an alive but stuck parent is dropped too
 SERVER_POLL_MS = 2  # how often the relay server looks whether a held request can be answered
+IDLE_POLL_MS = 200  # its wait for a request when it holds none (a request wakes it at once)
+HOST_COPY_POLL_S = 0.005  # how often a host-copy reader looks at the writer's progress
 COPY_NAME = re.compile(r"^v(\d+)-g(\d+)\.bin$")
 
 
@@ -242,7 +244,7 @@ class RelayServer:
     def _serve(self) -> None:
         try:
             while not self._stop.is_set():
-                request = self.server.poll(timeout_ms=SERVER_POLL_MS)
+                request = self.server.poll(timeout_ms=SERVER_POLL_MS if self._held else IDLE_POLL_MS)
                 if request is not None:
                     self._answer(request)
                 for identity, (held, since) in list(self._held.items()):
@@ -467,7 +469,7 @@ class RelayWeightsSource:
             copy = HostCopy.open(self.store_dir, header, writer)
             if copy is None and time.monotonic() > deadline:
                 return None, "stalled"
-            time.sleep(0.002)
+            time.sleep(HOST_COPY_POLL_S)
         done, progress_at = -1, time.monotonic()
         while not copy.complete():
             if copy.writer_gone():
@@ -476,7 +478,7 @@ class RelayWeightsSource:
                 done, progress_at = copy.done, time.monotonic()
             elif time.monotonic() - progress_at > STUCK_FACTOR * self.stall_timeout_s:
                 return copy, "stalled"
-            time.sleep(0.002)
+            time.sleep(HOST_COPY_POLL_S)
         self.counters["host_copies_mapped"] += 1
         return copy, None
 

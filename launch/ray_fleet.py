@@ -227,12 +227,16 @@ class FleetController:
         indices = list(range(self.next_generator_index, self.next_generator_index + count))
         self.next_generator_index += count
         added = self._spawn("generator", indices, self.pools["generator"].acquire(count))
-        members.start(
-            added, [["generator", "--generator.index", str(i)] for i in indices], [{}] * count, self.config_text
-        )
+        arguments = [["generator", "--generator.index", str(m.index), *self._relay_host(m)] for m in added]
+        members.start(added, arguments, [{}] * count, self.config_text)
         self.generators += added
         for member in added:
             self.log.info("%s started on %s (pid %s)", member.name, member.node["ip"], member.pid)
+
+    def _relay_host(self, member: Member) -> list[str]:
+        """Where a generator's weights relay binds: its node's IP on a joined cluster (other nodes' generators
+        pull chunks from it), loopback on the local one."""
+        return [] if self.local_cluster else ["--weights.relay_host", member.node["ip"]]
 
     def _spawn(self, role: str, indices: list[int], slots: list[Slot]) -> list[Member]:
         ray_config = self.base.ray
