@@ -37,7 +37,7 @@ from actors.groups import LeaseBook, PendingGroup, build_group, sample_request_i
 from actors.outbox import BufferLink, Outbox
 from actors.rewards import RewardScorer
 from actors.trajectory import build_episode_group
-from actors.weights import WeightsPoller, WeightsUpdate, open_weights_source, weights_store_dir
+from actors.weights import WeightsPoller, WeightsUpdate, open_weights_source, relay_metrics, weights_store_dir
 from common.config import TandemConfig
 from common.envs import EnvironmentFactory, environment_factory
 from common.logs import setup_logging
@@ -351,6 +351,7 @@ class Generator:
                 "actor/prompts_in_flight": self.book.in_flight(),
                 "actor/buffer_reconnects": self.link.reconnects,
                 "actor/weight_fetch_failures": sum(self.weights.failures.values()),
+                **relay_metrics(self.weights.source),
             }
         )
         if self.episodes is not None:

@@ -160,6 +160,22 @@ def open_weights_source(
     raise ValueError(f"weights.transport '{weights.transport}' cannot be received by this build")
 
 
+def relay_metrics(source: WeightsSource) -> dict[str, float]:
+    """The relay's figures for the generator's metrics (none for another transport): the last update's receive
+    seconds and depth (hops from the publisher), and re-attachments and bad chunks so far."""
+    last = getattr(source, "last_receive", None)
+    if not last:
+        return {}
+    counters = source.counters  # type: ignore[attr-defined]
+    return {
+        "actor/weight_receive_s": float(last["seconds"]),
+        "actor/weight_depth": float(last["depth"]),
+        "actor/weight_reattachments": float(counters["reattachments"]),
+        "actor/weight_bad_chunks": float(counters["bad_chunks"]),
+        "actor/weight_host_copies_mapped": float(counters["host_copies_mapped"]),
+    }
+
+
 def weights_store_dir(run_dir: Path) -> Path:
     """Where the generators of one run on this machine keep their host copies (shared memory)."""
     key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]

@@ -103,6 +103,8 @@ def run(config: TandemConfig) -> int:
                 "perf/publish_s": publish_s,
                 "perf/step_s": time.perf_counter() - step_start,
             }
+            if publisher is not None:  # bytes out of rank 0 for weights so far: k x the model per update by relay
+                timings["weights/publisher_bytes"] = float(getattr(publisher, "counters", {}).get("served_bytes", 0))
             if reporter is not None:
                 reporter.report(state.step, _record(stats, timings, state, batch.dropped_stale))
             if learner.save_every and state.step % learner.save_every == 0:
