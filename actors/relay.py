@@ -27,11 +27,13 @@ buckets at `ALIGN`ed offsets. The writer advances "chunks done" after each check
 wait until every chunk is done, or re-ask the publisher when the writer died (its pid is gone), abandoned the copy,
 or made no progress for 3 x stall_timeout_s. The engine's workers map the same file (`WeightsUpdate.staged`, opened
 through /proc/<pid>/fd so a copy deleted meanwhile stays readable): socket -> host copy -> vLLM is the whole
-chain. Each writer deletes its copies older than the previous version; `close()` deletes all of its own.
+chain. Each writer deletes its copies older than the previous version; `close()` (or the process's exit) deletes all
+of its own; a new source deletes the copies of writers that died, and the launcher removes the store at the end.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import mmap
 import os
@@ -161,15 +163,9 @@ class HostCopy:
     def writer_gone(self) -> bool:
         """The writer abandoned the copy or its process no longer exists."""
         magic, _, _, _, pid, abandoned = self.fields()
-        if magic != MAGIC or abandoned:
-            return magic == MAGIC
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
+        if magic != MAGIC:
+            return False  # not initialised yet
+        return bool(abandoned) or not _alive(pid)
 
     def buckets(self) -> list[memoryview]:
         view = memoryview(self.mapped)
@@ -201,6 +197,32 @@ def _bucket_starts(sizes: list[int]) -> list[int]:
         starts.append(position)
         position += size
     return starts
+
+
+def delete_orphaned_copies(directory: Path) -> None:
+    """Delete the copies whose writer process is gone (a generator killed hard leaves its copies behind)."""
+    if not directory.is_dir():
+        return
+    for path in directory.iterdir():
+        if not COPY_NAME.match(path.name):
+            continue
+        try:
+            with open(path, "rb") as file:
+                magic, _, _, _, pid, _ = _FIELDS.unpack(file.read(_FIELDS.size))
+        except (OSError, struct.error):
+            continue
+        if magic == MAGIC and not _alive(pid):
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def delete_copies(directory: Path, generator_id: int, below_version: int | None = None) -> None:
@@ -312,6 +334,8 @@ class RelayWeightsSource:
         host = weights.host_id or default_host_id()
         self.host_id = host if weights.share_host_copy else f"{host}/generator-{generator_id}"
         self.store_dir = store_dir
+        delete_orphaned_copies(store_dir)
+        atexit.register(delete_copies, store_dir, generator_id)  # also when close() is never reached
         self.publisher = Client(address, security, identity=f"generator-{generator_id}-weights", role="generator")
         self.relay = RelayServer(weights.relay_host, security, weights.stall_timeout_s / 2, f"relay-{generator_id}")
         self.layout: list[tuple[str, str, list[int]]] | None = None

@@ -34,7 +34,6 @@ generator returns to the learner's real weights at the next poll.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import tempfile
@@ -48,7 +47,14 @@ from typing import Any, Protocol
 from common.config import WeightsConfig
 from common.sockets import Client, PeerUnavailable, SocketSecurity, backoff_delays
 from common.types import ErrorReply, WeightsHeader, WeightsNotNewer, WeightsRequest
-from common.weights import ALIGN, WeightsLayoutError, check_frames, total_bytes
+from common.weights import (  # noqa: F401 - shared_memory_dir, weights_store_dir: this module's API too
+    ALIGN,
+    WeightsLayoutError,
+    check_frames,
+    shared_memory_dir,
+    total_bytes,
+    weights_store_dir,
+)
 from common.wire import WireError
 
 log = logging.getLogger("tandem.actors.weights")
@@ -176,12 +182,6 @@ def relay_metrics(source: WeightsSource) -> dict[str, float]:
     }
 
 
-def weights_store_dir(run_dir: Path) -> Path:
-    """Where the generators of one run on this machine keep their host copies (shared memory)."""
-    key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
-    return shared_memory_dir() / f"tandem-weights-{key}"
-
-
 class WeightsPoller:
     """Decides when to ask the source for weights, and asks in a background thread, so that a slow transfer or an
     unreachable publisher never stalls the generator's loop (one fetch at a time).
@@ -293,12 +293,6 @@ class _Fetch:
             self.error = error
         finally:
             self.finished.set()
-
-
-def shared_memory_dir() -> Path:
-    """/dev/shm where it exists (memory-backed), else the temporary directory."""
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
 class SharedMemoryStaging:

@@ -37,8 +37,11 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -191,3 +194,17 @@ def digest_chunks(buckets: Sequence[Any], chunk_bytes: int, threads: int = 2) ->
     ranges = chunk_ranges([v.nbytes for v in views], chunk_bytes)
     with ThreadPoolExecutor(max_workers=threads) as pool:
         return list(pool.map(lambda r: chunk_digest(views[r[0]][r[1] : r[2]]), ranges))
+
+
+# -------------------------------------------------------------------------------------------- shared memory
+def shared_memory_dir() -> Path:
+    """/dev/shm where it exists (memory-backed), else the temporary directory."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def weights_store_dir(run_dir: Path) -> Path:
+    """Where the generators of one run on this machine keep their host copies of the weights (actors/relay.py);
+    the launcher removes it when the run ends."""
+    key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+    return shared_memory_dir() / f"tandem-weights-{key}"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from common.config import TandemConfig, parse_cores, write_resolved
 from common.logs import setup_logging
+from common.weights import weights_store_dir
 from launch.progress import RunProgress, summarize
 
 GRACE_S = 20.0
@@ -206,6 +208,7 @@ def run(config: TandemConfig) -> int:
             failed = supervise(roles, progress, interrupted)
     finally:
         stop_all(roles, log)
+        shutil.rmtree(weights_store_dir(run_dir), ignore_errors=True)  # host copies a killed generator left
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if interrupted:
