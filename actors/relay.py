@@ -50,7 +50,7 @@ import zmq
 
 from actors.weights import WeightsTransportError, WeightsUpdate
 from common.config import WeightsConfig
-from common.sockets import Client, PeerUnavailable, Request, Server, SocketSecurity
+from common.sockets import Client, PeerUnavailable, Request, SecurityError, Server, SocketSecurity
 from common.types import (
     ChunkReply,
     ChunkRequest,
@@ -316,6 +316,27 @@ class RelayServer:
         self._thread.join(timeout=5)
 
 
+class NoRelay:
+    """A generator that cannot serve chunks (its relay could not bind or has no server key): a leaf of the tree."""
+
+    address = ""
+
+    def offer(self, copy: HostCopy) -> None:
+        del copy  # nobody pulls from a leaf
+
+    def close(self) -> None:
+        pass
+
+
+def open_relay_server(host: str, security: SocketSecurity, hold_s: float, generator_id: int) -> RelayServer | NoRelay:
+    """This generator's relay server, or `NoRelay` (logged) when it cannot run: the generator still receives."""
+    try:
+        return RelayServer(host, security, hold_s, f"relay-{generator_id}")
+    except (OSError, SecurityError) as error:
+        log.warning("weights relay off for this generator (it will only receive): %s", error)
+        return NoRelay()
+
+
 # -------------------------------------------------------------------------------------------------- the source
 class RelayWeightsSource:
     """`WeightsSource` of the relay transport (see the module docstring). `fetch` runs in one thread at a time."""
@@ -337,7 +358,7 @@ class RelayWeightsSource:
         delete_orphaned_copies(store_dir)
         atexit.register(delete_copies, store_dir, generator_id)  # also when close() is never reached
         self.publisher = Client(address, security, identity=f"generator-{generator_id}-weights", role="generator")
-        self.relay = RelayServer(weights.relay_host, security, weights.stall_timeout_s / 2, f"relay-{generator_id}")
+        self.relay = open_relay_server(weights.relay_host, security, weights.stall_timeout_s / 2, generator_id)
         self.layout: list[tuple[str, str, list[int]]] | None = None
         self.counters: Counter[str] = Counter()  # reattached/<failure>, bad_chunks, received_bytes, ...
         self.last_receive: dict[str, Any] = {}  # version, depth, parent, seconds, reattachments

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors.relay import HostCopy, RelayWeightsSource
+from actors.relay import HostCopy, NoRelay, RelayWeightsSource, open_relay_server
 from actors.weights import WeightsUpdate, open_weights_source
 from common.config import WeightsConfig
 from common.sockets import SocketSecurity, free_port
@@ -219,3 +219,16 @@ def test_a_relay_killed_in_the_middle_of_an_update_leaves_its_children_complete_
             if process.poll() is None:
                 process.kill()
             process.wait(timeout=10)
+
+
+def test_a_generator_whose_relay_cannot_run_still_receives_as_a_leaf(publisher, tmp_path) -> None:
+    """A relay that may not bind (non-loopback without keys or run.insecure) is off, logged; the generator is a leaf."""
+    assert isinstance(open_relay_server("192.0.2.1", SocketSecurity(), 1.0, 0), NoRelay)
+    leaf = open_weights_source(WeightsConfig(host_id="a", relay_host="192.0.2.1"), address(publisher),
+                               SocketSecurity(), 0, tmp_path)  # fmt: skip
+    try:
+        publish(publisher, 1)
+        assert sha(leaf.fetch(-1)) == publisher_sha(1, seed=0)
+        assert publisher.relay.parents(1) == {0: ""}
+    finally:
+        leaf.close()
