@@ -674,7 +674,10 @@ class TandemConfig(_Section):
                 f"publisher {self.learner.weights_host}:{self.learner.weights_port}"
             )
         if self.run.curve_keys_dir is None and not self.run.insecure:
-            for key, host in (("buffer.host", self.buffer.host), ("learner.weights_host", self.learner.weights_host)):
+            binds = [("buffer.host", self.buffer.host), ("learner.weights_host", self.learner.weights_host)]
+            if self.weights.transport == "relay":
+                binds.append(("weights.relay_host", self.weights.relay_host))
+            for key, host in binds:
                 if not is_loopback(host):
                     problems.append(
                         f"{key}: binding '{host}' exposes the socket beyond this machine: set run.curve_keys_dir "

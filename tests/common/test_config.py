@@ -76,6 +76,8 @@ def test_bad_config_names_the_key(tmp_path: Path, text: str, overrides: list[str
             '[learner]\nweights_host = "10.0.0.5"\n[generator]\nweights_address = "10.0.0.5:5556"\n',
             "learner.weights_host: binding '10.0.0.5' exposes the socket beyond this machine",
         ),
+        ('[weights]\nrelay_host = "10.0.0.7"\n', "weights.relay_host: binding '10.0.0.7' exposes the socket"),
+        ('[weights]\ntransport = "carrier-pigeon"\n', "weights.transport"),
     ],
 )
 def test_a_config_the_learner_would_refuse_fails_at_load(tmp_path: Path, text: str, expected: str) -> None:
