@@ -70,8 +70,10 @@ RELAY_CLIENTS = ("generator", "eval")  # roles a relay serves chunks to
 HEADER_BYTES = 4096
 MAGIC = b"TNDMWGT1"
 _FIELDS = struct.Struct("<8sqqqqq")  # magic, version, chunks done, chunk total, writer pid, abandoned
-PIPELINE_CHUNKS = 16  # chunks asked for at once (a parent answers what it holds, up to its byte cap)
-MAX_REPLY_BYTES = 64 << 20
+PIPELINE_CHUNKS = 4  # chunks asked for at once (a parent answers what it holds, up to its byte cap)
+# One reply must arrive within stall_timeout_s (ZeroMQ delivers a message whole): 16 MiB take 0.13 s at 1 Gbit/s,
+# 0.84 s at 160 Mbit/s, so even an uplink shared by a few children stays well inside the default 5 s.
+MAX_REPLY_BYTES = 16 << 20
 STUCK_FACTOR = 3  # no progress for this many stall timeouts: an alive but stuck parent is dropped too
 SERVER_POLL_MS = 2  # how often the relay server looks whether a held request can be answered
 IDLE_POLL_MS = 200  # its wait for a request when it holds none (a request wakes it at once)
