@@ -289,6 +289,12 @@ class RelayServer:
         """Answer if possible (chunks, unavailable, or alive-but-waiting after hold_s); False: keep holding."""
         message: ChunkRequest = request.message
         copy = self.copies.get(message.version)
+        if copy is None and message.version > max(self.copies, default=-1):
+            # Told to receive it, not started yet (a child may ask before its parent has its own header): wait.
+            if time.monotonic() - since < self.hold_s:
+                return False
+            self.server.reply(request, ChunkReply(message.version, message.first, 0))
+            return True
         if copy is None or copy.fields()[5]:
             self.server.reply(request, ChunkUnavailable(message.version, "this relay holds no copy of that version"))
             self.counters["unavailable"] += 1
