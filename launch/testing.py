@@ -556,3 +556,30 @@ class FakePublisher(ServerThread):
 
     def _newer(self, request: Any) -> bool:
         return self.latest is not None and self.version > request.message.have_version
+
+
+class RelayPublisher:
+    """The learner's real publisher with the relay transport (learners/publisher.py + learners/fanout.py) behind
+    FakePublisher's `publish(version, arrays, dtypes)`: a generator under test receives chunks into a host copy
+    that its engine maps, as in production. Long-polls like production; `publisher` is the real object."""
+
+    def __init__(self, port: int, bucket_bytes: int = 1 << 20, fanout: int = 2) -> None:
+        from learners.fanout import FanoutTree
+        from learners.publisher import DEFAULT_HOLD_S, ZmqWeightsPublisher
+
+        self.publisher = ZmqWeightsPublisher(
+            "127.0.0.1", port, SocketSecurity(), bucket_bytes, hold_s=DEFAULT_HOLD_S, relay=FanoutTree(fanout, 1)
+        )
+        self.published_at: dict[int, float] = {}  # version -> time.time() it became available
+
+    def start(self) -> Self:
+        return self
+
+    def publish(self, version: int, arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str] | None = None) -> None:
+        dtypes = dtypes or {}
+        layout = [(name, dtypes.get(name, str(a.dtype)), list(a.shape)) for name, a in arrays.items()]
+        self.published_at[version] = time.time()
+        self.publisher.publish(version, layout, list(arrays.items()))
+
+    def stop(self) -> None:
+        self.publisher.close()

@@ -96,6 +96,7 @@ def fetch_all(fleet: list[RelayWeightsSource], have: int) -> list[WeightsUpdate]
 def publish(pub: ZmqWeightsPublisher, version: int, seed: int = 0) -> None:
     layout, weights = model(seed)
     pub.publish(version, layout, weights)
+    assert pub.wait_for(version, timeout_s=30)  # served once its digests are computed (off the caller's thread)
 
 
 def test_every_generator_gets_the_publishers_bytes_and_the_publisher_sends_k_copies(publisher, tmp_path) -> None:
