@@ -1,4 +1,5 @@
-"""One real generator process (vLLM on the tiny model) against a fake buffer and a fake weight publisher on loopback.
+"""One real generator process (vLLM on the tiny model) against a fake buffer and the real weight publisher (relay
+transport: chunks into a host copy that vLLM's workers map) on loopback.
 
 One test runs the phases in order against the same process (starting vLLM costs ~20-40 s here; each phase needs
 the state the ones before it left, so they are one test, which any `-k` selection runs whole or not at all):
@@ -28,7 +29,7 @@ import numpy as np
 import pytest
 
 from common.metrics import read_metrics
-from launch.testing import FakeBuffer, FakePublisher, RoleUnderTest, arithmetic_items, run_config
+from launch.testing import FakeBuffer, RelayPublisher, RoleUnderTest, arithmetic_items, run_config
 
 pytestmark = pytest.mark.vllm
 
@@ -133,7 +134,7 @@ def rig(tiny_model_dir: Path, tmp_path: Path):
         },
     )
     buffer = FakeBuffer(config, arithmetic_items(4), lease_size=2, when_empty="full").start()
-    publisher = FakePublisher(config.learner.weights_port, bucket_bytes=4 << 20).start()
+    publisher = RelayPublisher(config.learner.weights_port, bucket_bytes=4 << 20).start()
     process = RoleUnderTest(config, "generator").start()
     rig = {
         "buffer": buffer,
