@@ -30,6 +30,7 @@ from CUDA when opened.
 from __future__ import annotations
 
 import mmap
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
@@ -51,19 +52,25 @@ class DeviceWeightsUpdate(WeightsUpdate):
 
 class PinnedFile:
     """A file mapped read-only and registered as pinned host memory (see the module docstring). Context manager:
-    on exit it waits for the copies queued on `device`, unregisters and unmaps."""
+    on exit it waits for the copies queued on `device`, unregisters and unmaps. For a CPU `device` nothing is
+    registered (`pinned` False): the same code then runs on CPU (tests/benchmarks/test_gpu_check.py)."""
 
     def __init__(self, path: str, device: Any) -> None:
         import torch
 
-        self.device = device
+        self.device = torch.device(device)
         with open(path, "rb") as file:
             self.mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-        self.bytes = torch.frombuffer(memoryview(self.mapped), dtype=torch.uint8)  # read-only view; never written
-        result = torch.cuda.cudart().cudaHostRegister(
-            self.bytes.data_ptr(), self.bytes.numel(), _CUDA_HOST_REGISTER_READ_ONLY
-        )
-        self.pinned = int(result) == 0  # cudaSuccess
+        self.view = memoryview(self.mapped)
+        with warnings.catch_warnings():  # torch warns that the buffer is read-only: nothing here writes it
+            warnings.simplefilter("ignore", UserWarning)
+            self.bytes = torch.frombuffer(self.view, dtype=torch.uint8)
+        self.pinned = False
+        if self.device.type == "cuda":
+            result = torch.cuda.cudart().cudaHostRegister(
+                self.bytes.data_ptr(), self.bytes.numel(), _CUDA_HOST_REGISTER_READ_ONLY
+            )
+            self.pinned = int(result) == 0  # cudaSuccess
 
     def __enter__(self) -> Self:
         return self
@@ -71,10 +78,12 @@ class PinnedFile:
     def __exit__(self, *_: object) -> None:
         import torch
 
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
         del self.bytes
+        self.view.release()
         self.mapped.close()
 
 
@@ -89,6 +98,7 @@ def staged_to_device(path: str, tensors: Sequence[StagedTensor], device: Any) ->
             host = staged.bytes[offset : offset + nbytes].view(getattr(torch, dtype)).view(shape)
             target = torch.empty(shape, dtype=host.dtype, device=device)
             target.copy_(host, non_blocking=staged.pinned)
+            del host  # no view of the mapping may outlive it (closing it checks)
             yield name, target
 
 
