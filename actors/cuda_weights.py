@@ -91,15 +91,20 @@ def staged_to_device(path: str, tensors: Sequence[StagedTensor], device: Any) ->
     """(name, tensor on `device`) for every staged tensor, each copied once from the pinned mapping with
     `non_blocking` on the current stream (a consumer on that stream sees the data; others must synchronise).
     The copies are complete when the iterator is exhausted."""
+    with PinnedFile(path, device) as staged:
+        yield from device_copies(staged, tensors)
+
+
+def device_copies(staged: PinnedFile, tensors: Sequence[StagedTensor]) -> Iterator[tuple[str, Any]]:
+    """`staged_to_device` on a file already mapped and pinned (the caller closes it, after the last copy)."""
     import torch
 
-    with PinnedFile(path, device) as staged:
-        for name, dtype, shape, offset, nbytes in tensors:
-            host = staged.bytes[offset : offset + nbytes].view(getattr(torch, dtype)).view(shape)
-            target = torch.empty(shape, dtype=host.dtype, device=device)
-            target.copy_(host, non_blocking=staged.pinned)
-            del host  # no view of the mapping may outlive it (closing it checks)
-            yield name, target
+    for name, dtype, shape, offset, nbytes in tensors:
+        host = staged.bytes[offset : offset + nbytes].view(getattr(torch, dtype)).view(shape)
+        target = torch.empty(shape, dtype=host.dtype, device=staged.device)
+        target.copy_(host, non_blocking=staged.pinned)
+        del host  # no view of the mapping may outlive it (closing it checks)
+        yield name, target
 
 
 def export_buckets(buckets: Sequence[Any]) -> list[dict[str, Any]]:
@@ -181,21 +186,36 @@ def with_tied_head(weights: Iterator[tuple[str, Any]], hf_config: Any, names: se
             yield "lm_head.weight", tensor
 
 
-def load_staged_pinned(model_runner: Any, path: str, tensors: Sequence[StagedTensor]) -> int:
-    """vLLM worker on CUDA: reload every staged tensor through pinned memory; returns the bytes loaded."""
-    device = model_runner.device
+def load_staged_pinned(model_runner: Any, path: str, tensors: Sequence[StagedTensor]) -> dict[str, float | str]:
+    """vLLM worker on CUDA: reload every staged tensor through pinned memory (vLLM's layerwise `reload_weights`).
+    Returns where the time went, as `WeightLoader.tandem_load_shared_weights` does ("path": "pinned", or
+    "pageable" where the registration was refused)."""
+    import time
+
+    started = time.perf_counter()
     names = {t[0] for t in tensors}
-    weights = with_tied_head(staged_to_device(path, tensors, device), model_runner.model_config.hf_config, names)
-    model_runner.reload_weights(weights_iterator=weights)
-    return sum(t[4] for t in tensors)
+    with PinnedFile(path, model_runner.device) as staged:
+        mapped = time.perf_counter()
+        weights = with_tied_head(device_copies(staged, tensors), model_runner.model_config.hf_config, names)
+        model_runner.reload_weights(weights_iterator=weights)
+    done = time.perf_counter()
+    path_name = "pinned" if staged.pinned else "pageable"
+    return {"path": path_name, "map_s": mapped - started, "load_s": done - mapped, "process_s": 0.0}
 
 
-def load_ipc(model_runner: Any, handles: Sequence[dict[str, Any]], tensors: Sequence[Any]) -> int:
-    """vLLM worker on CUDA: reload from the producer's device buckets by CUDA IPC; returns the bytes loaded."""
+def load_ipc(model_runner: Any, handles: Sequence[dict[str, Any]], tensors: Sequence[Any]) -> dict[str, float | str]:
+    """vLLM worker on CUDA: reload from the producer's device buckets by CUDA IPC (the same return as
+    `load_staged_pinned`, "path": "ipc"; map_s is the opening of the handles)."""
+    import time
+
     import torch
 
+    started = time.perf_counter()
     names = {t[0] for t in tensors}
-    weights = with_tied_head(ipc_tensors(handles, tensors), model_runner.model_config.hf_config, names)
-    model_runner.reload_weights(weights_iterator=weights)
+    views = list(ipc_tensors(handles, tensors))
+    opened = time.perf_counter()
+    model_runner.reload_weights(
+        weights_iterator=with_tied_head(iter(views), model_runner.model_config.hf_config, names)
+    )
     torch.cuda.synchronize(model_runner.device)  # the producer may reuse its buckets once this returns
-    return sum(t[5] for t in tensors)
+    return {"path": "ipc", "map_s": opened - started, "load_s": time.perf_counter() - opened, "process_s": 0.0}
