@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from actors.chat_turns import TokenizerTexts
+from actors.cuda_weights import DeviceWeightsUpdate, export_buckets, ipc_table
 from actors.engine_api import FinishedSample, SamplingSettings
 from actors.weights import SharedMemoryStaging, WeightsUpdate
 from common.config import GeneratorConfig, ModelConfig, parse_cores
@@ -77,6 +78,10 @@ class WeightLoader:
     def tandem_load_shared_weights(self, path: str, tensors: list[tuple[str, str, list[int], int, int]]) -> int:
         """Map the staged file and reload every tensor in place (checkpoint names; vLLM fuses q/k/v etc.).
         Returns the bytes loaded. The generator may overwrite the file once this returns."""
+        if self.model_runner.device.type == "cuda":  # type: ignore[attr-defined]  # pinned staging (cuda_weights)
+            from actors.cuda_weights import load_staged_pinned
+
+            return load_staged_pinned(self.model_runner, path, tensors)  # type: ignore[attr-defined]
         import mmap
 
         import torch
@@ -100,6 +105,13 @@ class WeightLoader:
 
         self.model_runner.reload_weights(weights_iterator=weights())  # type: ignore[attr-defined]
         return sum(t[4] for t in tensors)
+
+    def tandem_load_ipc_weights(self, handles: list[dict[str, Any]], tensors: list[Any]) -> dict[str, float | str]:
+        """CUDA: load from another process's buckets on this GPU by CUDA IPC (actors/cuda_weights.py; built for
+        CUDA, never run on a GPU). The producer keeps the buckets until this returns."""
+        from actors.cuda_weights import load_ipc
+
+        return load_ipc(self.model_runner, handles, tensors)  # type: ignore[attr-defined]
 
 
 class VllmEngine(TokenizerTexts):
@@ -175,15 +187,13 @@ class VllmEngine(TokenizerTexts):
     def load_weights(self, update: WeightsUpdate, inflight: bool) -> None:
         if self._start_versions and not inflight:
             raise RuntimeError(f"load_weights(inflight=False) with {len(self._start_versions)} samples running")
-        path, tensors = (
-            update.staged if update.staged is not None else (self._staging.path, self._staging.write(update))
-        )
+        method, args = self._load_call(update)
         core = self.engine.engine_core
         pause = inflight and hasattr(core, "call_utility")  # a separate engine-core process keeps stepping
         try:
             if pause:  # no step may run between the reload and the new version label
                 core.call_utility("pause_scheduler", "keep", False)
-            self.engine.collective_rpc("tandem_load_shared_weights", args=(str(path), tensors))
+            self.engine.collective_rpc(method, args=args)
             self.engine.set_weight_version(str(update.policy_version))
             # Running samples (inflight) are preempted and their keys/values recomputed with the new weights.
             if not self.engine.reset_prefix_cache(reset_running_requests=inflight):
@@ -192,6 +202,17 @@ class VllmEngine(TokenizerTexts):
             if pause:
                 core.call_utility("resume_scheduler")
         self.policy_version = update.policy_version
+
+    def _load_call(self, update: WeightsUpdate) -> tuple[str, tuple[Any, ...]]:
+        """The worker method and its arguments for `update`: CUDA IPC handles for buckets that lie on this GPU (an
+        nccl broadcast receiver's `DeviceWeightsUpdate`; built for CUDA, never run on a GPU), else the staged file
+        (the transport's own, or written into this engine's staging file now)."""
+        if isinstance(update, DeviceWeightsUpdate):
+            return "tandem_load_ipc_weights", (export_buckets(update.device_buckets), ipc_table(update))
+        path, tensors = (
+            update.staged if update.staged is not None else (self._staging.path, self._staging.write(update))
+        )
+        return "tandem_load_shared_weights", (str(path), tensors)
 
     def shutdown(self) -> None:
         engine, self.engine = getattr(self, "engine", None), None
