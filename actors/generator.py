@@ -307,7 +307,7 @@ class Generator:
             if self.episodes is not None:
                 self.episodes.wait(IDLE_WAIT_S)  # wakes as soon as an environment call finishes
             else:
-                time.sleep(IDLE_WAIT_S)
+                self.weights.idle_wait(IDLE_WAIT_S)  # wakes as soon as a weights fetch finishes
             self.stats.idle_s += time.monotonic() - now
             return
         for sample in self.engine.step():

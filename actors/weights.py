@@ -235,6 +235,15 @@ class WeightsPoller:
         fetch, self._fetch = self._fetch, None
         return self._settle(fetch, have_version)
 
+    def idle_wait(self, timeout_s: float) -> None:
+        """Sleep up to `timeout_s` (the loop has nothing to step), waking the moment a running fetch finishes, so a
+        received update is loaded at once rather than after the rest of the sleep."""
+        fetch = self._fetch
+        if fetch is not None and not fetch.finished.is_set():
+            fetch.finished.wait(timeout_s)
+        else:  # no fetch, or one finished that the loop does not collect now (draining): a plain sleep, no spin
+            time.sleep(timeout_s)
+
     def _settle(self, fetch: _Fetch, have_version: int) -> WeightsUpdate | None:
         if fetch.error is not None:
             if not isinstance(fetch.error, (PeerUnavailable, WeightsTransportError)):

@@ -133,3 +133,37 @@ def test_poller_works_with_a_long_polling_publisher():
     finally:
         poller.close()
         server.stop()
+
+
+class _GatedSource:
+    """A source whose fetch returns version 3 once `gate` is set (a transfer that ends while the loop sleeps)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.gate = threading.Event()
+
+    def fetch(self, have_version: int) -> int:
+        self.gate.wait(60)
+        return 3
+
+    def close(self) -> None:
+        self.gate.set()
+
+
+def test_idle_wait_wakes_when_the_running_fetch_finishes_and_sleeps_plainly_without_one():
+    import threading
+
+    source = _GatedSource()
+    poller = WeightsPoller(source, poll_s=100.0, backoff_max_s=1.0)
+    try:
+        poller.idle_wait(0.001)  # no fetch yet: a plain sleep
+        assert poller.poll(time.monotonic(), have_version=0) is None  # starts the (gated) fetch
+        threading.Timer(0.05, source.gate.set).start()
+        start = time.monotonic()
+        poller.idle_wait(60.0)  # must return when the fetch finishes, not after 60 s
+        assert time.monotonic() - start < 30.0, "idle_wait slept past a finished fetch"
+        assert poller.poll(time.monotonic(), have_version=0) is None and poller.latest_seen == 3
+        poller.idle_wait(0.001)  # a fetch collected: nothing to wake on, a plain sleep again
+    finally:
+        poller.close()
