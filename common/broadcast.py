@@ -35,6 +35,7 @@ can run code in a member. So a non-loopback group address needs `insecure=True` 
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import ipaddress
 import logging
 import time
@@ -69,20 +70,24 @@ def is_loopback(host: str) -> bool:
 
 def resolve_backend(backend: str) -> str:
     """'gloo' or 'nccl' for `backend` (auto: nccl when CUDA is available). Raises ValueError for a backend this
-    machine cannot run (nccl without CUDA) or a name that is none of `BACKENDS`."""
+    machine cannot run (nccl without CUDA, or without vLLM) or a name that is none of `BACKENDS`."""
     if backend not in BACKENDS:
         raise ValueError(f"weights.broadcast_backend must be one of {', '.join(BACKENDS)} (got {backend!r})")
     import torch
 
     cuda = torch.cuda.is_available()
-    if backend == "auto":
-        return "nccl" if cuda else "gloo"
-    if backend == "nccl" and not cuda:
+    resolved = backend if backend != "auto" else ("nccl" if cuda else "gloo")
+    if resolved == "nccl" and not cuda:
         raise ValueError(
             "weights.broadcast_backend = 'nccl' needs a CUDA GPU in every member, and this process sees none: "
             "use 'gloo' (CPU) or 'auto'"
         )
-    return backend
+    if resolved == "nccl" and importlib.util.find_spec("vllm") is None:
+        raise ValueError(
+            "weights.broadcast_backend 'nccl' is vLLM's weight-transfer group (PyNcclCommunicator), and vLLM is not "
+            "installed here: install vllm beside the learner too, or use 'gloo'"
+        )
+    return resolved
 
 
 @dataclass
