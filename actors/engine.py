@@ -16,12 +16,13 @@ How it uses vLLM:
     distribution. With temperature 1 and top-p 1 the two are the same.
   * Policy versions: `set_weight_version(str(v))` labels every later engine step; each finished completion carries
     `weight_versions` spans, which become per-token `token_versions`.
-  * Weights: `collective_rpc` cannot carry tensors, so the update is staged in a shared-memory file and the worker
-    extension `WeightLoader` maps it and calls `model_runner.reload_weights(weights_iterator=...)` (plain
-    `model.load_weights` breaks the CPU backend's repacked linear layers). With tied input/output embeddings
-    (SmolLM2, the tiny model) the output layer is handed the new embedding explicitly: vLLM 0.32's layerwise
-    reload otherwise puts the OLD output layer back (found by tests/actors/test_generator_vllm.py).
-    The prefix cache is reset after every load, since it holds keys/values computed by the old weights.
+  * Weights: `collective_rpc` cannot carry tensors, so the update lies in a shared-memory file (the transport's
+    host copy, or this engine's staging file) and the worker extension `WeightLoader` maps it. On CPU it loads in
+    place: the model's `load_weights` copies into vLLM's parameters (scratch weights stand in for the linear
+    layers' plain weights, which the CPU repack drops), then vLLM's `process_weights_after_loading` repacks the
+    oneDNN layers as at engine start (plain `model.load_weights` alone would leave the repacked layers on the old
+    weights). Elsewhere it calls vLLM's layerwise `model_runner.reload_weights`. Each load logs its stages
+    (`last_load`). The prefix cache is reset after every load, since it holds keys/values of the old weights.
   * In-flight loads (`inflight=True`): the scheduler is paused between two steps, the weights reloaded, the version
     label set, and the running samples preempted so that their keys/values are recomputed by the new weights
     (`reset_prefix_cache(reset_running_requests=True)`); then generation resumes. A token stamped v is thus sampled
@@ -73,38 +74,67 @@ class WeightLoader:
     """vLLM worker extension (`worker_extension_cls="actors.engine.WeightLoader"`), mixed into each worker.
 
     Method names are prefixed `tandem_` so they never shadow the worker's own (`update_weights` exists).
+
+    Two ways to load an update, chosen once per worker (`_tandem_plan`):
+      * in place (the CPU backend with unquantized layers, i.e. every model Tandem runs on CPU): the model's own
+        `load_weights` copies each tensor straight into the parameters vLLM already has, then vLLM's
+        `process_weights_after_loading` repacks what the CPU kernels keep repacked (oneDNN handles of the linear
+        layers and the output layer) exactly as at engine start. A linear layer's repack drops its plain weight,
+        so each keeps a scratch weight of its checkpoint shape (allocated at the first load and reused: the
+        worker holds one extra copy of the linear weights, in exchange for no allocation per load). The result
+        is the state a fresh engine started on the new weights has.
+      * layerwise (anything else: a GPU, a quantized model): vLLM's `model_runner.reload_weights`, which
+        rebuilds every layer on the side and copies the processed tensors back. With tied input/output
+        embeddings (SmolLM2, the tiny model) the output layer is handed the new embedding explicitly: vLLM
+        0.32's layerwise reload otherwise puts the OLD output layer back (found by
+        tests/actors/test_generator_vllm.py).
     """
 
-    def tandem_load_shared_weights(self, path: str, tensors: list[tuple[str, str, list[int], int, int]]) -> int:
-        """Map the staged file and reload every tensor in place (checkpoint names; vLLM fuses q/k/v etc.).
-        Returns the bytes loaded. The generator may overwrite the file once this returns."""
+    def tandem_load_shared_weights(
+        self, path: str, tensors: list[tuple[str, str, list[int], int, int]]
+    ) -> dict[str, float | str]:
+        """Map the staged file and load every tensor (checkpoint names; vLLM fuses q/k/v etc.). Returns where the
+        time went (seconds: map_s, load_s, process_s; `path`: "in_place" or "layerwise"). The caller may
+        overwrite the file once this returns. Raises RuntimeError when an in-place load leaves a parameter of
+        the model without a tensor from the update (the update's layout does not match the model)."""
         if self.model_runner.device.type == "cuda":  # type: ignore[attr-defined]  # pinned staging (cuda_weights)
             from actors.cuda_weights import load_staged_pinned
 
             return load_staged_pinned(self.model_runner, path, tensors)  # type: ignore[attr-defined]
-        import mmap
-
         import torch
 
-        with open(path, "rb") as file:
-            mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)  # copy-on-write: never written
+        started = time.perf_counter()
+        mapped = _map_for_reading(path)
+        mapped_at = time.perf_counter()
 
-        hf_config = self.model_runner.model_config.hf_config  # type: ignore[attr-defined]
-        tied = getattr(hf_config, "tie_word_embeddings", False)
-        names = {t[0] for t in tensors}
-
-        def weights() -> Any:
+        def weights(extra_tied_head: bool) -> Any:
             for name, dtype, shape, offset, nbytes in tensors:
                 raw = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=offset)
                 tensor = raw.view(getattr(torch, dtype)).view(shape)
                 yield name, tensor
-                if tied and name == "model.embed_tokens.weight" and "lm_head.weight" not in names:
-                    # A tied output layer gets no weights of its own in a reload, and vLLM's layerwise reload
-                    # would put its old (CPU-repacked) copy back: hand it the new embedding explicitly.
+                if extra_tied_head and name == "model.embed_tokens.weight":
                     yield "lm_head.weight", tensor
 
-        self.model_runner.reload_weights(weights_iterator=weights())  # type: ignore[attr-defined]
-        return sum(t[4] for t in tensors)
+        plan = self._tandem_plan()
+        if plan is None:
+            hf_config = self.model_runner.model_config.hf_config  # type: ignore[attr-defined]
+            tied = getattr(hf_config, "tie_word_embeddings", False) and all(t[0] != "lm_head.weight" for t in tensors)
+            self.model_runner.reload_weights(weights_iterator=weights(tied))  # type: ignore[attr-defined]
+            done = time.perf_counter()
+            return {"path": "layerwise", "map_s": mapped_at - started, "load_s": done - mapped_at, "process_s": 0.0}
+        loaded_at, processed_at = plan.load(weights(False))
+        return {
+            "path": "in_place",
+            "map_s": mapped_at - started,
+            "load_s": loaded_at - mapped_at,
+            "process_s": processed_at - loaded_at,
+        }
+
+    def _tandem_plan(self) -> _InPlaceLoad | None:
+        """The in-place load of this worker's model, or None where only vLLM's layerwise reload is right."""
+        if not hasattr(self, "_tandem_in_place"):
+            self._tandem_in_place = _InPlaceLoad.plan(self.model_runner)  # type: ignore[attr-defined]
+        return self._tandem_in_place
 
     def tandem_load_ipc_weights(self, handles: list[dict[str, Any]], tensors: list[Any]) -> dict[str, float | str]:
         """CUDA: load from another process's buckets on this GPU by CUDA IPC (actors/cuda_weights.py; built for
@@ -112,6 +142,106 @@ class WeightLoader:
         from actors.cuda_weights import load_ipc
 
         return load_ipc(self.model_runner, handles, tensors)  # type: ignore[attr-defined]
+
+
+class _InPlaceLoad:
+    """The CPU in-place load (see `WeightLoader`): scratch weights for the linear layers whose plain weight the
+    CPU repack dropped, `model.load_weights`, then vLLM's `process_weights_after_loading` on the whole model."""
+
+    def __init__(self, runner: Any, scratch: list[tuple[Any, Any]]) -> None:
+        self.runner = runner
+        self.model = runner.get_model()
+        self.scratch = scratch  # (linear layer, its scratch weight)
+
+    @classmethod
+    def plan(cls, runner: Any) -> _InPlaceLoad | None:
+        """None unless the platform is CPU and every quantization method in the model is vLLM's unquantized
+        linear or embedding one (their post-load processing is a repack from the plain weights, so running it
+        again after a load is what engine start does); the reason is logged."""
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return None
+        if runner.vllm_config.lora_config is not None:
+            log.info("weights load: layerwise reload (LoRA wraps the layers)")
+            return None
+        model, scratch = runner.get_model(), []
+        for name, module in model.named_modules():
+            method = getattr(module, "quant_method", None)
+            if not isinstance(method, QuantizeMethodBase):
+                continue
+            if not isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+                log.info("weights load: layerwise reload (%s uses %s)", name, type(method).__name__)
+                return None
+            weight = getattr(module, "weight", None)
+            if isinstance(method, UnquantizedLinearMethod) and weight is not None and weight.numel() == 0:
+                restored = _scratch_weight(module)
+                if restored is None:
+                    log.info("weights load: layerwise reload (no recorded weight metadata for %s)", name)
+                    return None
+                scratch.append((module, restored))
+        return cls(runner, scratch)
+
+    def load(self, weights: Any) -> tuple[float, float]:
+        """Load `weights` (checkpoint names) and repack; returns perf_counter() after the copy and after the
+        repack. Raises RuntimeError when a parameter got no tensor (nothing is repacked then: the engine must
+        not go on with half an update, the generator exits and restarts)."""
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+        for module, weight in self.scratch:
+            module.weight = weight  # process_weights_after_loading repacks it and drops it again
+        expected = {name for name, _ in self.model.named_parameters()}
+        loaded = self.model.load_weights(weights)
+        missing = expected - set(loaded or expected)
+        if missing:
+            raise RuntimeError(
+                f"weights update left {len(missing)} parameters unloaded ({sorted(missing)[:4]}): its tensors do "
+                "not cover the model (publish every tensor of the checkpoint, under its checkpoint name)"
+            )
+        loaded_at = time.perf_counter()
+        model_config = self.runner.model_config
+        process_weights_after_loading(self.model, model_config, self.runner.device)
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as reload_weights does
+            if hasattr(self.runner, reset):
+                getattr(self.runner, reset)()
+        return loaded_at, time.perf_counter()
+
+
+def _scratch_weight(module: Any) -> Any:
+    """A plain weight for a repacked linear layer, in checkpoint layout with its weight loader: built from the
+    metadata vLLM records at model creation for its own reloads (None where it has none)."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+    info = LAYERWISE_INFO.get(module)
+    meta = info.restore_metadata[0].get("weight") if info is not None else None
+    if meta is None or getattr(meta, "weight_loader", None) is None:
+        return None
+    with info.restore_device:
+        weight = restore_layer_refs(materialize_meta_tensor(meta), module)  # the copy's loader bound to the layer
+    loader = weight.weight_loader
+    while getattr(loader, "__name__", "") == "online_process_loader":  # wrapped by an earlier layerwise reload,
+        loader = loader.__wrapped__  # which would only buffer the tensors: the layer's own loader copies them
+    weight.weight_loader = loader
+    return weight
+
+
+def _map_for_reading(path: str) -> Any:
+    """The staged file mapped copy-on-write (a worker never writes the generator's file), its page tables
+    filled in one call (MADV_POPULATE_READ: no page fault per 4 KiB while copying)."""
+    import mmap
+
+    with open(path, "rb") as file:
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        mapped.madvise(getattr(mmap, "MADV_POPULATE_READ", 22))
+    except OSError as error:  # a kernel before 5.14: the pages fault in as they are read (slower, same bytes)
+        log.debug("weights load: MADV_POPULATE_READ refused (%s)", error)
+    return mapped
 
 
 class VllmEngine(TokenizerTexts):
@@ -157,6 +287,8 @@ class VllmEngine(TokenizerTexts):
         self.engine.set_weight_version("0")
         self._start_versions: dict[str, int] = {}
         self._staging = SharedMemoryStaging()
+        self.last_load: dict[str, float] = {}
+        self.last_load_path = ""  # "in_place" or "layerwise" (see WeightLoader)
         log.info("vLLM engine up in %.1fs (%s, max_num_seqs=%d)", time.monotonic() - started, model_path, max_num_seqs)
 
     def add(self, request_id: str, prompt_tokens: list[int], max_tokens: int | None = None) -> None:
@@ -185,23 +317,55 @@ class VllmEngine(TokenizerTexts):
             del self._start_versions[request_id]
 
     def load_weights(self, update: WeightsUpdate, inflight: bool) -> None:
+        """Load `update` into every worker (see the module docstring). Where the time went is kept in
+        `last_load` (seconds per stage; "received" and "started": the wall-clock times the update arrived and this
+        load began) and logged."""
         if self._start_versions and not inflight:
             raise RuntimeError(f"load_weights(inflight=False) with {len(self._start_versions)} samples running")
+        started, started_wall = time.perf_counter(), time.time()
         method, args = self._load_call(update)
+        staged = time.perf_counter()
         core = self.engine.engine_core
         pause = inflight and hasattr(core, "call_utility")  # a separate engine-core process keeps stepping
         try:
             if pause:  # no step may run between the reload and the new version label
                 core.call_utility("pause_scheduler", "keep", False)
-            self.engine.collective_rpc(method, args=args)
+            paused = time.perf_counter()
+            worker = self.engine.collective_rpc(method, args=args)[0]
+            loaded = time.perf_counter()
             self.engine.set_weight_version(str(update.policy_version))
             # Running samples (inflight) are preempted and their keys/values recomputed with the new weights.
             if not self.engine.reset_prefix_cache(reset_running_requests=inflight):
                 raise RuntimeError("vLLM kept its prefix cache after a weights load: samples would reuse old keys")
+            reset = time.perf_counter()
         finally:
             if pause:
                 core.call_utility("resume_scheduler")
         self.policy_version = update.policy_version
+        self.last_load_path = str(worker["path"])
+        worker_s = sum(worker[key] for key in ("map_s", "load_s", "process_s"))
+        self.last_load = {
+            "received": time.time() - (time.monotonic() - update.received_at),
+            "started": started_wall,
+            "stage_s": staged - started,
+            "pause_s": paused - staged,
+            "worker_map_s": worker["map_s"],
+            "worker_load_s": worker["load_s"],
+            "worker_process_s": worker["process_s"],
+            "rpc_overhead_s": loaded - paused - worker_s,
+            "version_and_cache_reset_s": reset - loaded,
+            "resume_s": time.perf_counter() - reset,
+        }
+        log.info(
+            "weights v%d load split (%s%s): %s",
+            update.policy_version,
+            worker["path"],
+            ", staged by the transport" if update.staged is not None else "",
+            " ".join(
+                f"{key}={value:.6f}" if key in ("received", "started") else f"{key}={value:.4f}"
+                for key, value in self.last_load.items()
+            ),
+        )
 
     def _load_call(self, update: WeightsUpdate) -> tuple[str, tuple[Any, ...]]:
         """The worker method and its arguments for `update`: CUDA IPC handles for buckets that lie on this GPU (an
