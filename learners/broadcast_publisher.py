@@ -33,10 +33,17 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from common.broadcast import BroadcastError, BroadcastGroup, allocate_buckets, copy_into_buckets, send_round
+from common.broadcast import (
+    BroadcastError,
+    BroadcastGroup,
+    allocate_buckets,
+    copy_into_buckets,
+    resolve_backend,
+    send_round,
+)
 from common.config import WeightsConfig
 from common.sockets import Request, Server, SocketSecurity
 from common.types import WeightsHeader, WeightsNotNewer, WeightsRequest
@@ -76,6 +83,7 @@ class BroadcastWeightsPublisher:
                 "fixed at start"
             )
         self.bucket_bytes = bucket_bytes
+        self.device = _bucket_device(resolve_backend(backend))  # where the buckets live: the group's device
         self.counters: Counter[str] = Counter()
         self.bytes_by_version: dict[int, int] = {}
         self.failure = ""  # why the group failed ("" while it works)
@@ -112,7 +120,7 @@ class BroadcastWeightsPublisher:
             buckets = next((b for b in self._spare if [t.numel() for t in b] == sizes), None)
             self._spare = [b for b in self._spare if b is not buckets]
         if buckets is None:
-            buckets = allocate_buckets(sizes, self._device())
+            buckets = allocate_buckets(sizes, self.device)
         copy_into_buckets(specs, weights, buckets)
         _synchronize(buckets)
         header = WeightsHeader(policy_version=version, tensors=specs, bucket_sizes=sizes, transport="broadcast")
@@ -121,14 +129,6 @@ class BroadcastWeightsPublisher:
             self._lock.notify_all()
         self.counters["published"] += 1
         return time.perf_counter() - start
-
-    def _device(self) -> Any:
-        """Where buckets live: the group's device once it formed; before, what its backend will use."""
-        import torch
-
-        if self._group is not None:
-            return self._group.device
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     def _send_rounds(
         self, host: str, port: int, world: int, backend: str, timeout_s: float, join_s: float, insecure: bool
@@ -141,8 +141,6 @@ class BroadcastWeightsPublisher:
                 pending = self._next_round()
                 if pending is None:
                     continue
-                if any(b.device != self._group.device for b in pending.buckets):
-                    pending.buckets = [b.to(self._group.device) for b in pending.buckets]
                 sent = send_round(self._group, pending.header.policy_version, pending.buckets)
                 with self._lock:
                     self._spare.append(pending.buckets)
@@ -195,7 +193,7 @@ class BroadcastWeightsPublisher:
             self._server.reply(request, WeightsNotNewer(latest_version=latest))
             self.counters["not_newer"] += 1
             return
-        self._server.reply(request, replace(announced))
+        self._server.reply(request, announced)
         self.counters["announced"] += 1
 
     def close(self) -> None:
@@ -207,6 +205,14 @@ class BroadcastWeightsPublisher:
             thread.join(timeout=5)
         if self._group is not None and not self._threads[1].is_alive():
             self._group.close()
+
+
+def _bucket_device(backend: str) -> Any:
+    """nccl broadcasts from this rank's GPU; gloo from host memory (a CUDA learner's weights are copied down once,
+    in `publish`)."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 def _synchronize(buckets: list[Any]) -> None:
@@ -223,9 +229,8 @@ def open_broadcast_publisher(
     """The publisher for `weights.transport = "broadcast"` (doorbell on host:port, group on weights.broadcast_*).
     Raises ValueError for a configuration that cannot work (no fleet size, nccl without CUDA, an exposed group
     address without run.insecure), OSError when the doorbell's port is taken."""
-    from common.broadcast import is_loopback, resolve_backend
+    from common.broadcast import is_loopback
 
-    resolve_backend(weights.broadcast_backend)  # refuse nccl without CUDA now, not in the round thread
     if not is_loopback(weights.broadcast_host) and not security.insecure:
         raise ValueError(
             f"weights.broadcast_host {weights.broadcast_host} exposes an unauthenticated group: set run.insecure = "
