@@ -31,6 +31,7 @@ def test_every_saved_result_has_a_headline(path: Path) -> None:
         "generator_throughput",
         "learner_throughput",
         "ray_overhead",
+        "weight_fanout",
         "weight_sync",
         "weights_slow_reader",
         "wire_codec",
