@@ -1,6 +1,6 @@
 """A small network on one machine: hosts in their own network namespaces, joined by a bridge over rate-capped links.
 
-    with lab(hosts=17, rate_mbit=320) as net:        # net.hosts[0] = 10.213.0.1, net.hosts[1] = 10.213.0.2, ...
+    with lab(hosts=17, rate_mbit=200) as net:        # net.hosts[0] = 10.213.0.1, net.hosts[1] = 10.213.0.2, ...
         subprocess.Popen(net.exec_argv(1, [sys.executable, "-m", "benchmarks.weight_fanout", ...]))
 
 Layout: one namespace `PREFIX<pid>-br` holds a bridge with no address; each host is a namespace `PREFIX<pid>-h<i>`
@@ -11,8 +11,9 @@ egress of the host's end (its upload) and the egress of the bridge's end (its do
 like a NIC of that rate, whatever the loopback of the machine could do.
 
 Lifetime: everything is removed in the context manager's `finally`, at interpreter exit (a SIGTERM handler turns
-the signal into SystemExit), and, for what a SIGKILL left behind, at the next `lab()` start: namespaces and links
-with this prefix whose pid is no longer alive are deleted. A live lab of another process is never touched.
+the signal into SystemExit, when `lab()` runs in the main thread), and, for what a SIGKILL left behind, at the
+next `lab()` start: namespaces and links with this prefix whose pid is no longer alive are deleted. A live lab of
+another process is never touched.
 
 Failure modes: `check_lab()` (also run by `lab()`) raises `LabUnavailable` naming what is missing: root (or
 CAP_NET_ADMIN), the `ip`/`tc` programs (iproute2: `apt-get install -y iproute2`), or the kernel's permission to
@@ -28,6 +29,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -144,14 +146,16 @@ def lab(hosts: int, rate_mbit: float, prefix: str = PREFIX) -> Iterator[Lab]:
     built = Lab(tag, [f"{tag}-h{i}" for i in range(hosts)], [f"{SUBNET}.{i + 1}" for i in range(hosts)], [], rate_mbit)
     bridge_ns = f"{tag}-br"
     atexit.register(_remove, tag, bridge_ns, built.namespaces)
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main_thread else None
     try:
         _build(built, bridge_ns)
         yield built
     finally:
         _remove(tag, bridge_ns, built.namespaces)
         atexit.unregister(_remove)
-        signal.signal(signal.SIGTERM, previous)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
