@@ -5,8 +5,8 @@
 
 The publisher publishes versions 1..VERSIONS (`member_weights`), each once the previous round was sent, then writes
 OUT_DIR/publisher.json (counters, failure, and the error of one more publish after a failure). A receiver fetches
-until it holds VERSIONS (or STOP_AFTER, then exits at once: a member that dies), writing every update's buckets to
-OUT_DIR/r{INDEX}-v{version}-b{bucket}.bin and its outcome to OUT_DIR/r{INDEX}.json.
+until it holds VERSIONS (or STOP_AFTER, then exits at once: a member that dies; or until its first error), writing
+every update's buckets to OUT_DIR/r{INDEX}-v{version}-b{bucket}.bin and its outcome to OUT_DIR/r{INDEX}.json.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from actors.broadcast_source import BroadcastWeightsSource
 from actors.weights import WeightsTransportError, WeightsUpdate
 from common.broadcast import BroadcastError
-from common.sockets import SocketSecurity
+from common.sockets import PeerUnavailable, SocketSecurity
 from learners.broadcast_publisher import BroadcastWeightsPublisher
 
 BUCKET_BYTES = 8192  # several buckets: the embedding alone spans more than one
@@ -94,11 +94,9 @@ def run_receiver(doorbell: int, group: int, fleet: int, out: Path, index: int, w
     while have < want and time.monotonic() < deadline:
         try:
             result = source.fetch(have)
-        except WeightsTransportError as error:
+        except (WeightsTransportError, PeerUnavailable) as error:  # the group failed, or the publisher is gone
             errors.append(str(error))
-            if source.group is not None and source.group.broken:
-                break
-            continue
+            break
         if isinstance(result, WeightsUpdate):
             have = result.policy_version
             for i, bucket in enumerate(result.buckets):
