@@ -376,7 +376,7 @@ class ZmqWeightsPublisher:
         self._ready.set()
         try:
             while not self._stop.is_set():
-                request = server.poll(timeout_ms=poll_ms)
+                request = server.poll(timeout_ms=1 if self._waiting else poll_ms)  # waiting: its reply is near
                 if request is not None:
                     self._answer(server, request)
                 self._tend_readers(server, time.monotonic())

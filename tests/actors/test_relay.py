@@ -5,6 +5,7 @@ update."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -233,3 +234,33 @@ def test_a_generator_whose_relay_cannot_run_still_receives_as_a_leaf(publisher, 
         assert publisher.relay.parents(1) == {0: ""}
     finally:
         leaf.close()
+
+
+def test_a_host_copy_is_reused_only_once_nothing_maps_it(tmp_path) -> None:
+    """A writer takes an old file of its own for a new version (warm pages) only when no HostCopy anywhere holds it:
+    a reader whose load is still to come keeps its bytes intact."""
+    layout, weights = model(0)
+    base = copy_into_snapshot(1, layout, weights, BUCKET).header
+
+    def header(version: int):
+        return dataclasses.replace(base, policy_version=version, transport="relay", chunk_bytes=CHUNK)
+
+    def write_all(copy: HostCopy, fill: int) -> None:
+        for index in range(copy.total):
+            _, start, end = copy.ranges[index]
+            copy.write_chunk(index, bytes([fill]) * (end - start))
+
+    first = HostCopy.create(tmp_path, header(1), 0)
+    write_all(first, 1)
+    inode = os.stat(first.path).st_ino
+    reader = HostCopy.open(tmp_path, header(1), 0)  # another generator on the host, its load to come
+    del first
+    third = HostCopy.create(tmp_path, header(3), 0)  # v1 is older than v3 - 1, but still mapped: a new file
+    third_inode = os.stat(third.path).st_ino
+    assert third_inode != inode
+    write_all(third, 3)
+    assert reader.complete() and set(bytes(reader.buckets()[0][:4096])) == {1}
+    del reader, third
+    fifth = HostCopy.create(tmp_path, header(5), 0)
+    assert os.stat(fifth.path).st_ino == third_inode and fifth.done == 0  # the newest free one, re-initialised
+    assert not (tmp_path / "v3-g0.bin").exists()
