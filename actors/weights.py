@@ -126,8 +126,8 @@ class ZmqWeightsSource:
             raise WeightsTransportError(f"the weight publisher answered {type(reply).__name__}, not weights")
         if reply.transport != "zmq":
             raise WeightsTransportError(
-                f"the publisher announced transport '{reply.transport}'; this generator receives only 'zmq' "
-                "(NCCL broadcast is not part of this build)"
+                f"the publisher announced transport '{reply.transport}', and this source (weights.transport = 'star') "
+                "receives only whole updates: set weights.transport to the publisher's"
             )
         try:
             buckets = check_frames(reply, payload)

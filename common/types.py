@@ -342,9 +342,9 @@ class WeightsRequest:
 
 @message("weights_header")
 class WeightsHeader:
-    """Learner -> generator: the header of a weights update; the buckets follow as raw frames.
-    `transport` says how the payload travels: 'zmq' (the frames follow this header), the only one this build
-    sends or accepts."""
+    """Learner -> generator: the header of a weights update. `transport` says how the payload travels: 'zmq' (the
+    buckets follow this header as raw frames), 'relay' (chunks pulled from `parent`, checked against
+    `chunk_digests`), 'broadcast' (over the static group)."""
 
     policy_version: int = version()
     tensors: list[TensorSpec]
