@@ -289,10 +289,10 @@ def delete_copies(directory: Path, generator_id: int, below_version: int | None 
 class RelayServer:
     """Serves this generator's copies to its children from a daemon thread (`ChunkRequest` -> `ChunkReply`)."""
 
-    def __init__(self, host: str, security: SocketSecurity, hold_s: float, name: str) -> None:
+    def __init__(self, host: str, security: SocketSecurity, hold_s: float, name: str, toward: str = "") -> None:
         self.server = Server(host, 0, security, name=name)
         endpoint = self.server.socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.address = f"{host}:{endpoint.rsplit(':', 1)[1]}"
+        self.address = f"{advertised_host(host, toward)}:{endpoint.rsplit(':', 1)[1]}"
         self.hold_s = hold_s
         self.copies: dict[int, HostCopy] = {}  # version -> the copy this generator writes or wrote (last two)
         self._lock = threading.Lock()  # copies: the fetch thread offers and retires, the serving thread reads
@@ -391,10 +391,27 @@ class NoRelay:
         pass
 
 
-def open_relay_server(host: str, security: SocketSecurity, hold_s: float, generator_id: int) -> RelayServer | NoRelay:
-    """This generator's relay server, or `NoRelay` (logged) when it cannot run: the generator still receives."""
+def advertised_host(host: str, toward: str) -> str:
+    """The address other generators reach a relay bound on `host` at: `host` itself, or for a wildcard bind
+    (0.0.0.0, *, ::) this machine's address on the route toward `toward` (the publisher's host:port)."""
+    if host not in ("0.0.0.0", "*", "::", ""):
+        return host
+    target, _, port = toward.rpartition(":")
     try:
-        return RelayServer(host, security, hold_s, f"relay-{generator_id}")
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # a UDP connect sends nothing: it routes
+            probe.connect((target.strip("[]") or "127.0.0.1", int(port or 9)))
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def open_relay_server(
+    host: str, security: SocketSecurity, hold_s: float, generator_id: int, toward: str = ""
+) -> RelayServer | NoRelay:
+    """This generator's relay server, or `NoRelay` (logged) when it cannot run: the generator still receives.
+    `toward`: the publisher's address (what a wildcard `host` is advertised for)."""
+    try:
+        return RelayServer(host, security, hold_s, f"relay-{generator_id}", toward)
     except (OSError, SecurityError) as error:
         log.warning("weights relay off for this generator (it will only receive): %s", error)
         return NoRelay()
@@ -421,7 +438,8 @@ class RelayWeightsSource:
         delete_orphaned_copies(store_dir)
         atexit.register(delete_copies, store_dir, generator_id)  # also when close() is never reached
         self.publisher = Client(address, security, identity=f"generator-{generator_id}-weights", role="generator")
-        self.relay = open_relay_server(weights.relay_host, security, weights.stall_timeout_s / 2, generator_id)
+        hold_s = weights.stall_timeout_s / 2
+        self.relay = open_relay_server(weights.relay_host, security, hold_s, generator_id, toward=address)
         self.layout: list[tuple[str, str, list[int]]] | None = None
         self.counters: Counter[str] = Counter()  # reattached/<failure>, bad_chunks, received_bytes, ...
         self.last_receive: dict[str, Any] = {}  # version, depth, parent, seconds, reattachments

@@ -264,3 +264,11 @@ def test_a_host_copy_is_reused_only_once_nothing_maps_it(tmp_path) -> None:
     fifth = HostCopy.create(tmp_path, header(5), 0)
     assert os.stat(fifth.path).st_ino == third_inode and fifth.done == 0  # the newest free one, re-initialised
     assert not (tmp_path / "v3-g0.bin").exists()
+
+
+def test_a_relay_bound_on_every_interface_advertises_the_address_that_routes_to_the_publisher() -> None:
+    relay = open_relay_server("0.0.0.0", SocketSecurity(insecure=True), 1.0, 0, toward="127.0.0.1:5556")
+    try:
+        assert relay.address.startswith("127.0.0.1:")  # not 0.0.0.0, which another machine cannot dial
+    finally:
+        relay.close()
