@@ -13,8 +13,21 @@ publisher that long-polls (holds a request until a newer version exists). Per up
 Latency = sampled - published (after one warm-up sample at v0). Baselines for the same bytes in this process:
 a fresh copy (allocate + copy: what receiving them costs at least) and a copy into warm, preallocated memory
 (the hardware floor).
-The generator's own log gives its split (stage in shared memory + reload). Target: latency <= 3x the fresh memcpy.
-Writes results/weight_sync.{json,png}.
+The generator's own log gives the rest of the split (`VllmEngine.load_weights` logs its stages with wall-clock
+stamps), so each update's latency is cut into `PROFILE_STAGES` (seconds each, their median in `profile`):
+  publisher_send     published -> the publisher answers the held request
+  receive_and_check  -> the generator holds the whole checked update (socket receive, check_frames)
+  notice             -> its loop starts the load (the fetch thread finished while the loop slept or stepped)
+  stage              the copy into the shared-memory staging file (none when the transport staged it)
+  worker_map         the worker maps the file (page tables filled at once)
+  worker_copy        the model's load_weights copies every tensor into vLLM's parameters
+  worker_repack      process_weights_after_loading: the CPU backend's oneDNN repack of the linear layers and the
+                     output layer (the only processing these layers need)
+  rpc_and_reset      collective_rpc round trip beyond the worker's own time, version label, prefix-cache reset
+  lease              -> the buffer sees the lease at the new version (the loop's next pass, the round trip)
+  sample             -> the 1-token group (2 samples of a ~50-token prompt: a prefill) reaches the buffer
+The transport is "star" (the fake publisher's); with "relay" the generator writes the host copy while receiving
+and `stage` is 0. Target: latency <= 3x the fresh memcpy. Writes results/weight_sync.{json,png}.
 """
 
 from __future__ import annotations
@@ -34,6 +47,19 @@ from common.types import LeaseRefused
 from launch.testing import FakeBuffer, FakePublisher, RoleUnderTest, run_config
 
 LOAD_LINE = re.compile(r"weights v(\d+) -> v(\d+) \(([\d.]+) MB\) loaded in ([\d.]+)s \(([\d.]+)s since received\)")
+SPLIT_LINE = re.compile(r"weights v(\d+) load split \(([a-z_]+)[^)]*\): (.*)")
+PROFILE_STAGES = (
+    "publisher_send",
+    "receive_and_check",
+    "notice",
+    "stage",
+    "worker_map",
+    "worker_copy",
+    "worker_repack",
+    "rpc_and_reset",
+    "lease",
+    "sample",
+)
 
 
 def checkpoint_arrays(model_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -77,6 +103,7 @@ def measure_updates(model_dir: Path, updates: int) -> tuple[list[dict[str, float
         model={"path": str(model_dir), "max_model_len": 1024},
         algo={"group_size": 2},
         generator={"max_tokens": 1, "prompts_in_flight": 1, "reconnect_max_s": 0.5},
+        weights={"transport": "star"},  # what the fake publisher speaks
     )
     buffer = FakeBuffer(config, [], lease_size=1, when_empty="full")
     buffer.retry_after_s = 0.005
@@ -106,6 +133,7 @@ def measure_updates(model_dir: Path, updates: int) -> tuple[list[dict[str, float
                 rows.append(
                     {
                         "version": version,
+                        "published": published,
                         "sent_s": publisher.sent_at[version] - published,
                         "leased_s": leased - published,
                         "sampled_s": buffer.group_times[group.group_id] - published,
@@ -122,13 +150,41 @@ def measure_updates(model_dir: Path, updates: int) -> tuple[list[dict[str, float
         if 1 <= version <= len(rows):
             rows[version - 1]["load_s"] = float(match.group(4))
             rows[version - 1]["received_to_loaded_s"] = float(match.group(5))
+    for match in SPLIT_LINE.finditer(log):
+        version = int(match.group(1))
+        if 1 <= version <= len(rows):
+            split = {key: float(value) for key, value in (item.split("=") for item in match.group(3).split())}
+            rows[version - 1]["profile"] = stage_split(rows[version - 1], split)
+            rows[version - 1]["load_path"] = match.group(2)
     return rows, nbytes, log
+
+
+def stage_split(row: dict[str, Any], split: dict[str, float]) -> dict[str, float]:
+    """One update's latency cut into `PROFILE_STAGES` (see the module docstring): the benchmark's stamps (published,
+    sent, leased, sampled: time.time() here) and the engine's (received, started: time.time() in the generator,
+    the same clock) around the engine's own stage durations. The stages add up to `sampled_s`."""
+    published = row["published"]
+    started = split["started"] - published
+    loaded = started + sum(value for key, value in split.items() if key.endswith("_s"))
+    stages = {
+        "publisher_send": row["sent_s"],
+        "receive_and_check": split["received"] - published - row["sent_s"],
+        "notice": started - (split["received"] - published),
+        "stage": split["stage_s"],
+        "worker_map": split["worker_map_s"],
+        "worker_copy": split["worker_load_s"],
+        "worker_repack": split["worker_process_s"],
+        "rpc_and_reset": sum(split[k] for k in ("pause_s", "rpc_overhead_s", "version_and_cache_reset_s", "resume_s")),
+        "lease": row["leased_s"] - loaded,
+        "sample": row["sampled_s"] - row["leased_s"],
+    }
+    return stages
 
 
 def headline(result: dict[str, Any]) -> dict[str, Any]:
     """The figures issues quote: publish -> first sample at the new version, in seconds and over a fresh memcpy."""
     keys = ("bytes", "median_latency_s", "latency_over_fresh_memcpy", "target_over_fresh_memcpy")
-    return {key: result[key] for key in keys}
+    return {**{key: result[key] for key in keys}, "ratio_to_memcpy": result["latency_over_fresh_memcpy"]}
 
 
 def main() -> None:
@@ -148,18 +204,25 @@ def main() -> None:
         f"publish -> sampled with the new version: median {latency:.3f}s = {ratio:.2f}x a fresh memcpy "
         f"(target <= 3x), {latency / baselines['warm_copy_s']:.1f}x a warm one"
     )
+    profiled = [r["profile"] for r in rows if "profile" in r]
+    profile = {stage: float(np.median([p[stage] for p in profiled])) for stage in PROFILE_STAGES} if profiled else {}
+    print(f"where it goes (median s per stage, load path {rows[-1].get('load_path', '?')}):")
+    for stage, seconds in profile.items():
+        print(f"  {stage:<18} {seconds:.4f}")
 
     def plot(axes: Any) -> None:
-        stages = ["sent_s", "leased_s", "sampled_s"]
         x = np.arange(len(rows))
-        for i, stage in enumerate(stages):
-            axes.bar(x + (i - 1) * 0.25, [r[stage] for r in rows], width=0.25, label=stage.removesuffix("_s"))
+        bottom = np.zeros(len(rows))
+        for stage in PROFILE_STAGES:  # stacked: each update's latency, stage by stage
+            heights = np.array([r.get("profile", {}).get(stage, 0.0) for r in rows])
+            axes.bar(x, heights, bottom=bottom, width=0.6, label=stage)
+            bottom += heights
         axes.axhline(baselines["fresh_copy_s"], color="k", linestyle="--", label="fresh memcpy")
         axes.axhline(3 * baselines["fresh_copy_s"], color="r", linestyle=":", label="3x fresh memcpy")
         axes.set_xticks(x, [f"v{r['version']}" for r in rows])
         axes.set_ylabel("seconds after publish")
         axes.set_title(f"{model_name}: {nbytes / 1e6:.0f} MB, median {latency:.2f}s = {ratio:.1f}x memcpy")
-        axes.legend(fontsize=8)
+        axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
     result = {
         "model": model_name,
@@ -170,6 +233,7 @@ def main() -> None:
         "latency_over_fresh_memcpy": ratio,
         "latency_over_warm_memcpy": latency / baselines["warm_copy_s"],
         "target_over_fresh_memcpy": 3.0,
+        "profile": profile,
     }
     save("weight_sync", {"headline": headline(result), **result}, plot)
 
