@@ -486,9 +486,16 @@ class RelayWeightsSource:
         try:
             check_layout(header)
             if header.transport == "relay":
-                chunks = len(chunk_ranges(header.bucket_sizes, header.chunk_bytes)) if header.chunk_bytes > 0 else -1
-                if chunks != len(header.chunk_digests):
+                if header.chunk_bytes <= 0:
+                    raise WeightsLayoutError(f"chunk_bytes {header.chunk_bytes} must be > 0")
+                chunks = len(chunk_ranges(header.bucket_sizes, header.chunk_bytes))
+                relayed = header.parent != "" and not header.parent.startswith(HOST_PREFIX)
+                if len(header.chunk_digests) != (chunks if relayed else 0) and header.chunk_digests:
                     raise WeightsLayoutError(f"{len(header.chunk_digests)} digests for {chunks} chunks")
+                if relayed and len(header.chunk_digests) != chunks:
+                    raise WeightsLayoutError(
+                        f"a relayed update needs {chunks} digests, {len(header.chunk_digests)} came"
+                    )
         except (WeightsLayoutError, ValueError) as error:
             raise WeightsTransportError(f"malformed weights header: {error}") from None
         layout = [(spec.name, spec.dtype, list(spec.shape)) for spec in header.tensors]

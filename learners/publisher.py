@@ -72,7 +72,7 @@ from common.config import WeightsConfig
 from common.sockets import Request, Server, SocketSecurity
 from common.types import ChunkReply, ChunkRequest, ChunkUnavailable, WeightsHeader, WeightsNotNewer, WeightsRequest
 from common.weights import ALIGN, DEFAULT_BUCKET_MB, chunk_ranges, digest_chunks, plan_buckets, storage_dtype
-from learners.fanout import FanoutTree
+from learners.fanout import HOST_PREFIX, FanoutTree
 
 log = logging.getLogger("tandem.learner.publisher")
 WEIGHTS_READERS = ("generator", "eval")  # the roles that sample with the policy (common.keys.ROLES)
@@ -104,15 +104,17 @@ class Snapshot:
     buckets: list[np.ndarray]  # uint8 [bucket_sizes[i]]
     readers: int = 0  # serving threads about to send it (guarded by the publisher's lock)
     chunk_bytes: int = 0  # relay: the chunking of `digests` (0: not chunked, star only)
-    digests: list[str] = field(default_factory=list)  # relay: sha256 of each chunk (common.weights.chunk_ranges)
+    digests: list[str] = field(default_factory=list)  # relay: sha256 of each chunk, once computed (see _digest)
+    digesting: bool = False  # relay: the sealing thread computes `digests`
 
     def relay_header(self, parent: str, depth: int) -> WeightsHeader:
-        """The header a relay receiver gets from the publisher: the layout, every chunk's digest and its parent."""
+        """The header a relay receiver gets from the publisher: the layout, its parent, and every chunk's digest
+        (empty for a generator fed by the publisher or reading its host's copy: it checks nothing)."""
         return replace(
             self.header,
             transport="relay",
             chunk_bytes=self.chunk_bytes,
-            chunk_digests=self.digests,
+            chunk_digests=self.digests if needs_digests(parent) else [],
             parent=parent,
             depth=depth,
         )
@@ -120,6 +122,11 @@ class Snapshot:
     @property
     def version(self) -> int:
         return self.header.policy_version
+
+
+def needs_digests(parent: str) -> bool:
+    """Whether a receiver of this parent checks chunks: only one fed by another generator (a relay)."""
+    return parent != "" and not parent.startswith(HOST_PREFIX)
 
 
 def _bucket_refcounts(buckets: list[np.ndarray]) -> list[int]:
@@ -133,6 +140,8 @@ _IDLE_REFCOUNT = _bucket_refcounts([np.empty(1, dtype=np.uint8)])[0]
 def buckets_reusable(snapshot: Snapshot) -> bool:
     """True when nothing can read `snapshot`'s buckets: no serving thread is about to send it and no object
     but the snapshot references them (a zero-copy frame in flight holds a reference until ZeroMQ sent it)."""
+    if snapshot.digesting and not snapshot.digests:  # the sealing thread is about to read them
+        return False
     return snapshot.readers == 0 and all(c <= _IDLE_REFCOUNT for c in _bucket_refcounts(snapshot.buckets))
 
 
@@ -276,6 +285,7 @@ class ZmqWeightsPublisher:
         self.counters: Counter[str] = Counter()
         self.bytes_by_version: dict[int, int] = {}  # bytes sent of each version (serving thread writes)
         self._held: dict[bytes, tuple[Request, float]] = {}  # routing id -> a request waiting for a newer version
+        self._awaiting_digests: dict[bytes, tuple[Request, Snapshot, Any]] = {}  # relay headers, until digested
         self._latest: Snapshot | None = None
         self._retired: deque[Snapshot] = deque(maxlen=1)  # the previous snapshot: its buckets are reused
         self._readers: dict[bytes, _Reader] = {}  # routing id -> its reply in flight (serving thread only)
@@ -309,8 +319,8 @@ class ZmqWeightsPublisher:
     def publish(self, version: int, layout: Layout, weights: Iterable[tuple[str, Any]]) -> float:
         """Copy `weights` into a new snapshot and make it the one served; returns the seconds it blocked.
 
-        Relay: the chunks' digests are computed off the training loop, by the sealing thread, and the snapshot is
-        served once they are (`wait_for(version)`); the loop waits for the copy only."""
+        Relay: the chunks' digests are computed off the training loop, by the sealing thread, when a generator
+        first needs them (see `_digest`); the loop waits for the copy only."""
         start = time.perf_counter()
         with self._lock:
             if version < self._published_version:
@@ -318,10 +328,8 @@ class ZmqWeightsPublisher:
             self._published_version = version
         snapshot = copy_into_snapshot(version, layout, weights, self.bucket_bytes, self._reusable_buckets())
         self._live_buckets.update({id(bucket): bucket for bucket in snapshot.buckets})
-        if self._sealer is None:
-            self._make_latest(snapshot)
-        else:
-            self._sealer.submit(self._seal, snapshot)
+        snapshot.chunk_bytes = self.chunk_bytes if self.relay is not None else 0
+        self._make_latest(snapshot)
         self.counters["published"] += 1
         seconds = time.perf_counter() - start
         log.debug(
@@ -338,13 +346,12 @@ class ZmqWeightsPublisher:
         with self._served:
             return self._served.wait_for(lambda: self.latest_version >= version, timeout_s)
 
-    def _seal(self, snapshot: Snapshot) -> None:
-        """Sealing thread: every chunk's digest (256 MiB: ~0.1 s on 2 cores), then serve it."""
+    def _digest(self, snapshot: Snapshot) -> None:
+        """Sealing thread: every chunk's digest (256 MiB: 0.1-0.2 s of 2 cores), the first time a generator of this
+        version is given a relay for parent (a fleet within k hosts never needs them)."""
         started = time.perf_counter()
-        snapshot.chunk_bytes = self.chunk_bytes
-        snapshot.digests = digest_chunks(snapshot.buckets, self.chunk_bytes)
-        self._make_latest(snapshot)
-        self.counters["seal_ms"] += int(1000 * (time.perf_counter() - started))
+        snapshot.digests = digest_chunks(snapshot.buckets, snapshot.chunk_bytes)  # one assignment: ready or not
+        self.counters["digest_ms"] += int(1000 * (time.perf_counter() - started))
 
     def _make_latest(self, snapshot: Snapshot) -> None:
         with self._served:
@@ -461,6 +468,13 @@ class ZmqWeightsPublisher:
         attached = self.relay.attach(
             snapshot.version, message.generator_id, message.relay_address, message.host_id, failed, message.failure
         )
+        if needs_digests(attached.parent) and not snapshot.digests:
+            with self._lock:
+                start, snapshot.digesting = not snapshot.digesting, True
+            if start:
+                self._sealer.submit(self._digest, snapshot)
+            self._awaiting_digests[request.identity] = (request, snapshot, attached)  # answered by _tend_held
+            return
         server.reply(request, snapshot.relay_header(attached.parent, attached.depth))
         self.counters["relay_headers"] += 1
 
@@ -471,7 +485,7 @@ class ZmqWeightsPublisher:
             snapshot = next(
                 (s for s in (self._latest, *self._retired) if s is not None and s.version == message.version), None
             )
-            served = snapshot is not None and bool(snapshot.digests)
+            served = snapshot is not None and snapshot.chunk_bytes > 0
             direct = served and self.relay.direct(message.version, message.generator_id)
             if direct:
                 snapshot.readers += 1
@@ -503,7 +517,13 @@ class ZmqWeightsPublisher:
         self._count_bytes(snapshot.version, size)
 
     def _tend_held(self, server: Server, now: float) -> None:
-        """Answer the long polls: with the new version once there is one, else `WeightsNotNewer` after hold_s."""
+        """Answer the long polls: with the new version once there is one, else `WeightsNotNewer` after hold_s; and
+        the relay headers that waited for their version's digests."""
+        for identity, (request, snapshot, attached) in list(self._awaiting_digests.items()):
+            if snapshot.digests:
+                del self._awaiting_digests[identity]
+                server.reply(request, snapshot.relay_header(attached.parent, attached.depth))
+                self.counters["relay_headers"] += 1
         latest = self.latest_version
         for identity, (request, since) in list(self._held.items()):
             if latest > request.message.have_version:

@@ -232,6 +232,7 @@ def test_a_generator_whose_relay_cannot_run_still_receives_as_a_leaf(publisher, 
         publish(publisher, 1)
         assert sha(leaf.fetch(-1)) == publisher_sha(1, seed=0)
         assert publisher.relay.parents(1) == {0: ""}
+        assert "digest_ms" not in publisher.counters  # nobody was fed by a relay: no digest was computed
     finally:
         leaf.close()
 
