@@ -46,7 +46,7 @@ TARGET_EFFICIENCY = 0.95
 GROUP_SIZE, GROUPS_PER_STEP = 8, 20  # 160 samples a step
 PROMPTS_IN_FLIGHT, SIM_TOKENS, SIM_TOKEN_S = 4, 10, 0.1  # one generator: 32 samples a 1 s round = 32 samples/s
 SIM_SAMPLE_S = 1 / 80  # one rank trains 80 samples/s: a step takes 2 s at L = 1, 1 s at L = 2
-WEIGHTS_MB = 0.5
+WEIGHTS_MB = 269_030_016 / 2**20  # the embedded model's real weights (SmolLM2-135M bf16: 256.6 MiB) every sync
 MIN_WINDOW_STEPS = 4
 STARTUP_S = {"base": 5.0, "per_generator": 0.3}  # start-up estimate that sizes total_steps (2 shared cores)
 SIM_CONFIG = f"""# fleet_scaling SIMULATION (see the benchmark's docstring); G and L come as overrides.
