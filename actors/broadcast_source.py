@@ -27,13 +27,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from actors.weights import WeightsTransportError, WeightsUpdate
+from actors.weights import LayoutGuard, WeightsTransportError, WeightsUpdate, ask_publisher
 from common.broadcast import BroadcastError, BroadcastGroup, allocate_buckets, check_header, receive_round
 from common.config import WeightsConfig
 from common.sockets import Client, SocketSecurity
-from common.types import ErrorReply, WeightsHeader, WeightsNotNewer, WeightsRequest
+from common.types import WeightsHeader, WeightsRequest
 from common.weights import WeightsLayoutError
-from common.wire import WireError
 
 
 class BroadcastWeightsSource:
@@ -63,26 +62,16 @@ class BroadcastWeightsSource:
         self._group_args = (*group_address, generator_id + 1, fleet_size + 1, backend, timeout_s, join_timeout_s)
         self._insecure = security.insecure
         self.group: BroadcastGroup | None = None
-        self.layout: list[tuple[str, str, list[int]]] | None = None
+        self.layout = LayoutGuard()
         self._buckets: list[Any] = []
 
     def fetch(self, have_version: int) -> WeightsUpdate | int:
         group = self._joined()
-        try:
-            reply, _ = self.client.request(
-                WeightsRequest(generator_id=self.generator_id, have_version=have_version),
-                timeout_s=self.request_timeout_s,
-            )
-        except WireError as error:
-            self.client.reset()
-            raise WeightsTransportError(f"malformed reply from the weights doorbell: {error.reason}") from None
-        if isinstance(reply, WeightsNotNewer):
-            return reply.latest_version
-        if isinstance(reply, ErrorReply):
-            raise WeightsTransportError(f"the weights doorbell refused the request: {reply.reason}")
-        if not isinstance(reply, WeightsHeader) or reply.transport != "broadcast":
-            got = reply.transport if isinstance(reply, WeightsHeader) else type(reply).__name__
-            raise WeightsTransportError(f"the weights doorbell answered {got!r}, not a 'broadcast' header")
+        request = WeightsRequest(generator_id=self.generator_id, have_version=have_version)
+        answer = ask_publisher(self.client, request, self.request_timeout_s, ("broadcast",), "the weights doorbell")
+        if isinstance(answer, int):
+            return answer
+        reply = answer[0]
         self._check(reply)
         buckets = self._buckets_for(reply, group)
         try:
@@ -110,13 +99,7 @@ class BroadcastWeightsSource:
             check_header(header)
         except WeightsLayoutError as error:
             raise WeightsTransportError(f"malformed weights header: {error}") from None
-        layout = [(spec.name, spec.dtype, list(spec.shape)) for spec in header.tensors]
-        if self.layout is not None and layout != self.layout:
-            changed = next((new[0] for new, old in zip(layout, self.layout) if new != old), "the tensor count")
-            raise WeightsTransportError(
-                f"weights update v{header.policy_version} changes the model's layout ({changed})"
-            )
-        self.layout = layout
+        self.layout.check(header)
 
     def _buckets_for(self, header: WeightsHeader, group: BroadcastGroup) -> list[Any]:
         if [b.numel() for b in self._buckets] != list(header.bucket_sizes):

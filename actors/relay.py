@@ -49,7 +49,7 @@ from typing import Any
 
 import zmq
 
-from actors.weights import WeightsTransportError, WeightsUpdate
+from actors.weights import LayoutGuard, WeightsTransportError, WeightsUpdate, ask_publisher
 from common.config import WeightsConfig
 from common.sockets import Client, PeerUnavailable, Request, SecurityError, Server, SocketSecurity
 from common.types import (
@@ -58,7 +58,6 @@ from common.types import (
     ChunkUnavailable,
     ErrorReply,
     WeightsHeader,
-    WeightsNotNewer,
     WeightsRequest,
 )
 from common.weights import ALIGN, WeightsLayoutError, check_frames, check_layout, chunk_digest, chunk_ranges
@@ -440,7 +439,7 @@ class RelayWeightsSource:
         self.publisher = Client(address, security, identity=f"generator-{generator_id}-weights", role="generator")
         hold_s = weights.stall_timeout_s / 2
         self.relay = open_relay_server(weights.relay_host, security, hold_s, generator_id, toward=address)
-        self.layout: list[tuple[str, str, list[int]]] | None = None
+        self.layout = LayoutGuard()
         self.counters: Counter[str] = Counter()  # reattached/<failure>, bad_chunks, received_bytes, ...
         self.last_receive: dict[str, Any] = {}  # version, depth, parent, seconds, reattachments
         self._parents: dict[str, Client] = {}
@@ -467,20 +466,10 @@ class RelayWeightsSource:
 
     # ------------------------------------------------------------------------------------------------ asking
     def _ask(self, request: WeightsRequest) -> int | tuple[WeightsHeader, list[memoryview]]:
-        try:
-            reply, payload = self.publisher.request(request, timeout_s=self.timeout_s)
-        except WireError as error:
-            self.publisher.reset()
-            raise WeightsTransportError(f"malformed reply from the weight publisher: {error.reason}") from None
-        if isinstance(reply, WeightsNotNewer):
-            return reply.latest_version
-        if isinstance(reply, ErrorReply):
-            raise WeightsTransportError(f"the weight publisher refused the request: {reply.reason}")
-        if not isinstance(reply, WeightsHeader) or reply.transport not in ("zmq", "relay"):
-            kind = reply.transport if isinstance(reply, WeightsHeader) else type(reply).__name__
-            raise WeightsTransportError(f"the weight publisher answered '{kind}', not zmq or relay weights")
-        self._check_header(reply)
-        return reply, payload
+        reply = ask_publisher(self.publisher, request, self.timeout_s, ("relay", "zmq"), "the weight publisher")
+        if not isinstance(reply, int):
+            self._check_header(reply[0])
+        return reply
 
     def _check_header(self, header: WeightsHeader) -> None:
         try:
@@ -498,10 +487,7 @@ class RelayWeightsSource:
                     )
         except (WeightsLayoutError, ValueError) as error:
             raise WeightsTransportError(f"malformed weights header: {error}") from None
-        layout = [(spec.name, spec.dtype, list(spec.shape)) for spec in header.tensors]
-        if self.layout is not None and layout != self.layout:
-            raise WeightsTransportError(f"weights update v{header.policy_version} changes the model's layout")
-        self.layout = layout
+        self.layout.check(header)
 
     def _reattach(self, header: WeightsHeader, failure: str) -> WeightsHeader:
         """Report the parent failed and get another (or a newer version, if the publisher moved on)."""

@@ -103,45 +103,69 @@ class WeightsSource(Protocol):
     def close(self) -> None: ...
 
 
+def ask_publisher(
+    client: Client, request: WeightsRequest, timeout_s: float, transports: tuple[str, ...], who: str
+) -> int | tuple[WeightsHeader, list[memoryview]]:
+    """One `WeightsRequest` to `who` (the publisher, a doorbell): the latest version when nothing is newer, else a
+    header of one of `transports` and its payload. Raises `WeightsTransportError` for a malformed reply, a refusal,
+    or a header of another transport; `PeerUnavailable` when nothing answers."""
+    try:
+        reply, payload = client.request(request, timeout_s=timeout_s)
+    except WireError as error:
+        client.reset()
+        raise WeightsTransportError(f"malformed reply from {who}: {error.reason}") from None
+    if isinstance(reply, WeightsNotNewer):
+        return reply.latest_version
+    if isinstance(reply, ErrorReply):
+        raise WeightsTransportError(f"{who} refused the request: {reply.reason}")
+    if not isinstance(reply, WeightsHeader):
+        raise WeightsTransportError(f"{who} answered {type(reply).__name__}, not weights")
+    if reply.transport not in transports:
+        raise WeightsTransportError(
+            f"{who} announced transport '{reply.transport}' and this source receives {' or '.join(transports)}: "
+            "set weights.transport to the publisher's"
+        )
+    return reply, payload
+
+
+class LayoutGuard:
+    """The tensor layout (names, dtypes, shapes) of the first update a source accepted: `check` refuses an update
+    with another one (a different model) with `WeightsTransportError`."""
+
+    def __init__(self) -> None:
+        self.layout: list[tuple[str, str, list[int]]] | None = None
+
+    def check(self, header: WeightsHeader) -> None:
+        layout = [(spec.name, spec.dtype, list(spec.shape)) for spec in header.tensors]
+        if self.layout is not None and layout != self.layout:
+            changed = next((new[0] for new, old in zip(layout, self.layout) if new != old), "the tensor count")
+            raise WeightsTransportError(
+                f"weights update v{header.policy_version} changes the model's layout ({changed})"
+            )
+        self.layout = layout
+
+
 class ZmqWeightsSource:
-    """Pulls weights from the learner's publisher over a ZeroMQ request (the CPU transport)."""
+    """Pulls whole updates from the learner's publisher over a ZeroMQ request (weights.transport = 'star')."""
 
     def __init__(self, address: str, security: SocketSecurity, generator_id: int, timeout_s: float = 120.0) -> None:
         self.client = Client(address, security, identity=f"generator-{generator_id}-weights", role="generator")
         self.generator_id = generator_id
         self.timeout_s = timeout_s
-        self.layout: list[tuple[str, str, list[int]]] | None = None  # of the first update accepted
+        self.layout = LayoutGuard()
 
     def fetch(self, have_version: int) -> WeightsUpdate | int:
         request = WeightsRequest(generator_id=self.generator_id, have_version=have_version)
+        reply = ask_publisher(self.client, request, self.timeout_s, ("zmq",), "the weight publisher")
+        if isinstance(reply, int):
+            return reply
+        header, payload = reply
         try:
-            reply, payload = self.client.request(request, timeout_s=self.timeout_s)
-        except WireError as error:
-            self.client.reset()
-            raise WeightsTransportError(f"malformed reply from the weight publisher: {error.reason}") from None
-        if isinstance(reply, WeightsNotNewer):
-            return reply.latest_version
-        if isinstance(reply, ErrorReply):
-            raise WeightsTransportError(f"the weight publisher refused the request: {reply.reason}")
-        if not isinstance(reply, WeightsHeader):
-            raise WeightsTransportError(f"the weight publisher answered {type(reply).__name__}, not weights")
-        if reply.transport != "zmq":
-            raise WeightsTransportError(
-                f"the publisher announced transport '{reply.transport}', and this source (weights.transport = 'star') "
-                "receives only whole updates: set weights.transport to the publisher's"
-            )
-        try:
-            buckets = check_frames(reply, payload)
+            buckets = check_frames(header, payload)
         except WeightsLayoutError as error:
             raise WeightsTransportError(f"malformed weights update: {error}") from None
-        layout = [(spec.name, spec.dtype, list(spec.shape)) for spec in reply.tensors]
-        if self.layout is not None and layout != self.layout:
-            changed = next((new[0] for new, old in zip(layout, self.layout) if new != old), "the tensor count")
-            raise WeightsTransportError(
-                f"weights update v{reply.policy_version} changes the model's layout ({changed})"
-            )
-        self.layout = layout
-        return WeightsUpdate(reply, buckets, received_at=time.monotonic())
+        self.layout.check(header)
+        return WeightsUpdate(header, buckets, received_at=time.monotonic())
 
     def close(self) -> None:
         self.client.close()
