@@ -87,7 +87,7 @@ class FanoutTree:
             receiver = tree.hosts.get(host_id)
             if receiver is not None and receiver != generator_id and receiver in tree.nodes:
                 tree.nodes.pop(generator_id, None)  # a reader relays nothing: its children, if any, re-attach
-                return Attachment(f"{HOST_PREFIX}{receiver}", self._depth(tree, tree.nodes[receiver]))
+                return Attachment(f"{HOST_PREFIX}{receiver}", self._depths(tree)[receiver])
             tree.hosts[host_id] = generator_id
         parent = self._choose_parent(tree, generator_id, relay_address)
         node = tree.nodes.get(generator_id)
@@ -96,7 +96,7 @@ class FanoutTree:
             tree.nodes[generator_id] = node = _Node(generator_id, relay_address, parent, self._order)
             self.counters["attached"] += 1
         node.address, node.parent = relay_address, parent
-        return Attachment(parent, self._depth(tree, node))
+        return Attachment(parent, self._depths(tree)[generator_id])
 
     def direct(self, version: int, generator_id: int) -> bool:
         """True when `generator_id` was told to pull `version` from the publisher itself."""
@@ -113,7 +113,7 @@ class FanoutTree:
     def depths(self, version: int) -> dict[int, int]:
         """Each attached generator's hops from the publisher (host-copy readers are not in the tree)."""
         tree = self._trees.get(version, _Tree())
-        return {gid: self._depth(tree, node) for gid, node in tree.nodes.items()}
+        return self._depths(tree)
 
     # ------------------------------------------------------------------------------------------------ internals
     def _tree(self, version: int) -> _Tree:
@@ -145,6 +145,7 @@ class FanoutTree:
             return ""
         banned = self._subtree(tree, generator_id, relay_address)
         children = Counter(node.parent for node in others)
+        depths = self._depths(tree)
         candidates = [
             node
             for node in others
@@ -152,34 +153,49 @@ class FanoutTree:
             and node.address not in tree.failed
             and node.generator_id not in banned
             and children[node.address] < self.relay_fanout
-            and self._depth(tree, node) < len(tree.nodes) + 1  # attached to the publisher, not orphaned
+            and depths[node.generator_id] < len(tree.nodes) + 1  # attached to the publisher, not orphaned
         ]
         if not candidates:
             self.counters["over_fanout"] += 1
             return ""
-        best = min(candidates, key=lambda n: (self._depth(tree, n), children[n.address], n.order))
+        best = min(candidates, key=lambda n: (depths[n.generator_id], children[n.address], n.order))
         return best.address
 
     def _subtree(self, tree: _Tree, generator_id: int, relay_address: str) -> set[int]:
         """`generator_id` and every generator below it (found by its address: after it left the tree as a failed
         parent, its old children still name it)."""
+        below: dict[str, list[_Node]] = {}
+        for node in tree.nodes.values():
+            below.setdefault(node.parent, []).append(node)
         members, frontier = {generator_id}, [relay_address] if relay_address else []
         while frontier:
-            address = frontier.pop()
-            for child in tree.nodes.values():
-                if child.parent == address and child.generator_id not in members:
+            for child in below.get(frontier.pop(), []):
+                if child.generator_id not in members:
                     members.add(child.generator_id)
                     if child.address:
                         frontier.append(child.address)
         return members
 
-    def _depth(self, tree: _Tree, node: _Node) -> int:
-        """Hops from the publisher; len(nodes) + 1 for a node whose chain is broken (its parent left the tree)."""
+    def _depths(self, tree: _Tree) -> dict[int, int]:
+        """Every attached generator's hops from the publisher, in one pass over the tree (each chain is walked
+        once); len(nodes) + 1 for a generator whose chain is broken (a parent left the tree)."""
         by_address = {n.address: n for n in tree.nodes.values() if n.address}
-        depth, parent, limit = 1, node.parent, len(tree.nodes) + 1
-        while parent != "" and depth < limit:
-            above = by_address.get(parent)
-            if above is None:
-                return limit
-            depth, parent = depth + 1, above.parent
-        return depth
+        limit = len(tree.nodes) + 1
+        depths: dict[int, int] = {}
+        for node in tree.nodes.values():
+            chain, current, base = [], node, -1
+            while base < 0:
+                if current.generator_id in depths:
+                    base = depths[current.generator_id]
+                    break
+                chain.append(current)
+                above = by_address.get(current.parent)
+                if current.parent == "":
+                    base = 0
+                elif above is None or len(chain) >= limit:  # broken (a cycle cannot form, see _subtree)
+                    base = limit
+                else:
+                    current = above
+            for hops, member in enumerate(reversed(chain), start=1):
+                depths[member.generator_id] = limit if base >= limit else min(limit, base + hops)
+        return depths
