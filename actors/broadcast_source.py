@@ -118,14 +118,10 @@ def open_broadcast_source(
     """The source for `weights.transport = "broadcast"` (doorbell at `address`, group at weights.broadcast_*).
     Raises ValueError for a configuration that cannot work (generator index outside the fixed fleet, nccl without
     CUDA, an exposed group address without run.insecure)."""
-    from common.broadcast import is_loopback, resolve_backend
+    from common.broadcast import refuse_exposed_group, resolve_backend
 
     resolve_backend(weights.broadcast_backend)
-    if not is_loopback(weights.broadcast_host) and not security.insecure:
-        raise ValueError(
-            f"weights.broadcast_host {weights.broadcast_host} exposes an unauthenticated group: set run.insecure = "
-            "true on a trusted network, or keep it on loopback"
-        )
+    refuse_exposed_group(weights.broadcast_host, security.insecure)
     return BroadcastWeightsSource(
         address,
         security,

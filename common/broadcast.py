@@ -68,6 +68,16 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def refuse_exposed_group(host: str, insecure: bool) -> None:
+    """Raise ValueError when the group's rendezvous `host` is not loopback and run.insecure is off: the store is
+    unauthenticated (both ends of the group check it before joining)."""
+    if not is_loopback(host) and not insecure:
+        raise ValueError(
+            f"weights.broadcast_host {host} exposes an unauthenticated group: set run.insecure = "
+            "true on a trusted network, or keep it on loopback"
+        )
+
+
 def resolve_backend(backend: str) -> str:
     """'gloo' or 'nccl' for `backend` (auto: nccl when CUDA is available). Raises ValueError for a backend this
     machine cannot run (nccl without CUDA, or without vLLM) or a name that is none of `BACKENDS`."""

@@ -229,13 +229,9 @@ def open_broadcast_publisher(
     """The publisher for `weights.transport = "broadcast"` (doorbell on host:port, group on weights.broadcast_*).
     Raises ValueError for a configuration that cannot work (no fleet size, nccl without CUDA, an exposed group
     address without run.insecure), OSError when the doorbell's port is taken."""
-    from common.broadcast import is_loopback
+    from common.broadcast import refuse_exposed_group
 
-    if not is_loopback(weights.broadcast_host) and not security.insecure:
-        raise ValueError(
-            f"weights.broadcast_host {weights.broadcast_host} exposes an unauthenticated group: set run.insecure = "
-            "true on a trusted network, or keep it on loopback"
-        )
+    refuse_exposed_group(weights.broadcast_host, security.insecure)
     return BroadcastWeightsPublisher(
         host,
         port,
