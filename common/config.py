@@ -197,6 +197,18 @@ def _check_cores(spec: str) -> str:
     return spec
 
 
+def _cores_written(value: Any) -> Any:
+    """A core list as TOML or an override may write it: `0` (an integer) or `[0, 2]` (an array of integers) is the
+    list `"0"` / `"0,2"` (`[]`: no pinning, as `""`); a string is left for `_check_cores` to judge."""
+    if type(value) is int:
+        return str(value)
+    if isinstance(value, list) and all(type(core) is int for core in value):
+        return ",".join(map(str, value))
+    if not isinstance(value, str):
+        raise ValueError('must be a core list: an integer (0), a string ("0-3,6") or an array of integers ([0, 2])')
+    return value
+
+
 def _check_env_arg(value: Any) -> Any:
     """An environment factory argument: a string, an int64, a finite float or a boolean (a TOML scalar)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -216,7 +228,7 @@ def _not_empty_path(value: Any, instead: str) -> Any:
 
 Host = Annotated[str, AfterValidator(_check_host)]
 Address = Annotated[str, AfterValidator(_check_address)]
-CoreList = Annotated[str, AfterValidator(_check_cores)]
+CoreList = Annotated[str, BeforeValidator(_cores_written), AfterValidator(_check_cores)]
 EnvArg = Annotated[str | int | float | bool, BeforeValidator(_check_env_arg)]
 
 
@@ -441,7 +453,9 @@ class GeneratorConfig(_Section):
         gt=0,
         le=MAX_TIMEOUT_S,
     )
-    cpu_cores: CoreList = Field("", description="Cores this generator is pinned to, e.g. `0` or `0-3` (empty = all).")
+    cpu_cores: CoreList = Field(
+        "", description='Cores this generator is pinned to, e.g. `0`, `"0-3,6"` or `[0, 2]` (empty = all).'
+    )
     tensor_parallel_size: int = Field(
         1,
         description="GPUs one generator's vLLM engine spans (tensor parallelism; GPU clusters only, the CPU "
@@ -518,7 +532,9 @@ class LearnerConfig(_Section):
     resume: bool = Field(False, description="Continue from the latest complete checkpoint in the run dir.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
     critic_lr: float = Field(5e-6, description="Critic learning rate (estimator = gae).", gt=0)
-    cpu_cores: CoreList = Field("", description="Cores the learner ranks are pinned to (empty = all).")
+    cpu_cores: CoreList = Field(
+        "", description="Cores the learner ranks are pinned to, written as generator.cpu_cores (empty = all)."
+    )
     sim_sample_s: float = Field(0.05, description="SIMULATION: seconds of training per sample.", ge=0, le=MAX_TIMEOUT_S)
     sim_weights_mb: float = Field(
         256.0, description="SIMULATION: size of the published weights in MiB.", ge=0, le=MAX_MESSAGE_MB

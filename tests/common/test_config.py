@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -153,3 +154,54 @@ def test_parse_cores() -> None:
         parse_cores("a-b", "learner.cpu_cores")
     with pytest.raises(ValueError, match="generator.cpu_cores: '0, 1'"):
         parse_cores("0, 1", "generator.cpu_cores")
+
+
+def test_core_lists_load_as_integers_arrays_or_strings(tmp_path: Path) -> None:
+    """docs/config.md's own examples for generator.cpu_cores (`0`) were refused as "not a valid string"."""
+    for written, stored in [("0", "0"), ('"0-3,6"', "0-3,6"), ("[0, 2]", "0,2"), ("[]", "")]:
+        from_file = load_config(
+            write(tmp_path, f"[generator]\ncpu_cores = {written}\n[learner]\ncpu_cores = {written}")
+        )
+        assert from_file.generator.cpu_cores == from_file.learner.cpu_cores == stored
+        assert load_config(None, ["--generator.cpu_cores", written]).generator.cpu_cores == stored
+    assert load_config(None, ["--learner.cpu_cores", "0-3,6"]).learner.cpu_cores == "0-3,6"  # unquoted in a shell
+    for bad, expected in [("true", "must be a core list"), ("1.5", "must be a core list"), ("-1", "must look like")]:
+        with pytest.raises(ConfigError, match=f"generator.cpu_cores.*{expected}"):
+            load_config(write(tmp_path, f"[generator]\ncpu_cores = {bad}\n"))
+
+
+_DOCUMENTED_EXAMPLE = re.compile(r"e\.g\. ((?:`[^`]+`(?:, | or )?)+)")
+
+
+def _documented_examples() -> list[tuple[str, str]]:
+    """(dotted key, TOML value) of every `e.g. `X`, `Y` or `Z`` in a field's description (docs/config.md)."""
+    examples = []
+    for section_name, section in TandemConfig.model_fields.items():
+        for name, field in section.annotation.model_fields.items():
+            for found in _DOCUMENTED_EXAMPLE.finditer(field.description or ""):
+                examples += [(f"{section_name}.{name}", value) for value in re.findall(r"`([^`]+)`", found.group(1))]
+    return examples
+
+
+# Values the descriptions name in prose, not after "e.g.": each must load as written.
+NAMED_IN_PROSE = [
+    ("model.path", '"smollm2"'),
+    ("model.path", '"tiny"'),
+    ("algo.estimator", '"gae"'),
+    ("ray.address", '"auto"'),
+    ("ray.address", '"ray://host:10001"'),
+    ("ray.address", '"host:6379"'),
+    ("weights.transport", '"relay"'),
+    ("weights.transport", '"star"'),
+]
+
+
+@pytest.mark.parametrize(("key", "value"), [*_documented_examples(), *NAMED_IN_PROSE], ids=str)
+def test_every_documented_example_value_loads(tmp_path: Path, key: str, value: str) -> None:
+    section, name = key.split(".")
+    load_config(write(tmp_path, f"[{section}]\n{name} = {value}\n"))
+    load_config(None, [f"--{key}", value])
+
+
+def test_the_documented_examples_are_found() -> None:
+    assert ("generator.cpu_cores", "0") in _documented_examples()
