@@ -1,0 +1,1 @@
+"""Agent programs that drive a Tandem run's episodes from outside, through its OpenAI-compatible endpoint."""
