@@ -16,6 +16,7 @@ import difflib
 import ipaddress
 import json
 import math
+import os
 import re
 import tomllib
 import types
@@ -65,6 +66,30 @@ MAX_CONFIG_BYTES = 16 << 20
 
 class ConfigError(ValueError):
     """A config file, key or value is not allowed; the message says which and what is allowed."""
+
+
+# run.port_base + offset is the port of each (section, key) that the config does not write.
+PORT_OFFSETS = (("buffer", "port", 0), ("learner", "weights_port", 1), ("weights", "broadcast_port", 2))
+OPENAI_ENDPOINT = "actors.openai_server:AgentEnvironment"  # the built-in environment that binds a port of its own
+OPENAI_PORT_OFFSET = 3  # ... its env.environment_args.port, when not written, is run.port_base + 3
+_WILDCARD_HOSTS = ("0.0.0.0", "*")
+
+
+def connect_address(bind_host: str, port: int) -> str:
+    """Where a client on this machine reaches a socket bound on `bind_host:port` (a wildcard bind: on loopback)."""
+    return f"{'127.0.0.1' if bind_host in _WILDCARD_HOSTS else bind_host}:{port}"
+
+
+def reaches(address: str, bind_host: str, port: int) -> bool:
+    """True when a client connecting to `address` (host:port) reaches a socket bound on `bind_host:port`: the same
+    port, and the same host or a wildcard bind. `localhost` is 127.0.0.1 (ZeroMQ resolves it to IPv4)."""
+
+    def plain(host: str) -> str:
+        host = host.removeprefix("[").removesuffix("]")
+        return "127.0.0.1" if host == "localhost" else host
+
+    host, _, written_port = address.rpartition(":")
+    return int(written_port) == port and (bind_host in _WILDCARD_HOSTS or plain(host) == plain(bind_host))
 
 
 def is_loopback(host: str) -> bool:
@@ -260,6 +285,16 @@ class RunConfig(_Section):
         gt=0,
         le=MAX_MESSAGE_MB,
     )
+    port_base: int | None = Field(
+        None,
+        description="One number that moves every fixed port the run binds: buffer.port = base, "
+        "learner.weights_port = base + 1, weights.broadcast_port = base + 2 and, with the OpenAI endpoint "
+        f"(env.environment = `{OPENAI_ENDPOINT}`), env.environment_args.port = base + 3. A port key written "
+        "explicitly wins. Unset: 5555, 5556, 29517 and 8000. (`tandem ray` picks free ports on its nodes for the "
+        "buffer and the publisher; relays and torchrun always take free ports.)",
+        ge=1,
+        le=65535 - OPENAI_PORT_OFFSET,
+    )
 
     @field_validator("name")
     @classmethod
@@ -328,6 +363,14 @@ class EnvConfig(_Section):
     )
     environment_args: dict[str, EnvArg] = Field(
         {}, description="Keyword arguments of the environment factory (a TOML table)."
+    )
+    plugin_paths: list[Annotated[str, Field(min_length=1)]] = Field(
+        [],
+        description="Folders that reward_fn and environment modules import from, before the installed packages; "
+        "relative ones start at the config file's folder. Reading a TOML config makes the list absolute and "
+        "complete: the config file's folder, these folders, then the current directory. `tandem run` and "
+        "`tandem ray` write it so into `<run_dir>/config.json`, so every role imports the same modules whatever "
+        "its working directory (a `.json` config is taken as resolved: its list is used as written).",
     )
     max_turns: int = Field(8, description="Model turns of one episode, at most (ends it: `max_turns`).", ge=1)
     max_total_tokens: int = Field(
@@ -420,8 +463,16 @@ class GeneratorConfig(_Section):
         0, description="This generator's index (its identity in leases and logs).", ge=0, le=MAX_SEED_PART
     )
     count: int = Field(1, description="Generators that `tandem run` starts on this machine.", ge=1, le=256)
-    buffer_address: Address = Field("127.0.0.1:5555", description="host:port of the buffer service.")
-    weights_address: Address = Field("127.0.0.1:5556", description="host:port of the learner's weight publisher.")
+    buffer_address: Address = Field(
+        "127.0.0.1:5555",
+        description="host:port of the buffer service. Unset: buffer.host:buffer.port (127.0.0.1 for a wildcard "
+        "host); write it when the buffer runs on another machine.",
+    )
+    weights_address: Address = Field(
+        "127.0.0.1:5556",
+        description="host:port of the learner's weight publisher. Unset: learner.weights_host:learner.weights_port "
+        "(127.0.0.1 for a wildcard host); write it when the learner runs on another machine.",
+    )
     temperature: float = Field(1.0, description="Sampling temperature.", gt=0)
     top_p: float = Field(1.0, description="Nucleus sampling.", gt=0, le=1)
     max_tokens: int = Field(128, description="Completion tokens per sample, at most.", ge=1)
@@ -475,7 +526,9 @@ class BufferConfig(_Section):
         description="Address the buffer binds (loopback by default; any other needs run.curve_keys_dir or "
         "run.insecure).",
     )
-    port: int = Field(5555, description="Port of the buffer's request socket.", ge=1, le=65535)
+    port: int = Field(
+        5555, description="Port of the buffer's request socket (unset: run.port_base, else 5555).", ge=1, le=65535
+    )
     capacity: int = Field(4096, description="Replay capacity in samples; oldest groups are evicted first.", ge=1)
     max_reuse: int = Field(1, description="Times a sample may be trained on.", ge=1)
     sampling: Literal["fifo", "uniform"] = Field("fifo", description="Order in which groups are drawn.")
@@ -512,13 +565,19 @@ class LearnerConfig(_Section):
     """The learner: DeepSpeed rank(s) that train on batches and publish weights."""
 
     world_size: int = Field(1, description="Data-parallel ranks.", ge=1, le=1024)
-    buffer_address: Address = Field("127.0.0.1:5555", description="host:port of the buffer service.")
+    buffer_address: Address = Field(
+        "127.0.0.1:5555",
+        description="host:port of the buffer service. Unset: buffer.host:buffer.port (127.0.0.1 for a wildcard "
+        "host); write it when the buffer runs on another machine.",
+    )
     weights_host: Host = Field(
         "127.0.0.1",
         description="Address the weight publisher binds (loopback by default; any other needs run.curve_keys_dir "
         "or run.insecure).",
     )
-    weights_port: int = Field(5556, description="Port of the weight publisher.", ge=1, le=65535)
+    weights_port: int = Field(
+        5556, description="Port of the weight publisher (unset: run.port_base + 1, else 5556).", ge=1, le=65535
+    )
     groups_per_step: int = Field(4, description="Groups (prompts) in one global batch.", ge=1)
     micro_batch_size: int = Field(8, description="Sequences per forward/backward on one rank.", ge=1)
     total_steps: int = Field(100, description="Optimizer steps to train.", ge=1)
@@ -587,7 +646,12 @@ class WeightsConfig(_Section):
         description="broadcast: address of the group's rendezvous, hosted by learner rank 0 (every generator "
         "connects there). The group is unauthenticated: a non-loopback address needs run.insecure.",
     )
-    broadcast_port: int = Field(29517, description="broadcast: TCP port of the group's rendezvous.", ge=1, le=65535)
+    broadcast_port: int = Field(
+        29517,
+        description="broadcast: TCP port of the group's rendezvous (unset: run.port_base + 2, else 29517).",
+        ge=1,
+        le=65535,
+    )
     broadcast_fleet_size: int = Field(
         0,
         description="broadcast: generators in the group, fixed at start (generator i is rank i + 1, the publisher "
@@ -672,23 +736,51 @@ class TandemConfig(_Section):
     weights: WeightsConfig = WeightsConfig()
     ray: RayConfig = RayConfig()
 
+    def _fill_unwritten_endpoints(self) -> None:
+        """Ports the config does not write follow run.port_base (PORT_OFFSETS, and the OpenAI endpoint's port), then
+        addresses it does not write follow the host and port they connect to. Written keys stay as written and are
+        checked by `_unreachable_addresses`; a resolved `config.json` writes every one of them."""
+        base = self.run.port_base
+        if base is not None:
+            for section, key, offset in PORT_OFFSETS:
+                part = getattr(self, section)
+                if key not in part.model_fields_set:
+                    setattr(part, key, base + offset)
+            if self.env.environment == OPENAI_ENDPOINT and "port" not in self.env.environment_args:
+                self.env.environment_args = {**self.env.environment_args, "port": base + OPENAI_PORT_OFFSET}
+        buffer = connect_address(self.buffer.host, self.buffer.port)
+        weights = connect_address(self.learner.weights_host, self.learner.weights_port)
+        for part, key, address in (
+            (self.generator, "buffer_address", buffer),
+            (self.learner, "buffer_address", buffer),
+            (self.generator, "weights_address", weights),
+        ):
+            if key not in part.model_fields_set:
+                setattr(part, key, address)
+
+    def _unreachable_addresses(self) -> list[str]:
+        """One line per address that does not reach the socket it names (see `reaches`)."""
+        buffer = (self.buffer.host, self.buffer.port, "buffer", "buffer.host and buffer.port")
+        weights = (
+            self.learner.weights_host,
+            self.learner.weights_port,
+            "the learner's publisher",
+            "learner.weights_host and learner.weights_port",
+        )
+        return [
+            f"{key}: '{address}' does not reach {what} {host}:{port} (leave it out to follow {follows})"
+            for key, address, (host, port, what, follows) in (
+                ("generator.buffer_address", self.generator.buffer_address, buffer),
+                ("learner.buffer_address", self.learner.buffer_address, buffer),
+                ("generator.weights_address", self.generator.weights_address, weights),
+            )
+            if not reaches(address, host, port)
+        ]
+
     @model_validator(mode="after")
     def _cross_role_rules(self) -> TandemConfig:
-        problems = []
-        buffer_port = str(self.buffer.port)
-        for role in ("generator", "learner"):
-            address = getattr(self, role).buffer_address
-            host, _, port = address.rpartition(":")
-            if port != buffer_port or (self.buffer.host not in ("0.0.0.0", "*", host)):
-                problems.append(
-                    f"{role}.buffer_address: '{address}' does not reach buffer {self.buffer.host}:{buffer_port}"
-                )
-        host, _, port = self.generator.weights_address.rpartition(":")
-        if port != str(self.learner.weights_port) or self.learner.weights_host not in ("0.0.0.0", "*", host):
-            problems.append(
-                f"generator.weights_address: '{self.generator.weights_address}' does not reach the learner's "
-                f"publisher {self.learner.weights_host}:{self.learner.weights_port}"
-            )
+        self._fill_unwritten_endpoints()
+        problems = self._unreachable_addresses()
         if self.run.curve_keys_dir is None and not self.run.insecure:
             binds = [("buffer.host", self.buffer.host), ("learner.weights_host", self.learner.weights_host)]
             if self.weights.transport == "relay":
@@ -931,14 +1023,33 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return data
 
 
+def plugin_search_path(written: list[str], config_path: Path | None) -> list[str]:
+    """`env.plugin_paths` as every role searches it: absolute folders, in order, without repeats.
+
+    A TOML config file gives its own folder first, then the written entries (relative ones from that folder), then
+    the current directory; no file: the entries from the current directory, then it. A `.json` config is a resolved
+    one (a run's `config.json`, whose list is complete): its entries are kept (relative ones from its folder), so the
+    roles of `tandem run` and `tandem ray` search the folders of the user's config, not the run directory."""
+    cwd = Path.cwd()
+    folder = Path(os.path.abspath(config_path)).parent if config_path is not None else cwd
+    entries = [Path(os.path.abspath(folder / Path(entry).expanduser())) for entry in written]
+    if config_path is None:
+        entries = [*entries, cwd]
+    elif config_path.suffix != ".json":
+        entries = [folder, *entries, cwd]
+    return list(dict.fromkeys(str(entry) for entry in entries))
+
+
 def load_config(path: str | Path | None, overrides: list[str] | dict[str, Any] | None = None) -> TandemConfig:
     """Read a TOML file (or the resolved `config.json` of a run; None = all defaults), apply dotted overrides,
-    validate everything. Raises ConfigError, one line per problem, each naming the file or the key."""
+    validate everything, resolve `env.plugin_paths` against the file (`plugin_search_path`). Raises ConfigError, one line per problem, each naming the file or the key."""
     data = read_config_file(Path(path)) if path is not None else {}
     if overrides:
         parsed = parse_overrides(overrides) if isinstance(overrides, list) else overrides
         data = apply_overrides(data, parsed)
-    return build_config(data)
+    config = build_config(data)
+    config.env.plugin_paths = plugin_search_path(config.env.plugin_paths, None if path is None else Path(path))
+    return config
 
 
 def write_resolved(config: TandemConfig, run_dir: Path) -> Path:
