@@ -1042,7 +1042,8 @@ def plugin_search_path(written: list[str], config_path: Path | None) -> list[str
 
 def load_config(path: str | Path | None, overrides: list[str] | dict[str, Any] | None = None) -> TandemConfig:
     """Read a TOML file (or the resolved `config.json` of a run; None = all defaults), apply dotted overrides,
-    validate everything, resolve `env.plugin_paths` against the file (`plugin_search_path`). Raises ConfigError, one line per problem, each naming the file or the key."""
+    validate everything and resolve `env.plugin_paths` against the file (`plugin_search_path`). Raises
+    ConfigError, one line per problem, each naming the file or the key."""
     data = read_config_file(Path(path)) if path is not None else {}
     if overrides:
         parsed = parse_overrides(overrides) if isinstance(overrides, list) else overrides
