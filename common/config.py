@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import shlex
 import tomllib
 import types
 import typing
@@ -842,39 +843,74 @@ def _sections() -> dict[str, type[BaseModel]]:
     return {name: field.annotation for name, field in TandemConfig.model_fields.items()}
 
 
-def _unknown_key_hint(loc: list[str]) -> str:
-    """What to write instead of the unknown key or section at `loc`: the close name in the same place, else the
-    same name in the section that has it, else the names allowed there."""
+def _close_name(loc: list[str]) -> str | None:
+    """The dotted section or key that the unknown one at `loc` most likely meant: the close name in the same place,
+    else the same name in the section that has it (`learner.temperature` -> `generator.temperature`), else None."""
     sections, name = _sections(), loc[-1]
     elsewhere = [f"{section}.{name}" for section, model in sections.items() if name in model.model_fields]
     if len(loc) == 1:
         close = elsewhere or difflib.get_close_matches(name, sections, n=1)
-        return f"unknown section; did you mean '{close[0]}'?" if close else f"unknown section ({', '.join(sections)})"
+        return close[0] if close else None
     model = sections.get(loc[0])
     allowed = list(model.model_fields) if model is not None and len(loc) == 2 else []
-    close = difflib.get_close_matches(name, allowed, n=1) or elsewhere
+    close = [f"{loc[0]}.{key}" for key in difflib.get_close_matches(name, allowed, n=1)] or elsewhere
+    return close[0] if close else None
+
+
+def _unknown_key_hint(loc: list[str], override: str | None = None) -> str:
+    """What to write instead of the unknown key or section at `loc`: the close name (`'capacity'` in the same
+    section, `'generator.temperature'` in another; for an override the whole override key, `--learner.lr`), else
+    the names allowed there. `override`: the dotted key of the override that wrote it (at or below `loc`)."""
+    what = "unknown section" if len(loc) == 1 else "unknown key"
+    close = _close_name(loc)
+    if close and override:  # the rest of the override's key, below an unknown section that names a section
+        rest = override[len(".".join(loc)) :] if close.count(".") == len(loc) - 1 else ""
+        return f"{what}; did you mean --{close}{rest}?"
     if close:
-        return f"unknown key; did you mean '{close[0]}'?"
-    return f"unknown key (keys of [{'.'.join(loc[:-1])}]: {', '.join(allowed)})"
+        same_section = len(loc) == 2 and close.startswith(f"{loc[0]}.")
+        return f"{what}; did you mean '{close.split('.', 1)[1] if same_section else close}'?"
+    if len(loc) == 1:
+        return f"{what} ({', '.join(_sections())})"
+    model = _sections().get(loc[0])
+    allowed = list(model.model_fields) if model is not None and len(loc) == 2 else []
+    return f"{what} (keys of [{'.'.join(loc[:-1])}]: {', '.join(allowed)})"
 
 
-def _error_lines(item: Any) -> list[str]:
-    """One pydantic error as lines `section.key: what is wrong (got VALUE)`."""
+def _override_at(loc: list[str], written: dict[str, str]) -> str | None:
+    """The dotted key of the override that wrote the value at `loc` (`learner.lrr`), or one below it (an unknown
+    section `lerner` that only `--lerner.lr` wrote); None when the config file wrote it."""
+    dotted = ".".join(loc)
+    return next((key for key in written if key == dotted or key.startswith(f"{dotted}.")), None)
+
+
+def _naming_override(line: str, written: dict[str, str]) -> str:
+    """`learner.lr: must be > 0` -> `--learner.lr -1: must be > 0` when an override set learner.lr (or a key
+    below it: `--learner.lr.x 1` made it a table)."""
+    key, _, rest = line.partition(": ")
+    override = _override_at(key.split("."), written)
+    return f"{written[override]}: {rest}" if override else line
+
+
+def _error_lines(item: Any, written: dict[str, str]) -> list[str]:
+    """One pydantic error as lines `section.key: what is wrong (got VALUE)`, or `--section.key VALUE: what is
+    wrong` when an override (`written`: dotted key -> the override as written) set the value."""
     loc = [str(part) for part in item["loc"]]
     message = item["msg"].removeprefix("Value error, ")
     if not loc:  # TandemConfig's cross-role rules: one problem a line, each naming its key
-        return message.splitlines()
+        return [_naming_override(line, written) for line in message.splitlines()]
     if item["type"] == "extra_forbidden":
-        return [f"{'.'.join(loc)}: {_unknown_key_hint(loc)}"]
+        override = _override_at(loc, written)
+        return [f"{written[override] if override else '.'.join(loc)}: {_unknown_key_hint(loc, override)}"]
     if item["type"] == "model_type":
         kind = _toml_type(item["input"])
         return [f"{'.'.join(loc)}: must be a table ([{'.'.join(loc)}] in TOML, an object in JSON), not {kind}"]
     if len(loc) == 1 and _SECTION_RULE.match(message):  # a section's rule names its key: `algo.tis_level`
         key, message = message.split(": ", 1)
         loc.append(key)
-    if "input" in item and not isinstance(item["input"], dict) and "(got " not in message:
+    overridden = _override_at(loc, written) is not None  # the override as written shows the value
+    if "input" in item and not isinstance(item["input"], dict) and "(got " not in message and not overridden:
         message += f" (got {_short_repr(item['input'])})"
-    return [f"{'.'.join(loc)}: {message}"]
+    return [_naming_override(f"{'.'.join(loc)}: {message}", written)]
 
 
 def _override_key(arg: str) -> str:
@@ -908,29 +944,62 @@ def parse_override_value(text: str) -> Any:
         raise ConfigError(f"{_short_repr(text)}: nested too deeply to be a config value") from None
 
 
-def parse_overrides(args: list[str]) -> dict[str, Any]:
-    """`["--learner.lr", "1e-6", "--algo.max_staleness=0"]` -> `{"learner.lr": 1e-6, "algo.max_staleness": 0}`.
-    A value is never taken from the next override (`--run.name --learner.lr 1` is a missing value); raises
-    ConfigError naming the argument for anything that is not an override."""
-    overrides: dict[str, Any] = {}
+def _spelled(arg: str, value: str | None) -> str:
+    """An override as the user wrote it, quoted for a shell where needed, its value cut to 160 characters (a path
+    fits; a pasted blob does not)."""
+    if value is None:
+        return shlex.quote(arg if len(arg) <= 160 else arg[:157] + "...")
+    return f"{shlex.quote(arg)} {shlex.quote(value if len(value) <= 160 else value[:157] + '...')}"
+
+
+def _split_overrides(args: list[str]) -> list[tuple[str, str, str]]:
+    """(dotted key, value text, the override as written) of each override in `args`. A value is never taken from
+    the next override (`--run.name --learner.lr 1` is a missing value); raises ConfigError naming the argument
+    for anything that is not an override."""
+    split = []
     i = 0
     while i < len(args):
         arg = args[i]
         key = _override_key(arg)
         if "=" in arg:
-            value = arg.split("=", 1)[1]
+            split.append((key, arg.split("=", 1)[1], _spelled(arg, None)))
             i += 1
         else:
             if i + 1 >= len(args) or _is_override(args[i + 1]):
                 raise ConfigError(f"{arg}: missing value (write {arg} VALUE or {arg}=VALUE)")
-            value = args[i + 1]
+            split.append((key, args[i + 1], _spelled(arg, args[i + 1])))
             i += 2
-        overrides[key] = parse_override_value(value)
+    return split
+
+
+def _parsed(split: list[tuple[str, str, str]]) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    for key, text, spelled in split:
+        try:
+            overrides[key] = parse_override_value(text)
+        except ConfigError as error:
+            raise ConfigError(f"{spelled.split(' ', 1)[0]}: {error}") from None
     return overrides
 
 
-def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """Set dotted keys in a nested dict (a copy); unknown keys are caught by validation afterwards."""
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """`["--learner.lr", "1e-6", "--algo.max_staleness=0"]` -> `{"learner.lr": 1e-6, "algo.max_staleness": 0}`.
+    A value is never taken from the next override (`--run.name --learner.lr 1` is a missing value); raises
+    ConfigError naming the argument for anything that is not an override."""
+    return _parsed(_split_overrides(args))
+
+
+def override_spellings(args: list[str]) -> dict[str, str]:
+    """Dotted key -> the override as written (`learner.lr` -> `--learner.lr 1e-6`), for the messages that name
+    the override rather than the file; raises ConfigError as parse_overrides."""
+    return {key: spelled for key, _, spelled in _split_overrides(args)}
+
+
+def apply_overrides(
+    data: dict[str, Any], overrides: dict[str, Any], written: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Set dotted keys in a nested dict (a copy); unknown keys are caught by validation afterwards. A key below a
+    value raises ConfigError naming the override (as `written`, see override_spellings, else `--KEY`)."""
     data = json.loads(json.dumps(data, default=str))
     for dotted, value in overrides.items():
         node = data
@@ -938,20 +1007,24 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
         for part in parts[:-1]:
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise ConfigError(f"{dotted}: '{part}' is a value, not a section")
+                raise ConfigError(f"{(written or {}).get(dotted, '--' + dotted)}: '{part}' is a value, not a section")
             node = child
         node[parts[-1]] = value
     return data
 
 
-def build_config(data: Any) -> TandemConfig:
-    """Validate a nested dict into a `TandemConfig`, raising `ConfigError` with one line per problem."""
+def build_config(data: Any, written: dict[str, str] | None = None) -> TandemConfig:
+    """Validate a nested dict into a `TandemConfig`, raising `ConfigError` with one line per problem. `written`
+    (dotted key -> the override as written, see override_spellings): a problem in a value an override set names
+    the override, `--learner.lr -1: ...`, instead of the key."""
     if not isinstance(data, dict):
         raise ConfigError(f"the config must be a table of sections, not {_toml_type(data)}")
     try:
         return TandemConfig.model_validate(data)
     except ValidationError as error:
-        raise ConfigError("\n".join(line for item in error.errors() for line in _error_lines(item))) from None
+        raise ConfigError(
+            "\n".join(line for item in error.errors() for line in _error_lines(item, written or {}))
+        ) from None
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -1043,12 +1116,15 @@ def plugin_search_path(written: list[str], config_path: Path | None) -> list[str
 def load_config(path: str | Path | None, overrides: list[str] | dict[str, Any] | None = None) -> TandemConfig:
     """Read a TOML file (or the resolved `config.json` of a run; None = all defaults), apply dotted overrides,
     validate everything and resolve `env.plugin_paths` against the file (`plugin_search_path`). Raises
-    ConfigError, one line per problem, each naming the file or the key."""
+    ConfigError, one line per problem, each naming the file or the key; a problem in a value set by a
+    command-line override (a list) names the override as written, `--learner.lr -1: ...`."""
     data = read_config_file(Path(path)) if path is not None else {}
+    written: dict[str, str] = {}
     if overrides:
-        parsed = parse_overrides(overrides) if isinstance(overrides, list) else overrides
-        data = apply_overrides(data, parsed)
-    config = build_config(data)
+        split = _split_overrides(overrides) if isinstance(overrides, list) else []
+        written = {key: spelled for key, _, spelled in split}
+        data = apply_overrides(data, _parsed(split) if isinstance(overrides, list) else overrides, written)
+    config = build_config(data, written)
     config.env.plugin_paths = plugin_search_path(config.env.plugin_paths, None if path is None else Path(path))
     return config
 

@@ -10,7 +10,8 @@ so `tandem --help` and config errors answer at once.
     tandem ray scale RUN --generators N           # ... add or retire generators of a running fleet
     tandem ray status RUN | tandem ray stop RUN
     tandem prepare-model [--check]                # build the embedded SmolLM2 model in the cache
-    tandem config CONFIG                          # print the resolved config as JSON
+    tandem config CONFIG                          # print the resolved config as JSON, after checking the paths
+                                                  # a run needs here (--no-path-checks: a config for elsewhere)
     tandem keys DIR                               # CurveZMQ keys: the server's and one per role (run.curve_keys_dir)
 
 CONFIG is a TOML file, or the name of a config shipped in the package (`launch/configs/`, installed with the
@@ -21,11 +22,13 @@ name in the working directory wins over the packaged one.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 from pathlib import Path
+from typing import Any
 
-from common.config import ConfigError, load_config
+from common.config import ConfigError, load_config, override_spellings
 from launch.config_checks import missing_paths
 
 # role -> "module:function" taking the validated TandemConfig; imported only when that role runs.
@@ -36,6 +39,15 @@ ROLES = {
     "learner": "learners.learner:run",
     "ray": "launch.ray_launch:run",
 }
+# command -> its own flags (each a store_true) -> help; every other `--section.key VALUE` is a config override.
+FLAGS = {
+    "prepare-model": {"--check": "also load it with transformers and vLLM"},
+    "config": {
+        "--no-path-checks": "do not check the paths a run needs on this machine (model.path, env.source and its "
+        "first rows, run.curve_keys_dir): for a config of other machines, e.g. a Ray cluster's"
+    },
+}
+TAKES_OVERRIDES = ("demo", *ROLES, "config")  # `keys` and `prepare-model` take none: any other argument is refused
 RAY_ACTIONS = ("scale", "status", "stop")  # `tandem ray ACTION RUN ...` (launch.ray_control), not a config
 # Package data (pyproject: [tool.setuptools.package-data]); examples/demo.toml and examples/gpu_cluster.toml in the
 # repository are symbolic links to these files.
@@ -58,25 +70,81 @@ def resolve_config_path(argument: str) -> Path:
     return packaged_configs().get(argument.removesuffix(".toml"), path)
 
 
-def config_error(config_path: Path, problems: list[str]) -> int:
-    """Print each problem as one line `tandem: config error in PATH: key: what to change` on stderr; return the
-    exit code of a usage error (2, as argparse's)."""
+def config_error(
+    config_path: Path, problems: list[str], arguments: list[str], written: dict[str, str] | None = None
+) -> int:
+    """Print each problem as one line on stderr: `tandem: --section.key VALUE: what to change` when a command-line
+    override is the mistake (the problem starts with an override, or one of the `arguments` left for overrides, or
+    names a key that an override set: `written`, dotted key -> the override as written), else `tandem: config
+    error in PATH: key: what to change`. Returns the exit code of a usage error (2, as argparse's)."""
     hint = "" if config_path.exists() else f" (packaged configs by name: {', '.join(packaged_configs())})"
     for problem in problems:
-        print(
-            f"tandem: config error in {config_path}: {problem.removeprefix(f'{config_path}: ')}{hint}", file=sys.stderr
-        )
+        key, _, rest = problem.partition(": ")
+        if written and key in written:
+            problem = f"{written[key]}: {rest}"
+        if problem.startswith("--") or key in arguments:
+            print(f"tandem: {problem}", file=sys.stderr)
+        else:
+            print(
+                f"tandem: config error in {config_path}: {problem.removeprefix(f'{config_path}: ')}{hint}",
+                file=sys.stderr,
+            )
     return USAGE_ERROR
+
+
+def unknown_flag(command: str, flag: str) -> int:
+    """`tandem COMMAND --chek`: one line naming the flag, the close one (`did you mean --check?`) or the flags
+    COMMAND takes; the exit code of a usage error."""
+    known = [*FLAGS.get(command, {}), "--help"]
+    close = difflib.get_close_matches(flag.split("=", 1)[0], known, n=1, cutoff=0.6)
+    if close:
+        print(f"tandem {command}: unknown flag {flag}; did you mean {close[0]}?", file=sys.stderr)
+    else:
+        print(f"tandem {command}: unknown argument {flag} (it takes {', '.join(known)})", file=sys.stderr)
+    return USAGE_ERROR
+
+
+def _misspelled_flag(command: str, extra: list[str]) -> str | None:
+    """The first argument left over by argparse that COMMAND cannot take: any, for a command without overrides;
+    for one with overrides, a dotless `--word` close to one of its own flags (`--no-path-check`); the rest are
+    overrides, judged by load_config."""
+    for arg in extra:
+        if command not in TAKES_OVERRIDES:
+            return arg
+        word = arg.split("=", 1)[0]
+        if word.startswith("--") and "." not in word and difflib.get_close_matches(word, FLAGS.get(command, {})):
+            return arg
+    return None
+
+
+OVERRIDES_HELP = """overrides: any config key, as --section.key VALUE (or --section.key=VALUE); VALUE parses as TOML
+(1e-6, true, [0, 2], "text"), else it is the text as written. For example:
+  tandem {command} {config}--learner.total_steps 10 --generator.temperature 0.7 --run.name try-1
+The keys, their defaults and what each allows: docs/config.md; a config's resolved values: tandem config CONFIG."""
+
+
+def _role_parser(sub: Any, command: str, text: str, config_example: str) -> argparse.ArgumentParser:
+    """The subcommand COMMAND, whose usage and epilog show the override syntax (`tandem run --help`)."""
+    flags = "".join(f" [{flag}]" for flag in FLAGS.get(command, {}))
+    return sub.add_parser(
+        command,
+        help=text,
+        usage=f"%(prog)s [-h]{flags} {'config ' if config_example else ''}[--section.key VALUE ...]",
+        description=text[0].upper() + text[1:] + ".",
+        epilog=OVERRIDES_HELP.format(command=command, config=config_example),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem",
         description="Asynchronous actor-learner RL for language models (vLLM generators, a staleness-bounded "
-        "replay buffer, DeepSpeed learners). Any config key can be overridden: --section.key VALUE.",
+        "replay buffer, DeepSpeed learners). Any config key can be overridden: --section.key VALUE "
+        "(`tandem run --help` shows how).",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("demo", help="run the embedded default (SmolLM2-135M on arithmetic, async GRPO)")
+    _role_parser(sub, "demo", "run the embedded default (SmolLM2-135M on arithmetic, async GRPO)", "")
     for role, text in [
         ("run", "start the buffer, generator(s) and learner rank(s) on this machine"),
         ("buffer", "start the buffer service alone"),
@@ -89,13 +157,15 @@ def _parser() -> argparse.ArgumentParser:
                 "`tandem ray scale RUN --generators N`, `tandem ray status RUN`, `tandem ray stop RUN`"
             ),
         ),
-        ("config", "print the resolved config"),
+        ("config", "print the resolved config (JSON), after checking the paths a `tandem run` needs here"),
     ]:
-        cmd = sub.add_parser(role, help=text)
+        cmd = _role_parser(sub, role, text, "demo ")
         names = ", ".join(packaged_configs())
         cmd.add_argument(
             "config", type=resolve_config_path, help=f"TOML run config, or a packaged one by name ({names})"
         )
+        for flag, flag_help in FLAGS.get(role, {}).items():
+            cmd.add_argument(flag, action="store_true", help=flag_help)
     keys = sub.add_parser(
         "keys",
         help="write CurveZMQ keys for run.curve_keys_dir: the server's and one per role (generator, learner, reward, "
@@ -103,7 +173,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     keys.add_argument("dir", type=Path, help="directory to create (or an empty one); existing keys are never replaced")
     prep = sub.add_parser("prepare-model", help="prepare the embedded SmolLM2-135M-Instruct model in the cache")
-    prep.add_argument("--check", action="store_true", help="also load it with transformers and vLLM")
+    for flag, flag_help in FLAGS["prepare-model"].items():
+        prep.add_argument(flag, action="store_true", help=flag_help)
     return parser
 
 
@@ -114,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return ray_control(argv[1:])
     args, overrides = _parser().parse_known_args(argv)
+    misspelled = _misspelled_flag(args.command, overrides)
+    if misspelled is not None:
+        return unknown_flag(args.command, misspelled)
     if args.command == "keys":
         return _write_keys(args.dir)
     if args.command == "prepare-model":
@@ -128,10 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(config_path, overrides)
     except ConfigError as error:
-        return config_error(config_path, str(error).splitlines())
-    problems = missing_paths(config, "run" if args.command == "demo" else args.command)
+        return config_error(config_path, str(error).splitlines(), overrides)
+    problems = missing_paths(config, _checked_as(args))
     if problems:
-        return config_error(config_path, problems)
+        if args.command == "config":  # one line each: the flag for a config meant for other machines
+            problems = [f"{problem} (for a config of other machines: --no-path-checks)" for problem in problems]
+        return config_error(config_path, problems, overrides, override_spellings(overrides))
     if args.command == "config":
         print(config.model_dump_json(indent=2))
         return 0
@@ -143,6 +219,14 @@ def main(argv: list[str] | None = None) -> int:
 
         release_context()  # no zero-copy frame may outlive the memory it points into (see release_context)
     return int(result or 0)
+
+
+def _checked_as(args: argparse.Namespace) -> str:
+    """The role whose paths `tandem COMMAND` checks on this machine (config_checks.NEEDS): `tandem demo` and
+    `tandem config` those of a `tandem run` (`config` none with --no-path-checks); `tandem ray` none."""
+    if args.command == "demo" or (args.command == "config" and not args.no_path_checks):
+        return "run"
+    return args.command
 
 
 def _write_keys(directory: Path) -> int:

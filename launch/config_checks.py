@@ -2,18 +2,30 @@
 
     problems = missing_paths(config, "buffer")   # [] or ["env.source: '/data/p.jsonl' does not exist on this machine"]
 
-Loading a config checks no path: `tandem config` and `tandem ray` may run where the data, the model and the keys
-are not (a laptop submitting to a cluster; `tandem ray` checks nothing a node holds). Each role is started as
-`python -m launch.cli ROLE <run_dir>/config.json` on its own machine, locally or by Ray, and checks there, so a
-missing path is one line naming the key at start rather than a traceback from deep inside the role.
+Loading a config checks no path. `tandem config` checks the paths of a `tandem run` on this machine (`run`), unless
+told `--no-path-checks` (a config for other machines: a laptop looking at a cluster's); `tandem ray` checks nothing
+a node holds. Each role is started as `python -m launch.cli ROLE <run_dir>/config.json` on its own machine, locally
+or by Ray, and checks there, so a missing path or a bad first prompt row is one line naming the key at start
+rather than a traceback from deep inside the role.
 """
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 from common.config import BUILT_IN_MODELS, TandemConfig
 from common.keys import SecurityError, check_keys
+from common.tasks import load_prompts
+
+FIRST_ROWS = 100  # rows of a prompt file read before the run: a bad row among them is one line, not a traceback
+# The model.path names Tandem builds itself (common.model_prep), as a user needs them explained.
+BUILT_IN_MEANING = {
+    "smollm2": "'smollm2' (the embedded SmolLM2-135M-Instruct: built into the cache on first use, or ahead by "
+    "`tandem prepare-model`)",
+    "tiny": "'tiny' (a tiny random model with SmolLM2's tokenizer, for tests)",
+}
+EMBEDDED = " or ".join(BUILT_IN_MEANING[name] for name in BUILT_IN_MODELS)
 
 # role -> the checks it needs; `run` starts every role on this machine
 NEEDS = {
@@ -32,29 +44,52 @@ KEY_USERS = {
 }
 
 
+def _relative_hint(path: Path) -> str:
+    return "" if path.is_absolute() else f" (a relative path starts at {Path.cwd()})"
+
+
 def _prompts_problem(config: TandemConfig, role: str) -> str | None:
+    """A missing source, or the first bad row among its first FIRST_ROWS (a .jsonl or .parquet file: reading them
+    costs milliseconds; a `datasets` folder is only checked to exist, as reading it imports `datasets`)."""
     if config.env.kind != "file":
         return None
     source = Path(config.env.source).expanduser()
     if not source.exists():
         return (
-            f"env.source: '{config.env.source}' does not exist on this machine (a .jsonl or .parquet file, or a "
-            f"`datasets` folder; a relative path starts at {Path.cwd()})"
+            f"env.source: '{config.env.source}' does not exist on this machine{_relative_hint(source)}: name a "
+            ".jsonl or .parquet file, or a `datasets` folder"
         )
     if source.is_file() and source.suffix not in (".jsonl", ".parquet"):
         return f"env.source: '{config.env.source}' must be a .jsonl or .parquet file, or a `datasets` folder"
+    if source.is_file():
+        try:
+            load_prompts(str(source), limit=FIRST_ROWS)
+        except (ValueError, ImportError, OSError) as error:  # the message names the file and the line or row
+            return f"env.source: {error} (docs/environments.md: the row format)"
     return None
 
 
 def _model_problem(config: TandemConfig, role: str) -> str | None:
     if config.run.simulate or config.model.path in BUILT_IN_MODELS:  # SIMULATION loads no model
         return None
-    if not (Path(config.model.path).expanduser() / "config.json").is_file():
+    path = Path(config.model.path).expanduser()
+    if (path / "config.json").is_file():
+        return None
+    if path.exists():
         return (
-            f"model.path: '{config.model.path}' is not a Hugging Face model directory on this machine (no "
-            f"config.json): use {' or '.join(repr(name) for name in BUILT_IN_MODELS)} or a local model directory"
+            f"model.path: '{config.model.path}' is not a Hugging Face model directory (no config.json in it): "
+            f"name the folder that holds config.json, or use {EMBEDDED}"
         )
-    return None
+    close = difflib.get_close_matches(config.model.path, BUILT_IN_MODELS, n=1, cutoff=0.6)
+    if close:
+        return (
+            f"model.path: no such model directory '{config.model.path}' on this machine; did you mean "
+            f"{BUILT_IN_MEANING[close[0]]}?"
+        )
+    return (
+        f"model.path: no such model directory '{config.model.path}' on this machine{_relative_hint(path)}: name a "
+        f"local Hugging Face model directory, or use {EMBEDDED}"
+    )
 
 
 def _keys_problem(config: TandemConfig, role: str) -> str | None:

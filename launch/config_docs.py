@@ -54,8 +54,11 @@ def render() -> str:
         "Every value is checked at load, and each problem is one line naming the key (`tandem config FILE` shows",
         "them): floats must be finite (TOML and JSON read `nan` and `inf`, no key takes them); integers, numbers",
         'and booleans are written as such (`100`, not `"100"`; `true`, not `1`); integers fit in 64 bits;',
-        "timeouts are at most a week. The paths a role needs (`env.source`, `model.path`, `run.curve_keys_dir`) are",
-        "checked by that role when it starts, on its machine.",
+        "timeouts are at most a week. A problem in a command-line override names the override",
+        "(`tandem: --learner.lrr 1: unknown key; did you mean --learner.lr?`). The paths a run needs (`model.path`,",
+        "`env.source` and its first 100 rows, `run.curve_keys_dir`) are checked on this machine by `tandem config` and",
+        "`tandem run` before anything starts (`tandem config FILE --no-path-checks` skips them, for a config of other",
+        "machines), and by each role when it starts, on its machine.",
         "",
     ]
     for section_name, section_field in TandemConfig.model_fields.items():

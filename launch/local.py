@@ -8,7 +8,8 @@ torchrun's own children go with it), pinned to its CPU cores, with stdout/stderr
 
 Ends when:
   - the learner exits 0           -> generators and buffer get SIGTERM (then SIGKILL after a grace period), exit 0;
-  - any role exits non-zero       -> the others are stopped, its last log lines are printed, exit 1;
+  - any role exits non-zero       -> the others are stopped, its last meaningful log line (a traceback's
+                                     `SomeError: message`) and the path of its log are printed, exit 1;
   - Ctrl-C / SIGTERM to launcher  -> everything is stopped, exit 130.
 No child outlives the launcher.
 """
@@ -115,6 +116,35 @@ class Role:
             return "(no output)"
         return "\n".join(log_file.read_text(errors="replace").splitlines()[-lines:])
 
+    def failure(self) -> str:
+        """Why the role failed, in two lines: its exit code and the last meaningful line of its log (see
+        last_meaningful_line), then where the full log is."""
+        text = self.out_path.read_text(errors="replace") if self.out_path and self.out_path.exists() else ""
+        return f"{self.name} exited with code {self.poll()}: {last_meaningful_line(text)}\n  full log: {self.out_path}"
+
+
+TRACEBACK = "Traceback (most recent call last):"
+
+
+def last_meaningful_line(text: str) -> str:
+    """The line of a role's output that says why it failed: the exception line (`SomeError: message`) of the last
+    Python traceback in it, else its last non-empty line; "(no output)" when there is none.
+
+    A traceback may carry a prefix on every line (vLLM's `(EngineCore_DP0 pid=7) `, torch's `[rank0]: `): its
+    exception line is the first after the `Traceback (most recent call last):` header that, without that prefix,
+    is not indented (the frames and their source lines are). A chained exception prints its cause first, so the
+    last header is the one of the exception that ended the role."""
+    lines = [line.rstrip() for line in text.splitlines()]
+    headers = [i for i, line in enumerate(lines) if line.endswith(TRACEBACK)]
+    if headers:
+        prefix = lines[headers[-1]].removesuffix(TRACEBACK)
+        for line in lines[headers[-1] + 1 :]:
+            body = line.removeprefix(prefix) if line.startswith(prefix) else line
+            if body and not body[0].isspace():
+                return body
+    meaningful = [line.strip() for line in lines if line.strip()]
+    return meaningful[-1] if meaningful else "(no output)"
+
 
 def _child_setup(cores: set[int] | None, stop_with_parent: bool) -> Callable[[], None] | None:
     """What the child runs between fork and exec: pin its cores; ask the kernel for SIGTERM when the parent
@@ -215,7 +245,7 @@ def run(config: TandemConfig) -> int:
         log.warning("interrupted; every role stopped")
         return 130
     if failed is not None:
-        print(f"\n{failed.name} exited with code {failed.poll()}; its last lines:\n{failed.tail()}", file=sys.stderr)
+        print(f"\n{failed.failure()}", file=sys.stderr)
         return 1
     print(summarize(run_dir, wall_s=time.time() - start))
     return 0

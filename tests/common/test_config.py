@@ -47,12 +47,12 @@ def test_override_values_parse_like_toml() -> None:
     [
         ("[learner]\nlrr = 1\n", [], "learner.lrr: unknown key"),
         ("[learnr]\n", [], "learnr: unknown section; did you mean 'learner'?"),
-        ("", ["--learner.lr", "-1"], "learner.lr: Input should be greater than 0"),
-        ("", ["--algo.estimator", "dpo"], "algo.estimator: Input should be 'grpo'"),
-        ("", ["--algo.group_size", "1"], "algo.group_size: must be >= 2 for estimator 'grpo'"),
-        ("", ["--algo.max_staleness", "-1"], "algo.max_staleness: Input should be greater than or equal to 0"),
+        ("", ["--learner.lr", "-1"], "--learner.lr -1: Input should be greater than 0"),
+        ("", ["--algo.estimator", "dpo"], "--algo.estimator dpo: Input should be 'grpo'"),
+        ("", ["--algo.group_size", "1"], "--algo.group_size 1: must be >= 2 for estimator 'grpo'"),
+        ("", ["--algo.max_staleness", "-1"], "--algo.max_staleness -1: Input should be greater than or equal to 0"),
         ("", ["--generator.buffer_address", "127.0.0.1:7000"], "generator.buffer_address"),
-        ("", ["--learner.sync_every", "5", "--algo.max_staleness", "1"], "learner.sync_every: must be <= "),
+        ("", ["--learner.sync_every", "5", "--algo.max_staleness", "1"], "--learner.sync_every 5: must be <= "),
         ("", ["--learner.world_size", "3", "--learner.groups_per_step", "4"], "multiple of learner.world_size"),
         ("", ["--env.kind", "file"], "env.source: required when kind = 'file'"),
         ("x = [", [], "not valid TOML"),
@@ -117,6 +117,26 @@ def test_unknown_key_suggests_the_close_name_or_lists_the_keys(tmp_path: Path) -
         load_config(write(tmp_path, "[learner]\ntemperature = 1.0\n"))
     with pytest.raises(ConfigError, match=r"^buffer.zzz: unknown key \(keys of \[buffer\]: host, port, capacity, "):
         load_config(write(tmp_path, "[buffer]\nzzz = 3\n"))
+
+
+def test_a_problem_in_an_override_names_the_override_as_written(tmp_path: Path) -> None:
+    """Not the file's key: the mistake is on the command line, so the line says which argument to change."""
+    file = write(tmp_path, "[learner]\nlr = 1e-6\n")
+    for overrides, expected in [
+        (["--learner.lrr", "1"], "--learner.lrr 1: unknown key; did you mean --learner.lr?"),
+        (["--learner.temperature=1"], "--learner.temperature=1: unknown key; did you mean --generator.temperature?"),
+        (["--lerner.lr", "1"], "--lerner.lr 1: unknown section; did you mean --learner.lr?"),
+        (["--buffer.capacityy", "3"], "--buffer.capacityy 3: unknown key; did you mean --buffer.capacity?"),
+        (["--learner.lr", "-1"], "--learner.lr -1: Input should be greater than 0"),
+        (["--run.name", "a b"], "--run.name 'a b': must be letters, digits"),  # quoted as a shell would take it
+        (["--learner.lr.x=1"], "--learner.lr.x=1: 'lr' is a value, not a section"),
+        (["--generator.max_tokens", "2000"], "--generator.max_tokens 2000: must be < model.max_model_len = 1024"),
+    ]:
+        with pytest.raises(ConfigError) as error:
+            load_config(file, overrides)
+        assert str(error.value).startswith(expected), (overrides, str(error.value))
+    with pytest.raises(ConfigError, match=r"^learner.lr: Input should be greater than 0 \(got -1.0\)$"):
+        load_config(write(tmp_path, "[learner]\nlr = -1.0\n"), ["--learner.total_steps", "3"])  # the file's
 
 
 def test_every_field_is_documented() -> None:

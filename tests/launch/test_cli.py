@@ -67,3 +67,85 @@ def test_config_reference_is_up_to_date() -> None:
 
     committed = Path(__file__).resolve().parents[2] / "docs" / "config.md"
     assert committed.read_text() == render(), "regenerate: python -m launch.config_docs > docs/config.md"
+
+
+# --- errors before the run (issue 14, item 9): unit-level through launch.cli.main, one stderr line each, exit 2
+
+
+def refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """The one stderr line of `tandem *argv`, which must exit 2 without printing a config or starting a role."""
+    from launch.cli import main
+
+    assert main(list(argv)) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+def test_config_catches_a_model_path_that_does_not_exist(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    line = refused(capsys, "config", "demo", "--model.path", "smolm2")
+    assert line.startswith("tandem: --model.path smolm2: no such model directory 'smolm2'"), line
+    assert "did you mean 'smollm2' (the embedded SmolLM2-135M-Instruct" in line and "tandem prepare-model" in line
+    line = refused(capsys, "config", "demo", "--model.path", str(tmp_path))  # a folder, but not a model's
+    assert "no config.json in it" in line and "'smollm2'" in line, line
+    config = tmp_path / "run.toml"
+    config.write_text(f'[model]\npath = "{tmp_path / "qwen"}"\n')
+    line = refused(capsys, "config", str(config))  # the file's mistake names the file
+    assert line.startswith(f"tandem: config error in {config}: model.path: no such model directory"), line
+    assert "--no-path-checks" in line
+    from launch.cli import main
+
+    assert main(["config", str(config), "--no-path-checks"]) == 0  # a config for other machines prints
+    assert '"path":' in capsys.readouterr().out
+
+
+def test_config_catches_a_missing_prompt_file_or_its_first_bad_row(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    missing = tmp_path / "nope.jsonl"
+    line = refused(capsys, "config", "demo", "--env.kind", "file", "--env.source", str(missing))
+    assert line.startswith(f"tandem: --env.source {missing}: '{missing}' does not exist on this machine"), line
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1 + 1?", "answer": 2}\n\n{"question": "2 + 2?"}\n')
+    line = refused(capsys, "config", "demo", "--env.kind", "file", "--env.source", str(prompts))
+    assert f"{prompts}, line 3: a row needs exactly one of 'prompt' (a string) or 'messages'" in line, line
+    prompts.write_text('{"prompt": "1 + 1?", "answer": 2}\n{"prompt": "fine"}\n')
+    from launch.cli import main
+
+    assert main(["config", "demo", "--env.kind", "file", "--env.source", str(prompts)]) == 0
+
+
+def test_an_unknown_flag_is_refused_with_the_close_one(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert (
+        refused(capsys, "prepare-model", "--chek") == "tandem prepare-model: unknown flag --chek; did you mean --check?"
+    )
+    assert (
+        refused(capsys, "keys", str(tmp_path / "k"), "--force")
+        == "tandem keys: unknown argument --force (it takes --help)"
+    )
+    assert not (tmp_path / "k").exists()
+    line = refused(capsys, "config", "demo", "--no-path-chekcs")
+    assert line == "tandem config: unknown flag --no-path-chekcs; did you mean --no-path-checks?"
+
+
+def test_a_near_miss_override_names_the_override_and_the_close_key(capsys: pytest.CaptureFixture[str]) -> None:
+    assert refused(capsys, "config", "demo", "--learner.lrr", "1e-6") == (
+        "tandem: --learner.lrr 1e-6: unknown key; did you mean --learner.lr?"
+    )
+    assert refused(capsys, "run", "demo", "--lerner.total_steps=3") == (
+        "tandem: --lerner.total_steps=3: unknown section; did you mean --learner.total_steps?"
+    )
+    assert refused(capsys, "config", "demo", "--learner.lr", "-1") == (
+        "tandem: --learner.lr -1: Input should be greater than 0"
+    )
+
+
+def test_role_help_shows_the_override_syntax(capsys: pytest.CaptureFixture[str]) -> None:
+    from launch.cli import main
+
+    for command in ("run", "buffer", "generator", "learner", "ray", "config", "demo"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        out = capsys.readouterr().out
+        assert "[--section.key VALUE ...]" in out.splitlines()[0], out
+        assert "--learner.total_steps 10" in out and "docs/config.md" in out and "tandem config CONFIG" in out
