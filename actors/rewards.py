@@ -45,7 +45,7 @@ class RewardScorer:
         self._total_reward = total_reward
         self._function: Callable[[str, dict[str, Any]], Any] | None = None
         if not env.reward_url:
-            self._function = resolve_reward_fn(env.reward_fn)
+            self._function = resolve_reward_fn(env.reward_fn, env.plugin_paths)
 
     def score(self, completion: str, metadata: dict[str, Any]) -> Score:
         try:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -149,13 +149,14 @@ class RewardFnEnvironment:
         return StepResult([], reward=reward, done=True, info={"components": components})
 
 
-def resolve_environment(spec: str) -> Callable[..., Environment]:
-    """The factory (usually a class) named by `"package.module:Name"`.
+def resolve_environment(spec: str, search_path: Sequence[str] = ()) -> Callable[..., Environment]:
+    """The factory (usually a class) named by `"package.module:Name"`, imported from `search_path` (the resolved
+    `env.plugin_paths`) first, then PYTHONPATH and the installed packages.
 
-    Raises ImportError (the module must be importable: on PYTHONPATH or installed), AttributeError or TypeError;
-    every message names `env.environment` and the spec.
+    Raises ImportError (saying where the module was searched), AttributeError or TypeError; every message names
+    `env.environment` and the spec.
     """
-    target = resolve_callable(spec, "env.environment", "package.module:Factory", "a class or factory")
+    target = resolve_callable(spec, "env.environment", "package.module:Factory", "a class or factory", search_path)
     if isinstance(target, type) and not (hasattr(target, "reset") and hasattr(target, "step")):
         raise TypeError(f"env.environment: {spec!r}: class {target.__name__} needs reset(task) and step(text)")
     return target
@@ -163,15 +164,16 @@ def resolve_environment(spec: str) -> Callable[..., Environment]:
 
 def environment_factory(env: EnvConfig) -> EnvironmentFactory:
     """A zero-argument factory of one episode's environment: `env.environment(**env.environment_args)`, or, when
-    `env.environment` is empty, the single-turn adapter around `env.reward_fn`. Resolves the names now, and calls
-    the environment's `prepare(**environment_args)` if it has one, so a misnamed environment or reward function,
-    or arguments the environment refuses, fail at start-up, not at the first episode."""
+    `env.environment` is empty, the single-turn adapter around `env.reward_fn`. Resolves the names now (from
+    `env.plugin_paths` first, see common.plugins), and calls the environment's `prepare(**environment_args)` if it
+    has one, so a misnamed environment or reward function, or arguments the environment refuses, fail at start-up,
+    not at the first episode."""
     if not env.environment:
         from common.tasks import resolve_reward_fn
 
-        reward_fn = resolve_reward_fn(env.reward_fn)
+        reward_fn = resolve_reward_fn(env.reward_fn, env.plugin_paths)
         return lambda: RewardFnEnvironment(reward_fn)
-    factory = resolve_environment(env.environment)
+    factory = resolve_environment(env.environment, env.plugin_paths)
     arguments = dict(env.environment_args)
     prepare = getattr(factory, "prepare", None)
     if callable(prepare):  # the environment's start-up check (see the module docstring): raising stops the start

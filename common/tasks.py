@@ -19,7 +19,7 @@ import math
 import numbers
 import random
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -264,15 +264,16 @@ def arithmetic_reward(
 # ------------------------------------------------------------------------------- reward plug-ins
 
 
-def resolve_reward_fn(spec: str) -> RewardFn:
-    """The callable named by `"package.module:function"` (a dotted attribute path after the colon also works).
+def resolve_reward_fn(spec: str, search_path: Sequence[str] = ()) -> RewardFn:
+    """The callable named by `"package.module:function"` (a dotted attribute path after the colon also works),
+    imported from `search_path` (the resolved `env.plugin_paths`) first, then PYTHONPATH and the installed packages.
 
     The function is called as `fn(completion, metadata)` and returns a float or a mapping of named float
     components (see `total_reward`). Raises ValueError for a malformed spec, ImportError when the module cannot
-    be imported (it must be importable: on PYTHONPATH, or installed), AttributeError when it has no such
-    attribute, TypeError when the attribute is not callable; every message names the spec.
+    be imported (saying where it was searched), AttributeError when it has no such attribute, TypeError when the
+    attribute is not callable; every message names the spec.
     """
-    return resolve_callable(spec, "reward function", "module.path:function", "a callable")
+    return resolve_callable(spec, "reward function", "module.path:function", "a callable", search_path)
 
 
 def _finite(value: Any, what: str) -> float:

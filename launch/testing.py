@@ -85,15 +85,14 @@ class RoleFailed(RuntimeError):
 
 # ---------------------------------------------------------------------------------------------------- configs
 def loopback_overrides(buffer_port: int, weights_port: int) -> dict[str, Any]:
-    """Dotted overrides that put the buffer and the weight publisher on these loopback ports, for every role."""
+    """Dotted overrides that put the buffer and the weight publisher on these loopback ports, for every role (the
+    addresses a config leaves out follow them). Two free ports rather than one `run.port_base`: the port after a
+    free one may be taken."""
     return {
         "buffer.host": "127.0.0.1",
         "buffer.port": buffer_port,
-        "generator.buffer_address": f"127.0.0.1:{buffer_port}",
-        "learner.buffer_address": f"127.0.0.1:{buffer_port}",
         "learner.weights_host": "127.0.0.1",
         "learner.weights_port": weights_port,
-        "generator.weights_address": f"127.0.0.1:{weights_port}",
     }
 
 

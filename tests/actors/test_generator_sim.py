@@ -21,16 +21,19 @@ from launch.testing import FakeBuffer, FakePublisher, RoleUnderTest, arithmetic_
 pytestmark = pytest.mark.integration  # starts role processes
 
 GROUP_SIZE = 3
+REWARD_FN = "tests.actors.reward_fns:explode_or_length"
 
 
-def _config(tmp_path: Path, ports: tuple[int, int], **generator: object) -> TandemConfig:
+def _config(tmp_path: Path, ports: tuple[int, int], base: Path | None = None, **generator: object) -> TandemConfig:
+    """The generator's run: `base` (a TOML file that names its reward_fn) or REWARD_FN, on loopback `ports`."""
     return run_config(
         tmp_path / "runs",
         "gen",
+        base,
         ports=ports,
         run={"simulate": True},
         algo={"group_size": GROUP_SIZE},
-        env={"reward_fn": "tests.actors.reward_fns:explode_or_length", "fallback_reward": -1.0},
+        env={"fallback_reward": -1.0, **({} if base else {"reward_fn": REWARD_FN})},
         generator={"sim_tokens": 6, "sim_token_s": 0.002, "prompts_in_flight": 4, "reconnect_max_s": 0.5, **generator},
     )
 
@@ -64,9 +67,17 @@ def _check_group(group, generator_id: int = 0) -> None:
         assert versions.min() == group.versions[i]  # a sample's version is the oldest of its tokens
 
 
-def test_serves_all_prompts_survives_a_raising_reward_and_exits_when_exhausted(tmp_path, ports, peers):
+def test_serves_all_prompts_survives_a_raising_reward_and_exits_when_exhausted(tmp_path, ports, peers, monkeypatch):
     buffer, publisher = peers
-    process = _start(_config(tmp_path, ports))
+    # The reward module sits beside the user's config, and the generator starts in another folder: it imports from
+    # the config's folder, recorded in the <run_dir>/config.json it reads (as under `tandem run` and `tandem ray`).
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    (project / "beside_config_rewards.py").write_text(f"from {REWARD_FN.replace(':', ' import ')}\n")
+    (project / "run.toml").write_text('[env]\nreward_fn = "beside_config_rewards:explode_or_length"\n')
+    monkeypatch.chdir(elsewhere)
+    process = _start(_config(tmp_path, ports, project / "run.toml"))
     code, err = _finish(process, timeout_s=60)
     assert code == 0, err[-3000:]
     assert "SIMULATION" in err
@@ -100,6 +111,14 @@ def test_stale_refusal_loads_newer_weights_and_later_samples_carry_the_version(t
     assert all((g.token_versions == 1).all() and (g.versions == 1).all() for g in groups)
     assert "weights v0 -> v1" in err
     assert len(publisher.requests) < 100  # polled with pauses, not a busy loop
+    # the metrics' step (TensorBoard's too) is the policy version sampled with, the learner's step axis; the report
+    # number is a metric of its own. A simulated run says so in every record and every log line
+    records = read_metrics(tmp_path / "runs" / "gen" / "generator-0.jsonl")
+    assert [r["step"] for r in records] == [r["actor/policy_version"] for r in records] and records[-1]["step"] == 1
+    assert [r["actor/report"] for r in records] == list(range(len(records)))
+    assert all(r["simulation"] is True for r in records)
+    stamped = [line for line in err.splitlines() if line[:2].isdigit() and " [generator-0" in line]
+    assert stamped and all("[generator-0 SIMULATION]" in line for line in stamped)
 
 
 def test_buffer_restart_loses_no_group(tmp_path, ports, peers):
