@@ -6,7 +6,9 @@
 One loop, one thread, each pass in this order (`run` below):
   1. SIGTERM seen -> drain: no more leases or weight loads; finish in-flight samples and push them (at most
      `generator.drain_timeout_s`).
-  2. heartbeat every `HEARTBEAT_S` (the buffer re-issues the leases of a silent generator).
+  2. heartbeat every `HEARTBEAT_S` (the buffer re-issues the leases of a silent generator). Once the learner has
+     reached `learner.total_steps` the buffer answers heartbeats and lease requests `RunOver`: the generator
+     stops sampling at once (nothing will train it), delivers the groups it built, returns the rest, exits 0.
   3. push built groups (the outbox keeps them, bounded, while the buffer is away; reconnect with back-off).
   4. weights: poll the publisher; load a newer version when no sample runs (default: stop adding requests and
      let in-flight ones finish under the old version first) or at once between steps (`inflight_weight_update`).
@@ -43,7 +45,7 @@ from common.envs import EnvironmentFactory, environment_factory
 from common.logs import setup_logging
 from common.metrics import MetricsSink
 from common.sockets import SocketSecurity
-from common.types import ErrorReply, Heartbeat, LeaseGrant, LeaseRefused, LeaseRequest, LeaseReturn
+from common.types import ErrorReply, Heartbeat, LeaseGrant, LeaseRefused, LeaseRequest, LeaseReturn, RunOver
 
 HEARTBEAT_S = 2.0  # well under the buffer's heartbeat_timeout_s
 REPORT_S = 5.0
@@ -56,7 +58,8 @@ log = logging.getLogger("tandem.actors.generator")
 
 
 def run(config: TandemConfig) -> int:
-    """Run one generator until the buffer's prompts are exhausted or SIGTERM; returns the exit status (0)."""
+    """Run one generator until the run is over (`RunOver`), the buffer's prompts are exhausted, or SIGTERM;
+    returns the exit status (0)."""
     index = config.generator.index
     setup_logging("generator", index, config.run.run_dir)
     stop = _StopSignal()  # before the engine's slow start: a SIGTERM then still exits cleanly
@@ -151,6 +154,7 @@ class Generator:
         self.exhausted = False
         self.drain_deadline = float("inf")
         self.next_lease = 0.0
+        self.run_over = False  # the buffer said the learner reached its last step
         self.next_heartbeat = 0.0
         self.stats = _Stats(time.monotonic())
 
@@ -171,7 +175,10 @@ class Generator:
         self.drain_deadline = now + timeout
 
     def done(self) -> bool:
-        """Exhausted or draining, with nothing left to generate or push; or the drain deadline has passed."""
+        """The run is over; exhausted or draining, with nothing left to generate or push; or the drain deadline
+        has passed."""
+        if self.run_over:  # in-flight samples are aborted and returned: no learner will train them
+            return True
         if self.draining:  # queued prompts will not run: they are returned
             running = bool(self.book.running) or (self.episodes is not None and self.episodes.active())
             return time.monotonic() >= self.drain_deadline or (not running and len(self.outbox) == 0)
@@ -212,7 +219,9 @@ class Generator:
         if now < self.next_heartbeat or not self.link.ready(now):
             return
         self.next_heartbeat = now + HEARTBEAT_S
-        self.link.call(Heartbeat(self.index, self.engine.policy_version, self.book.lease_ids()))
+        reply = self.link.call(Heartbeat(self.index, self.engine.policy_version, self.book.lease_ids()))
+        if isinstance(reply, RunOver):
+            self._on_run_over(reply)
 
     def update_weights(self, now: float) -> None:
         """Fetch a newer version when the poller says so; load it once it is safe (see the module docstring)."""
@@ -242,7 +251,7 @@ class Generator:
 
     def lease_prompts(self, now: float) -> None:
         wanted = self.config.generator.prompts_in_flight - self.book.in_flight()
-        if wanted <= 0 or self.draining or self.exhausted:
+        if wanted <= 0 or self.draining or self.exhausted or self.run_over:
             return
         if self.stats.wanting_since is None:
             self.stats.wanting_since = now
@@ -257,11 +266,22 @@ class Generator:
             self._on_refusal(now, reply)
         elif isinstance(reply, (ErrorReply, LeaseGrant)):  # an empty grant: the buffer had nothing right now
             reason = reply.reason if isinstance(reply, ErrorReply) else "empty grant"
+        elif isinstance(reply, RunOver):
+            self._on_run_over(reply)
             log.warning("lease request not granted: %s", reason)
             self.next_lease = now + LEASE_RETRY_S
 
     def _on_refusal(self, now: float, refusal: LeaseRefused) -> None:
         self.stats.refusals[refusal.reason] = self.stats.refusals.get(refusal.reason, 0) + 1
+    def _on_run_over(self, reply: RunOver) -> None:
+        if not self.run_over:
+            log.info(
+                "the run is over (the learner reached step %d): returning %d prompts in flight and exiting",
+                reply.step,
+                self.book.in_flight(),
+            )
+        self.run_over = True
+
         if refusal.reason == "exhausted":
             log.info("the buffer has no more prompts: finishing %d in flight, then exiting", self.book.in_flight())
             self.exhausted = True

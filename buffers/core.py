@@ -5,6 +5,9 @@
     for reply_to, message in replies: server.reply(reply_to, message)      # may answer earlier, held requests
     for reply_to, message in core.tick(time.time()): ...                   # expiries, BatchNotReady at timeouts
 
+Once the learner's final report came (VersionReport.final), lease requests and heartbeats are answered
+`RunOver`, and `run_over(now)` says when every live generator has heard it (`buffers.run_end`).
+
 Failure modes: a well-formed message the buffer cannot accept (unknown lease, rank >= world_size, a version
 from the future, a role that may not send it, a state change out of order: see `buffers.authority`) raises
 `RequestRejected(kind, reason)` before anything is committed; the caller answers it with an ErrorReply and
@@ -29,6 +32,7 @@ from buffers.checks import (
     lease_return_problem,
     version_report_problem,
 )
+from buffers.run_end import RunEnd
 from buffers.staleness import admit
 from buffers.state import BufferState
 from common.types import (
@@ -91,6 +95,7 @@ class BufferCore:
         self.limits = self.settings.group_limits
         self.bytes_in = self.bytes_out = 0
         self.staleness_sum = self.staleness_count = self.staleness_max = 0  # of served samples
+        self.end = RunEnd()  # the learner's final report: generators are answered RunOver (buffers.run_end)
         self._handlers = {
             LeaseRequest: self._lease_request,
             RolloutGroup: self._group,
@@ -119,6 +124,8 @@ class BufferCore:
         self._check(lease_request_problem(request, self.state.newest_version))
         dispenser = self.state.dispenser
         dispenser.seen(request.generator_id, now)
+        if self.end.over:
+            return [(reply_to, self.end.tell(request.generator_id))]
         if dispenser.finished:
             return [(reply_to, LeaseRefused("exhausted", 0, RETRY_EXHAUSTED_S))]
         admission = admit(
@@ -182,6 +189,8 @@ class BufferCore:
         owners = {i: leases[i].generator_id for i in heartbeat.lease_ids if i in leases}
         self._check(heartbeat_lease_problem(heartbeat, owners))
         self.state.dispenser.seen(heartbeat.generator_id, now)
+        if self.end.over:
+            return [(reply_to, self.end.tell(heartbeat.generator_id))]
         return [(reply_to, Ok(self.state.learner_version))]
 
     def _lease_return(self, returned: LeaseReturn, reply_to: Any, sender: str, now: float) -> list[Reply]:
@@ -279,6 +288,10 @@ class BufferCore:
                 "resumed from an older checkpoint" if report.step < state.learner_version else "continuing",
             )
         state.report_version(report.step, report.policy_version, report.resync)
+        if report.final:
+            self.end.close(report.step)
+        elif report.resync:
+            self.end.reopen()
         return [(reply_to, Ok(self.state.learner_version))]
 
     def _stats(self, request: StatsRequest, reply_to: Any, sender: str, now: float) -> list[Reply]:
@@ -306,6 +319,10 @@ class BufferCore:
         if journal is not None and journal.needs_compaction:
             self.state.compact(now)
         return replies
+
+    def run_over(self, now: float) -> bool:
+        """The learner reported its last step and every live generator has been told (`buffers.run_end`)."""
+        return self.end.everyone_told(self.state.dispenser, now)
 
     def counters(self) -> dict[str, int]:
         """The ledger (samples and groups), event counts, and rejections by kind (wire-level and semantic)."""

@@ -255,6 +255,10 @@ class PromptDispenser:
             if lease.state == ACTIVE and (lease.deadline < now or lease.generator_id in dead)
         ]
 
+    def holders(self) -> set[int]:
+        """Generators that hold an active lease."""
+        return {lease.generator_id for lease in self.leases.values() if lease.state == ACTIVE}
+
     def dead_generators(self, now: float) -> list[int]:
         """Generators silent for longer than heartbeat_timeout_s."""
         return [gid for gid, seen in self.last_seen.items() if now - seen > self.heartbeat_timeout_s]
@@ -273,7 +277,7 @@ class PromptDispenser:
         ended = [i for i, x in self.leases.items() if x.state != ACTIVE and now - x.ended_at > self.retain_s]
         for lease_id in ended:
             del self.leases[lease_id]
-        holding = {lease.generator_id for lease in self.leases.values() if lease.state == ACTIVE}
+        holding = self.holders()
         for gid in self.dead_generators(now):
             if gid not in holding:
                 del self.last_seen[gid]

@@ -7,7 +7,10 @@ It owns the dataset cursor, the prompt leases and the replay buffer (see `buffer
 message, `buffers.staleness` for the staleness bound). The loop: poll one request (at most POLL_MS), answer it,
 and between requests do the housekeeping (expire leases, time out held batch requests, compact the journal)
 and write `buffer/…` metrics to `<run_dir>/buffer.jsonl` every METRICS_EVERY_S. SIGTERM or SIGINT ends the
-loop after the current request; the journal, metrics and log are flushed and closed. Imports no torch:
+loop after the current request, and so does the end of the run: once the learner reported its last step, lease
+requests and heartbeats are answered `RunOver`, and the buffer exits 0 when every live generator has heard it and
+holds no lease (at most `buffer.heartbeat_timeout_s` later; `buffers.run_end`). The journal, metrics and log are
+flushed and closed. Imports no torch:
 prompts travel as chats, generators render them.
 """
 
@@ -69,7 +72,8 @@ def socket_security(config: TandemConfig) -> SocketSecurity:
 
 
 def run(config: TandemConfig) -> int:
-    """Serve until SIGTERM/SIGINT; returns 0. Raises on a port in use or an unreadable dataset/journal."""
+    """Serve until SIGTERM/SIGINT, or until the run is over (the learner's final report came and every live
+    generator heard it: `buffers.run_end`); returns 0. Raises on a port in use or an unreadable dataset/journal."""
     run_dir = config.run.run_dir
     log = setup_logging("buffer", 0, run_dir)
     stop = _stop_on_signals()
@@ -108,6 +112,8 @@ def run(config: TandemConfig) -> int:
             if time.monotonic() >= next_housekeeping:
                 for reply_to, message in core.tick(time.time()):
                     server.reply(reply_to, message)
+                if core.run_over(time.time()):
+                    stop.append(f"run over at learner step {core.end.step}")
                 next_housekeeping = time.monotonic() + HOUSEKEEPING_EVERY_S
             if time.monotonic() >= next_metrics:
                 sink.log(state.learner_version, core.metrics())

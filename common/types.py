@@ -261,11 +261,22 @@ class VersionReport:
 
     A plain report only moves forward, to at most the step after the last batch the buffer drew. `resync` marks
     the learner's own announcement (at its start or resume, or after the buffer refused it): it may move back
-    to an older checkpoint's step, and forward only on a buffer that has no learner history yet."""
+    to an older checkpoint's step, and forward only on a buffer that has no learner history yet. `final` marks
+    the report of the learner's last step (see `RunOver`); a later announcement without it reopens the run."""
 
     policy_version: int = version()
     step: int = version()
     resync: bool = False
+    final: bool = False  # the learner reached learner.total_steps: the run is over (the buffer tells the generators)
+
+
+@message("run_over")
+class RunOver:
+    """Buffer -> generator, the reply to a lease request or a heartbeat once the learner's final report came: the
+    run is over at learner step `step`. The generator stops sampling, delivers the groups it built, returns its
+    other prompts (LeaseReturn) and exits 0; the buffer exits once every live generator has heard it."""
+
+    step: int = version()
 
 
 @message("ok")
