@@ -152,9 +152,9 @@ class Generator:
         self.pending_update: WeightsUpdate | None = None
         self.draining = False
         self.exhausted = False
+        self.run_over = False  # the buffer said the learner reached its last step
         self.drain_deadline = float("inf")
         self.next_lease = 0.0
-        self.run_over = False  # the buffer said the learner reached its last step
         self.next_heartbeat = 0.0
         self.stats = _Stats(time.monotonic())
 
@@ -264,15 +264,13 @@ class Generator:
             self.stats.wanting_since = None
         elif isinstance(reply, LeaseRefused):
             self._on_refusal(now, reply)
-        elif isinstance(reply, (ErrorReply, LeaseGrant)):  # an empty grant: the buffer had nothing right now
-            reason = reply.reason if isinstance(reply, ErrorReply) else "empty grant"
         elif isinstance(reply, RunOver):
             self._on_run_over(reply)
+        elif isinstance(reply, (ErrorReply, LeaseGrant)):  # an empty grant: the buffer had nothing right now
+            reason = reply.reason if isinstance(reply, ErrorReply) else "empty grant"
             log.warning("lease request not granted: %s", reason)
             self.next_lease = now + LEASE_RETRY_S
 
-    def _on_refusal(self, now: float, refusal: LeaseRefused) -> None:
-        self.stats.refusals[refusal.reason] = self.stats.refusals.get(refusal.reason, 0) + 1
     def _on_run_over(self, reply: RunOver) -> None:
         if not self.run_over:
             log.info(
@@ -282,6 +280,8 @@ class Generator:
             )
         self.run_over = True
 
+    def _on_refusal(self, now: float, refusal: LeaseRefused) -> None:
+        self.stats.refusals[refusal.reason] = self.stats.refusals.get(refusal.reason, 0) + 1
         if refusal.reason == "exhausted":
             log.info("the buffer has no more prompts: finishing %d in flight, then exiting", self.book.in_flight())
             self.exhausted = True
