@@ -65,7 +65,7 @@ def _prompts_problem(config: TandemConfig, role: str) -> str | None:
         try:
             load_prompts(str(source), limit=FIRST_ROWS)
         except (ValueError, ImportError, OSError) as error:  # the message names the file and the line or row
-            return f"env.source: {error} (docs/environments.md: the row format)"
+            return f"env.source: {error}"
     return None
 
 
