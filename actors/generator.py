@@ -20,7 +20,9 @@ One loop, one thread, each pass in this order (`run` below):
      run off this loop, and this phase also takes in finished calls and adds the episodes' next turns.
   7. one engine step; finished groups are scored and built into `RolloutGroup`s for the outbox (multi-turn: each
      finished turn goes to its episode, and a group is built once its n episodes have ended).
-  8. metrics (`actor/...`) every `REPORT_S`.
+  8. metrics (`actor/...`) every `REPORT_S` to `<run_dir>/generator-<i>.jsonl` and TensorBoard, with the policy
+     version sampled with as the step (the learner's step counts the same thing, so the curves line up; several
+     reports of one version share a step) and the report's number as `actor/report`.
 A generator that starts (or restarts) asks the publisher for the newest weights before its first lease.
 On exit it returns the prompts it did not finish (`LeaseReturn`) so the buffer re-issues them at once.
 """
@@ -61,7 +63,7 @@ def run(config: TandemConfig) -> int:
     """Run one generator until the run is over (`RunOver`), the buffer's prompts are exhausted, or SIGTERM;
     returns the exit status (0)."""
     index = config.generator.index
-    setup_logging("generator", index, config.run.run_dir)
+    setup_logging("generator", index, config.run.run_dir, simulation=config.run.simulate)
     stop = _StopSignal()  # before the engine's slow start: a SIGTERM then still exits cleanly
     scorer = RewardScorer(config.env)  # a misnamed reward function fails now, not after the engine started
     environments = environment_factory(config.env) if config.env.environment else None  # ... and environment
@@ -148,7 +150,7 @@ class Generator:
             runner = EnvRunner(config.env.env_workers)
             limits = EpisodeLimits.from_config(config)
             self.episodes = EpisodeDriver(engine, environments, limits, runner, config.algo.group_size)
-        self.metrics = MetricsSink(config.run.run_dir, f"generator-{gen.index}")
+        self.metrics = MetricsSink(config.run.run_dir, f"generator-{gen.index}", simulation=config.run.simulate)
         self.pending_update: WeightsUpdate | None = None
         self.draining = False
         self.exhausted = False
@@ -376,7 +378,8 @@ class Generator:
         )
         if self.episodes is not None:
             values.update(self.episodes.metrics())
-        self.metrics.log(self.stats.reports, values)
+        values["actor/report"] = self.stats.reports
+        self.metrics.log(self.engine.policy_version, values)
         self.stats.reports += 1
 
 

@@ -75,7 +75,7 @@ def run(config: TandemConfig) -> int:
     """Serve until SIGTERM/SIGINT, or until the run is over (the learner's final report came and every live
     generator heard it: `buffers.run_end`); returns 0. Raises on a port in use or an unreadable dataset/journal."""
     run_dir = config.run.run_dir
-    log = setup_logging("buffer", 0, run_dir)
+    log = setup_logging("buffer", 0, run_dir, simulation=config.run.simulate)
     stop = _stop_on_signals()
     prompts = load_prompt_records(config.env, config.run.seed)
     journal = Journal(journal_path(run_dir)) if config.buffer.persist else None
@@ -92,7 +92,7 @@ def run(config: TandemConfig) -> int:
         )
     server = Server(config.buffer.host, config.buffer.port, socket_security(config), name="buffer")
     core = BufferCore(state, wire_rejections=server.rejected)
-    sink = MetricsSink(run_dir, "buffer")
+    sink = MetricsSink(run_dir, "buffer", simulation=config.run.simulate)
     log.info(
         "buffer on %s:%d: %d prompts, capacity %d samples, η = %d, B = %d, messages up to %.2f MB",
         config.buffer.host,

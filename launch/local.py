@@ -221,7 +221,7 @@ def build_roles(config: TandemConfig, config_path: Path) -> list[Role]:
 def run(config: TandemConfig) -> int:
     run_dir = config.run.run_dir
     config_path = write_resolved(config, run_dir)
-    log = setup_logging("launcher", 0, run_dir)
+    log = setup_logging("launcher", 0, run_dir, simulation=config.run.simulate)
     roles = build_roles(config, config_path)
     log.info("run directory %s; starting %s", run_dir, ", ".join(role.name for role in roles))
     mode = "SIMULATION (no vLLM, no DeepSpeed: compute stand-ins)" if config.run.simulate else "real engines"

@@ -13,7 +13,8 @@ from common.metrics import read_metrics
 
 
 class RunProgress:
-    """Follows the learner's metrics file and shows step, reward, staleness and tokens/s."""
+    """Follows the learner's metrics file and shows step, reward, staleness and the rates: trained samples/s and
+    tokens/s over wall clock (`throughput/…`, waiting included) and the trainer's compute-only tokens/s."""
 
     def __init__(self, metrics_path: Path, total_steps: int) -> None:
         self.metrics_path = metrics_path
@@ -60,9 +61,13 @@ def _fmt(record: dict[str, Any], key: str, spec: str) -> str:
 
 
 def _status(record: dict[str, Any]) -> str:
+    """One line of a learner record; 'SIMULATION' first when the record comes from a simulated run."""
     return (
-        f"reward {_fmt(record, 'reward/mean', '.3f')}  staleness {_fmt(record, 'staleness/mean', '.2f')}"
-        f" (max {_fmt(record, 'staleness/max', '.0f')})  {_fmt(record, 'perf/tokens_per_s', '.0f')} tok/s"
+        ("SIMULATION  " if record.get("simulation") else "")
+        + f"reward {_fmt(record, 'reward/mean', '.3f')}  staleness {_fmt(record, 'staleness/mean', '.2f')}"
+        f" (max {_fmt(record, 'staleness/max', '.0f')})  {_fmt(record, 'throughput/samples_per_s', ',.1f')} samples/s"
+        f"  {_fmt(record, 'throughput/tokens_per_s', ',.0f')} tok/s"
+        f" (train {_fmt(record, 'perf/train_tokens_per_s', ',.0f')} tok/s)"
     )
 
 

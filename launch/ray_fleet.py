@@ -69,8 +69,8 @@ class FleetController:
         self.run_name = self.base.run.name
         self.run_dir = self.base.run.run_dir
         self.local_cluster = local_cluster
-        self.log = setup_logging("controller", 0, self.run_dir)
-        self.metrics = MetricsSink(self.run_dir, "ray")
+        self.log = setup_logging("controller", 0, self.run_dir, simulation=self.base.run.simulate)
+        self.metrics = MetricsSink(self.run_dir, "ray", simulation=self.base.run.simulate)
         self.lock = threading.RLock()
         self.ended = threading.Event()
         self.outcome: dict[str, Any] | None = None

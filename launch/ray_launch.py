@@ -40,7 +40,7 @@ def run(config: TandemConfig) -> int:
     import ray
 
     run_dir = config.run.run_dir.resolve()
-    log = setup_logging("launcher", 0, run_dir)
+    log = setup_logging("launcher", 0, run_dir, simulation=config.run.simulate)
     local_cluster = connect(config)
     try:
         problem = fleet_problem(config)

@@ -66,7 +66,7 @@ def run(config: TandemConfig) -> int:
     if learner.world_size > 1 and "RANK" not in os.environ and not config.run.simulate:
         return launch_ranks(config)
     run_dir = config.run.run_dir
-    log = setup_logging("learner", int(os.environ.get("RANK", "0")), run_dir)
+    log = setup_logging("learner", int(os.environ.get("RANK", "0")), run_dir, simulation=config.run.simulate)
     trainer, dist = _start_trainer(config)
     if dist.rank == 0:
         write_resolved(config, run_dir)
@@ -188,7 +188,7 @@ def _publish(trainer: StepTrainer, publisher: WeightsPublisher | None, version: 
 def _reporter(config: TandemConfig, state: LearnerState, log: logging.Logger) -> Any:
     from learners.reporting import StepReporter
 
-    return StepReporter(config.run.run_dir, config.learner.total_steps, state.step, log)
+    return StepReporter(config.run.run_dir, config.learner.total_steps, state.step, log, simulation=config.run.simulate)
 
 
 def _count_consumed(state: LearnerState, stats: dict[str, float]) -> None:
@@ -205,7 +205,7 @@ def _record(
         "policy_version": state.policy_version,
         **stats,
         **timings,
-        "perf/tokens_per_s": stats["perf/tokens"] / max(timings["perf/train_s"], 1e-9),
+        "perf/train_tokens_per_s": stats["perf/tokens"] / max(timings["perf/train_s"], 1e-9),
         "buffer/dropped_stale": dropped_stale,
         "learner/samples_trained": state.samples_trained,
         "learner/tokens_trained": state.tokens_trained,

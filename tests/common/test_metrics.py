@@ -28,3 +28,16 @@ def test_torn_last_line_is_skipped(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0}\n{"step": 1, "rew')
     assert read_metrics(path) == [{"step": 0}]
+
+
+def test_a_simulation_sink_says_so_in_every_record_and_series(tmp_path: Path) -> None:
+    sink = MetricsSink(tmp_path, "buffer", simulation=True)
+    for version in (0, 0, 2):  # the TensorBoard step is the step given (a role's policy version), repeats included
+        sink.log(version, {"buffer/arrived": 4})
+    sink.close()
+    assert [r["simulation"] for r in read_metrics(tmp_path / "buffer.jsonl")] == [True] * 3
+    events = EventAccumulator(str(tmp_path / "tb" / "buffer"))
+    events.Reload()
+    assert [e.step for e in events.Tensors("buffer/arrived")] == [0, 0, 2]
+    assert events.SummaryMetadata("buffer/arrived").summary_description.startswith("SIMULATION")
+    assert "simulation" not in events.Tags()["tensors"]  # a flag, not a curve

@@ -26,7 +26,9 @@ REQUIRED_KEYS = {
     "staleness/mean",
     "staleness/max",
     "buffer/dropped_stale",
-    "perf/tokens_per_s",
+    "perf/train_tokens_per_s",
+    "throughput/samples_per_s",
+    "throughput/tokens_per_s",
     "loss/policy",
     "policy/kl",
 }
