@@ -588,8 +588,26 @@ class LearnerConfig(_Section):
     warmup_steps: int = Field(0, description="Linear learning-rate warm-up steps.", ge=0)
     zero_stage: Literal[0, 1, 2, 3] = Field(1, description="DeepSpeed ZeRO stage.")
     sync_every: int = Field(1, description="Publish weights every this many steps.", ge=1)
-    save_every: int = Field(0, description="Checkpoint every this many steps (0 = only at the end).", ge=0)
-    resume: bool = Field(False, description="Continue from the latest complete checkpoint in the run dir.")
+    save_every: int = Field(
+        0, description="Checkpoint every this many steps (0 = only at the end, and on an interrupt).", ge=0
+    )
+    resume: bool = Field(
+        False,
+        description="Continue from the latest complete checkpoint in the run dir (records of later steps in "
+        "metrics.jsonl are dropped: they are trained again). Without it a run dir that holds a run is refused.",
+    )
+    save_on_interrupt: bool = Field(
+        True,
+        description="On SIGINT or SIGTERM: finish the step in flight, save a checkpoint, then exit (130 or 143). "
+        "false = exit after the step without one (a resume continues from the last save_every checkpoint).",
+    )
+    stop_timeout_s: float = Field(
+        120.0,
+        description="How long `tandem run` and `tandem ray` wait for a stopping learner (its step in flight, then "
+        "the checkpoint of save_on_interrupt) before they kill it.",
+        gt=0,
+        le=MAX_TIMEOUT_S,
+    )
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
     critic_lr: float = Field(5e-6, description="Critic learning rate (estimator = gae).", gt=0)
     cpu_cores: CoreList = Field(

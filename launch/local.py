@@ -7,11 +7,15 @@ Each child runs `python -m launch.cli ROLE <run_dir>/config.json ...` in its own
 torchrun's own children go with it), pinned to its CPU cores, with stdout/stderr in `logs/<role>-<i>.out`.
 
 Ends when:
-  - the learner exits 0           -> generators and buffer get SIGTERM (then SIGKILL after a grace period), exit 0;
+  - the learner exits 0           -> the run is over: the buffer and the generators exit by themselves (the learner's
+                                     final report ends them); any still running get SIGTERM, exit 0;
   - any role exits non-zero       -> the others are stopped, its last meaningful log line (a traceback's
                                      `SomeError: message`) and the path of its log are printed, exit 1;
-  - Ctrl-C / SIGTERM to launcher  -> everything is stopped, exit 130.
-No child outlives the launcher.
+  - Ctrl-C / SIGTERM to launcher  -> everything is stopped (the learner saves a checkpoint after its step in flight),
+                                     the command that resumes the run is printed, exit 130.
+Stopping SIGTERMs the generators and the learner at once, then the buffer (generators return their leases to a
+live buffer); each gets its grace (`stop_grace_s`: a generator's drain timeout, the learner's stop timeout, plus
+STOP_MARGIN_S) before its process group is SIGKILLed. No child outlives the launcher.
 """
 
 from __future__ import annotations
@@ -30,11 +34,13 @@ from pathlib import Path
 
 from common.config import TandemConfig, parse_cores, write_resolved
 from common.logs import setup_logging
+from common.run_dir import reuse_problem
 from common.weights import weights_store_dir
 from launch.progress import RunProgress, summarize
+from learners.checkpoint import latest_step
 
-GRACE_S = 20.0
-STOP_ORDER = ("generator", "learner", "buffer")  # generators return their leases to a live buffer
+STOP_MARGIN_S = 15.0  # beyond a role's own bound: signal handling, closing sockets, an engine's shutdown
+STOP_STAGES = (("generator", "learner"), ("buffer",))  # generators return their leases to a live buffer
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -162,6 +168,14 @@ def _child_setup(cores: set[int] | None, stop_with_parent: bool) -> Callable[[],
     return setup
 
 
+def stop_grace_s(config: TandemConfig, role: str) -> float:
+    """How long a role ("generator", "learner", "buffer") may take to stop after SIGTERM before it is killed: a
+    generator drains for up to generator.drain_timeout_s, a learner finishes its step and checkpoints within
+    learner.stop_timeout_s; each plus STOP_MARGIN_S. The buffer only flushes its journal and metrics."""
+    own = {"generator": config.generator.drain_timeout_s, "learner": config.learner.stop_timeout_s}
+    return own.get(role, 0.0) + STOP_MARGIN_S
+
+
 def plan_cores(config: TandemConfig) -> tuple[set[int] | None, set[int] | None]:
     """(generator cores, learner cores): split this machine's cores so that the two never fight.
 
@@ -219,7 +233,13 @@ def build_roles(config: TandemConfig, config_path: Path) -> list[Role]:
 
 
 def run(config: TandemConfig) -> int:
+    """Start every role, supervise them, stop them (see the module docstring); returns the exit code (2: the run
+    directory holds another run, refused before anything starts: `common.run_dir`)."""
     run_dir = config.run.run_dir
+    reused = reuse_problem(run_dir, config.learner.resume, whole_run=True)
+    if reused:
+        print(f"tandem run: {reused}", file=sys.stderr)
+        return 2
     config_path = write_resolved(config, run_dir)
     log = setup_logging("launcher", 0, run_dir, simulation=config.run.simulate)
     roles = build_roles(config, config_path)
@@ -227,6 +247,9 @@ def run(config: TandemConfig) -> int:
     mode = "SIMULATION (no vLLM, no DeepSpeed: compute stand-ins)" if config.run.simulate else "real engines"
     log.info("mode: %s; eta = %d; %d generator(s)", mode, config.algo.max_staleness, config.generator.count)
     start = time.time()
+    first_step = (latest_step(run_dir / "checkpoints") or 0) if config.learner.resume else 0
+    if config.learner.resume and first_step == 0:
+        log.warning("learner.resume = true, but %s holds no checkpoint: the run starts at step 0", run_dir)
     interrupted: list[int] = []
     previous = {sig: signal.signal(sig, lambda s, _f: interrupted.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
     progress = RunProgress(run_dir / "metrics.jsonl", config.learner.total_steps)
@@ -235,25 +258,46 @@ def run(config: TandemConfig) -> int:
         for role in roles:
             role.start(run_dir)
         with progress:
-            failed = supervise(roles, progress, interrupted)
+            failed = supervise(roles, progress, interrupted, stop_grace_s(config, "learner"))
     finally:
-        stop_all(roles, log)
+        stop_all(roles, log, config)
         shutil.rmtree(weights_store_dir(run_dir), ignore_errors=True)  # host copies a killed generator left
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if interrupted:
         log.warning("interrupted; every role stopped")
+        print(interrupt_message(config, config_path), file=sys.stderr)
         return 130
     if failed is not None:
         print(f"\n{failed.failure()}", file=sys.stderr)
         return 1
-    print(summarize(run_dir, wall_s=time.time() - start))
+    print(summarize(run_dir, wall_s=time.time() - start, first_step=first_step))
     return 0
 
 
-def supervise(roles: list[Role], progress: RunProgress, interrupted: list[int]) -> Role | None:
-    """Wait until the learner finishes (None) or some role fails (that role); refresh the progress display."""
+def interrupt_message(config: TandemConfig, config_path: Path) -> str:
+    """What an interrupted run left and the exact command that continues it (the resolved config of the run)."""
+    step = latest_step(config.run.run_dir / "checkpoints")
+    command = f"tandem run {config_path} --learner.resume true"
+    if step is None:
+        return (
+            f"\ninterrupted before any checkpoint: `{command}` would start again at step 0 (or run it anew with "
+            "another --run.name)"
+        )
+    return (
+        f"\ninterrupted: checkpoint of step {step}/{config.learner.total_steps} in {config.run.run_dir / 'checkpoints'}"
+        f"\n  resume with: {command}"
+    )
+
+
+def supervise(roles: list[Role], progress: RunProgress, interrupted: list[int], learner_grace_s: float) -> Role | None:
+    """Wait until the learner finishes (None) or some role fails (that role); refresh the progress display.
+
+    A generator that exits 0 finished its work (out of prompts, or the run is over); so did a buffer that exits 0
+    (the learner's final report came: it is saving its last checkpoint). A learner still running `learner_grace_s`
+    after the buffer exited is waiting for a buffer that is gone: the buffer is then the failed role."""
     learner = next(role for role in roles if role.name.startswith("learner"))
+    buffer_gone_at: float | None = None
     while not interrupted:
         progress.refresh()
         for role in roles:
@@ -262,25 +306,31 @@ def supervise(roles: list[Role], progress: RunProgress, interrupted: list[int]) 
                 continue
             if role is learner and code == 0:
                 return None
-            if role is not learner and code == 0 and role.name.startswith("generator"):
-                continue  # a generator that ran out of prompts finished its work
+            if role.name.startswith("buffer") and code == 0:
+                buffer_gone_at = buffer_gone_at or time.monotonic()
+                if time.monotonic() - buffer_gone_at < learner_grace_s:
+                    continue
+            elif role is not learner and code == 0:
+                continue  # a generator that ran out of prompts, or heard that the run is over
             return role
         time.sleep(0.5)
     return None
 
 
-def stop_all(roles: list[Role], log) -> None:
-    """Stop in order: generators (they return leases to a live buffer), learners, then the buffer.
+def stop_all(roles: list[Role], log, config: TandemConfig) -> None:
+    """Stop in stages (STOP_STAGES): the generators and the learner at once (generators drain and return their
+    leases, the learner finishes its step and checkpoints), then the buffer.
 
-    Each stage gets SIGTERM and a grace period; then its whole process group gets SIGKILL, which also reaches
-    grandchildren (vLLM's engine process, torchrun's ranks) whose parent already exited.
+    Every role gets SIGTERM and its grace (`stop_grace_s`); then its whole process group gets SIGKILL, which also
+    reaches grandchildren (vLLM's engine process, torchrun's ranks) whose parent already exited.
     """
-    for stage in STOP_ORDER:
+    for stage in STOP_STAGES:
         members = [role for role in roles if role.name.startswith(stage)]
         for role in members:
             role.signal(signal.SIGTERM)
-        deadline = time.time() + GRACE_S
+        started = time.time()
         for role in members:
-            if role.wait(deadline) is None:
-                log.warning("%s did not stop within %.0fs: killing it", role.name, GRACE_S)
+            grace = stop_grace_s(config, role.name.split("-")[0])
+            if role.wait(started + grace) is None:
+                log.warning("%s did not stop within %.0fs: killing it", role.name, grace)
             role.kill_group()

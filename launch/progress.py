@@ -80,18 +80,28 @@ def reward_rise(records: list[dict[str, Any]], fraction: float = 0.2) -> tuple[f
     return sum(rewards[:k]) / k, sum(rewards[-k:]) / k
 
 
-def summarize(run_dir: Path, wall_s: float) -> str:
-    """The end-of-run summary: reward first vs last steps, samples trained and dropped, wall time, where TB is."""
+def summarize(run_dir: Path, wall_s: float, first_step: int = 0) -> str:
+    """The end-of-run summary: the steps and samples of this session (after `first_step`, the checkpoint a resume
+    started from) and, after a resume, of the whole run; reward first vs last steps of the run, samples dropped,
+    wall time, where TensorBoard is."""
     metrics_path = run_dir / "metrics.jsonl"
     records = read_metrics(metrics_path) if metrics_path.exists() else []
+    session = [r for r in records if int(r.get("step", 0)) > first_step]
     first, last = reward_rise(records)
     last_record = records[-1] if records else {}
-    trained = sum(int(r.get("perf/samples", 0) or 0) for r in records)
+    trained = sum(int(r.get("perf/samples", 0) or 0) for r in session)
+    resumed = (
+        f" (resumed at step {first_step}; the run: {len(records)} steps, "
+        f"{sum(int(r.get('perf/samples', 0) or 0) for r in records)} samples trained)"
+        if first_step
+        else ""
+    )
     lines = [
         "",
-        f"run finished: {len(records)} learner steps in {wall_s / 60:.1f} min",
+        f"run finished: {len(session)} learner steps in {wall_s / 60:.1f} min{resumed}",
         f"  reward/mean  first 20% of steps {first:.3f}  ->  last 20% {last:.3f}  (change {last - first:+.3f})",
-        f"  samples trained {trained}   dropped as stale {last_record.get('buffer/dropped_stale', 0)}",
+        f"  samples trained {trained}{' this session' if first_step else ''}   "
+        f"dropped as stale {last_record.get('buffer/dropped_stale', 0)}",
         f"  final policy_version {last_record.get('policy_version', '-')}",
         f"  metrics   {metrics_path}",
         f"  logs      {run_dir / 'logs'}",

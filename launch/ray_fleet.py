@@ -17,17 +17,22 @@ Roles bind loopback on a local Ray started by `tandem ray`, their node's IP on a
 
 Supervision (a thread, every SUPERVISE_S, under the lock that scaling also takes; it calls no actor while all is
 well: each member's pending `wait_exit` ref resolves when its role exits or its actor dies):
-  - every learner rank exited 0      -> the run finished: everything is stopped (generators first), code 0;
+  - every learner rank exited 0      -> the run finished: everything is stopped (generators first), code 0
+                                        (the learner's final report has already told the buffer and the
+                                        generators: they exit 0 by themselves, usually before);
   - a learner rank exits non-zero, or its actor dies -> every rank and generator is stopped; then either the
     run ends (code 1; the latest complete checkpoint stays resumable) or, within `ray.max_learner_restarts`,
     it restarts in place: a fresh buffer, the ranks with `--learner.resume true`, new generators;
-  - the buffer exits or dies         -> the run ends, code 1;
-  - a generator exits 0              -> it ran out of prompts: done, not replaced;
+  - the buffer exits 0               -> the run is over (the learner's final report came): the learner ranks are
+                                        given `learner.stop_timeout_s` (+ margin) to save and exit 0, then code 1;
+  - the buffer exits otherwise or dies -> the run ends, code 1;
+  - a generator exits 0              -> it ran out of prompts or heard the run is over: done, not replaced;
   - a generator exits otherwise, or its actor dies -> replaced in the same slot (same node) by a generator
     with a NEW index, within `ray.max_generator_restarts`. A new index, because the buffer tracks liveness
     per generator id: the dead one's leases are then re-issued after `buffer.heartbeat_timeout_s` instead of
     waiting for `buffer.lease_timeout_s`. The new generator fetches the newest weights before its first lease.
-Retired generators (scale down) get SIGTERM: they finish or return their leases, then their actors go.
+Retired generators (scale down) get SIGTERM: they finish or return their leases, then their actors go. Every stop
+gives a role its grace (`launch.local.stop_grace_s`: the generators' drain timeout, the learner's stop timeout).
 Counters go to `<run_dir>/ray.jsonl` (`ray/…`), the log to `<run_dir>/logs/controller-0.log`.
 """
 
@@ -43,7 +48,7 @@ from common.config import TandemConfig, build_config, write_resolved
 from common.logs import setup_logging
 from common.metrics import MetricsSink
 from launch import ray_members as members
-from launch.local import GRACE_S
+from launch.local import stop_grace_s
 from launch.ray_members import Member, call, describe_code
 from launch.ray_placement import BundlePool, Slot
 from launch.ray_plan import Endpoints, bind_problem, fleet_config, learner_env, learner_processes
@@ -104,6 +109,8 @@ class FleetController:
         }
         self.ticks = 0
         self.last_followed = 0.0
+        self.buffer_gone_at: float | None = None  # when the buffer exited 0 (the run is over)
+        self.learner_failed = False  # a learner rank failed: the others cannot checkpoint when stopped
 
     # ------------------------------------------------------------------------------------------ public API
     def start(self) -> dict[str, Any]:
@@ -265,8 +272,7 @@ class FleetController:
 
     def _supervise_once(self) -> None:
         codes = members.exits([self.buffer, *self.learners, *self.generators], self.faults)
-        if codes[self.buffer.name] is not None:
-            raise RunEnded(f"buffer-0 ended ({describe_code(codes['buffer-0'])}):\n{self._tail(self.buffer)}", 1)
+        self._check_buffer(codes[self.buffer.name])
         for member in self.learners:
             if codes[member.name] not in (None, 0):
                 self._on_learner_failure(member, codes[member.name])
@@ -276,12 +282,23 @@ class FleetController:
         for member in list(self.generators):
             code = codes[member.name]
             if code == 0:
-                self.log.info("%s ran out of prompts and exited", member.name)
+                self.log.info("%s exited 0 (out of prompts, or the run is over)", member.name)
                 self._remove(member, grace_s=0)
             elif code is not None:
                 self._replace_generator(member, code)
         self._collect_retired()
         self._report()
+
+    def _check_buffer(self, code: Any) -> None:
+        """A buffer that exited 0 ended the run (the learner's final report): the learner ranks get their stop
+        grace to save and exit. Any other exit of the buffer, or a learner still running after that, ends the run."""
+        if code == 0:
+            self.buffer_gone_at = self.buffer_gone_at or time.monotonic()
+            if time.monotonic() - self.buffer_gone_at < stop_grace_s(self.config, "learner"):
+                return
+            raise RunEnded(f"buffer-0 exited 0 but the learner did not finish:\n{self._tail(self.buffer)}", 1)
+        if code is not None:
+            raise RunEnded(f"buffer-0 ended ({describe_code(code)}):\n{self._tail(self.buffer)}", 1)
 
     def _replace_generator(self, member: Member, code: Any) -> None:
         self.restarts["generator"] += 1
@@ -307,6 +324,7 @@ class FleetController:
         """End the run, or (within ray.max_learner_restarts) restart it in place from the latest checkpoint."""
         why = f"{member.name} ended ({describe_code(code)})"
         self.log.error("%s:\n%s", why, self._tail(member))
+        self.learner_failed = True
         limit = self.base.ray.max_learner_restarts
         if self.restarts["learner"] >= limit:
             raise RunEnded(
@@ -324,9 +342,11 @@ class FleetController:
         lost learner took after its checkpoint, so it could not serve the resumed one), the ranks resume with
         `--learner.resume true`, and new generators fetch the resumed weights."""
         generators = len(self.generators)
-        self._stop_members(self.generators + self.retiring, self.base.generator.drain_timeout_s + 5)
+        self._stop_members(self.generators + self.retiring, stop_grace_s(self.base, "generator"))
         self.generators = []
-        self._stop_members(self.learners + [self.buffer], GRACE_S, release=False)
+        # a group with a dead rank cannot checkpoint (its save is collective): the survivors get only the margin
+        self._stop_members(self.learners + [self.buffer], stop_grace_s(self.base, "buffer"), release=False)
+        self.buffer_gone_at = None
         for old in (self.buffer, *self.learners):
             members.wait_name_released(self.run_name, old.name)
         [self.buffer] = self._spawn("buffer", [0], [self.buffer.slot])
@@ -334,13 +354,14 @@ class FleetController:
         self._start_buffer()
         master_host = LOOPBACK if self.local_cluster else self.learners[0].node["ip"]
         self._start_learners(call(self.learners[0].actor.reserve_port.remote(master_host)), resume=True)
+        self.learner_failed = False
         self._add_generators(generators)
 
     # ------------------------------------------------------------------------------------------ stopping
     def _retire(self, member: Member) -> None:
         """Scale down: SIGTERM now (non-blocking); the slot is freed once the role has exited."""
         self.generators.remove(member)
-        member.stopping = member.actor.stop.remote(self.base.generator.drain_timeout_s + 5)
+        member.stopping = member.actor.stop.remote(stop_grace_s(self.base, "generator"))
         self.retiring.append(member)
         self.log.info("%s retiring: it finishes or returns its leases", member.name)
 
@@ -374,12 +395,14 @@ class FleetController:
         level("run %s ends: %s (code %d)", self.run_name, outcome, code)
         self.outcome = {"outcome": outcome, "code": code}
         try:
-            self._stop_members(self.generators + self.retiring, self.base.generator.drain_timeout_s + 5)
+            self._stop_members(self.generators + self.retiring, stop_grace_s(self.base, "generator"))
             self.generators = []
-            self._stop_members(self.learners, GRACE_S)
+            # healthy ranks finish their step and checkpoint; beside a dead rank they could not (a collective save)
+            learner_grace = stop_grace_s(self.base, "buffer" if self.learner_failed else "learner")
+            self._stop_members(self.learners, learner_grace)
             self.learners = []
             if self.buffer is not None:
-                self._stop_members([self.buffer], GRACE_S)
+                self._stop_members([self.buffer], stop_grace_s(self.base, "buffer"))
             self.buffer = None
             for pool in self.pools.values():
                 pool.close()

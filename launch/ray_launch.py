@@ -14,7 +14,8 @@ follows the run: a progress bar from `<run_dir>/metrics.jsonl` (when the run dir
 machine) until the controller reports the outcome.
 
 Exit codes: 0 the learner finished; 1 a role failed beyond what the controller may repair (its reason and log
-tail are printed); 2 the config or the cluster cannot hold this run; 130 Ctrl-C / SIGTERM (fleet stopped).
+tail are printed); 2 the config or the cluster cannot hold this run, or its run directory holds another run
+(`common.run_dir`); 130 Ctrl-C / SIGTERM (fleet stopped).
 The controller is killed when this process ends; if this process is killed hard, the detached controller
 keeps the fleet running: `tandem ray status RUN` / `tandem ray stop RUN` reach it from any shell.
 """
@@ -29,6 +30,7 @@ from typing import Any
 
 from common.config import TandemConfig
 from common.logs import setup_logging
+from common.run_dir import reuse_problem
 from launch.progress import RunProgress, summarize
 from launch.ray_plan import NAMESPACE, capacity_problem, controller_name, resource_demand
 
@@ -40,6 +42,10 @@ def run(config: TandemConfig) -> int:
     import ray
 
     run_dir = config.run.run_dir.resolve()
+    reused = reuse_problem(run_dir, config.learner.resume, whole_run=True)
+    if reused:  # before Ray starts or any role writes into it
+        print(f"tandem ray: {reused}", file=sys.stderr)
+        return 2
     log = setup_logging("launcher", 0, run_dir, simulation=config.run.simulate)
     local_cluster = connect(config)
     try:

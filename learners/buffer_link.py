@@ -1,9 +1,15 @@
 """The learner's side of the buffer protocol: pull this rank's batch for a step, report published versions.
 
-    link = BufferLink(config.learner.buffer_address, security, rank=0, world_size=1, num_groups=4)
+    link = BufferLink(config.learner.buffer_address, security, rank=0, world_size=1, num_groups=4,
+                      interrupted=lambda: stop_requested)
     link.report_version(policy_version, step, resync=True)   # rank 0, first: announce where this learner stands
     batch, wait_s = link.fetch_batch(step)          # blocks until the buffer has it (long-poll, retries)
     link.report_version(policy_version, step)       # rank 0, after each publish
+    link.report_version(policy_version, step, final=True)   # rank 0, the last step: the run is over
+
+Interruption: once `interrupted()` is true, `fetch_batch` raises `LinkInterrupted` before its next request, and
+any request raises it instead of its next retry (a first attempt still goes out), so a stopping learner never
+waits for a buffer that is away or refusing.
 
 Fault handling (deliberate, counted in `counters` and logged):
 - `BatchNotReady` -> ask again at once (the buffer already held the request for `hold_s`);
@@ -23,7 +29,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from common.sockets import Client, PeerUnavailable, SocketSecurity, backoff_delays
@@ -44,6 +50,10 @@ class BufferRefused(RuntimeError):
         self.kind = kind
 
 
+class LinkInterrupted(Exception):
+    """The learner was asked to stop (`interrupted()`) while this link waited for the buffer."""
+
+
 class BufferLink:
     """One rank's client of the buffer service. Not thread-safe (one loop uses it)."""
 
@@ -58,13 +68,16 @@ class BufferLink:
         reply_margin_s: float = 5.0,
         reconnect_max_s: float = 10.0,
         refusal_patience_s: float = 120.0,
+        interrupted: Callable[[], bool] = lambda: False,
     ) -> None:
         """`hold_s`: how long the buffer may hold a batch request; a reply later than hold_s + reply_margin_s
-        means the buffer is unavailable. `refusal_patience_s`: how long refusals may go on before the learner stops."""
+        means the buffer is unavailable. `refusal_patience_s`: how long refusals may go on before the learner stops.
+        `interrupted`: true once the learner should stop (see the module docstring)."""
         self.client = Client(address, security, identity=f"learner-{rank}", role="learner")
         self.address, self.rank, self.world_size, self.num_groups = address, rank, world_size, num_groups
         self.hold_s, self.reply_margin_s, self.reconnect_max_s = hold_s, reply_margin_s, reconnect_max_s
         self.refusal_patience_s = refusal_patience_s
+        self.interrupted = interrupted
         self.counters: Counter[str] = Counter()
         self.announced: tuple[int, int] | None = None  # (policy_version, step) of the last report the buffer took
 
@@ -79,7 +92,7 @@ class BufferLink:
                 self.counters["buffer_unavailable"] += 1
                 delay = next(delays)
                 log.warning("%s: buffer %s unavailable (%s); retrying in %.1fs", what, self.address, error, delay)
-                time.sleep(delay)
+                self._sleep_unless_interrupted(delay, what)
                 continue
             if isinstance(reply, ErrorReply):
                 self.counters[f"refused_{reply.kind or 'unknown'}"] += 1
@@ -98,10 +111,20 @@ class BufferLink:
             )
         delay = next(delays)
         log.warning("%s refused (%s): %s; retrying in %.1fs", what, refusal.kind or "?", refusal.reason, delay)
-        time.sleep(delay)
+        self._sleep_unless_interrupted(delay, what)
+
+    def _sleep_unless_interrupted(self, delay: float, what: str) -> None:
+        """Sleep `delay` seconds, raising LinkInterrupted as soon as `interrupted()` (checked every 0.1 s)."""
+        deadline = time.monotonic() + delay
+        while not self.interrupted():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            time.sleep(min(remaining, 0.1))
+        raise LinkInterrupted(f"interrupted while waiting for {what}")
 
     def fetch_batch(self, step: int) -> tuple[Batch, float]:
-        """(this rank's `Batch` for `step`, seconds spent waiting for it)."""
+        """(this rank's `Batch` for `step`, seconds spent waiting for it); LinkInterrupted once `interrupted()`."""
         start = time.perf_counter()
         request = BatchRequest(
             step=step, rank=self.rank, world_size=self.world_size, num_groups=self.num_groups, timeout_s=self.hold_s
@@ -109,6 +132,8 @@ class BufferLink:
         what = f"the batch for step {step}"
         refused_since, delays = None, backoff_delays(self.reconnect_max_s)
         while True:
+            if self.interrupted():
+                raise LinkInterrupted(f"interrupted before {what}")
             reply = self._request(request, what)
             if isinstance(reply, ErrorReply):
                 refused_since = time.monotonic() if refused_since is None else refused_since
@@ -130,11 +155,12 @@ class BufferLink:
                 raise RuntimeError(f"the buffer sent an empty batch for step {step}")
             return reply, time.perf_counter() - start
 
-    def report_version(self, policy_version: int, step: int, resync: bool = False) -> int:
+    def report_version(self, policy_version: int, step: int, resync: bool = False, final: bool = False) -> int:
         """Tell the buffer that `policy_version` is published at `step`; returns the buffer's view of the learner
         version. `resync`: announce it (at the start, after a resume or a refusal; see `common.types.VersionReport`).
-        A refused plain report is sent again as an announcement (this learner knows where it stands)."""
-        message = VersionReport(policy_version=policy_version, step=step, resync=resync)
+        `final`: this is the learner's last step (the buffer ends the run). A refused plain report is sent again as
+        an announcement (this learner knows where it stands)."""
+        message = VersionReport(policy_version=policy_version, step=step, resync=resync, final=final)
         what = f"the version report (step {step}, policy_version {policy_version})"
         refused_since, delays = None, backoff_delays(self.reconnect_max_s)
         while True:

@@ -3,7 +3,8 @@
     checkpoints = CheckpointManager(run_dir / "checkpoints", rank, keep=2, barrier=engine.barrier)
     path = checkpoints.latest()                       # newest complete checkpoint, or None
     state = checkpoints.load(path, trainer)           # restores engines + RNG; returns the LearnerState
-    checkpoints.save(trainer, state)                  # every save_every steps and at the end
+    checkpoints.save(trainer, state)                  # every save_every steps, at the end, on SIGINT/SIGTERM
+    trim_records(run_dir / "metrics.jsonl", state.step)   # a resume: the steps after the checkpoint go
 
 Layout of `<run_dir>/checkpoints/step-000042/`:
     learner_state.json     step, policy_version, consumed counters (written last, by rank 0)
@@ -70,6 +71,17 @@ class Checkpointable(Protocol):
     def save_state(self, directory: Path) -> None: ...
 
     def load_state(self, directory: Path) -> None: ...
+
+
+def latest_step(root: Path) -> int | None:
+    """The step of the newest complete checkpoint under `root`, or None (no folder, or none complete). Reads only:
+    for a launcher, which must not clean up a learner's checkpoints as `CheckpointManager` does."""
+    steps = [
+        int(m.group(1))
+        for p in (Path(root).iterdir() if Path(root).is_dir() else ())
+        if (m := STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()
+    ]
+    return max(steps, default=None)
 
 
 class CheckpointManager:
@@ -139,6 +151,29 @@ class CheckpointManager:
         for old in self.complete()[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
             log.info("checkpoint %s deleted (keeping the last %d)", old, self.keep)
+
+
+def trim_records(path: Path, last_step: int) -> int:
+    """Drop from a metrics file (`common.metrics`, one JSON record with a `step` a line) the records of steps
+    after `last_step`, rewriting it atomically; returns how many lines went. A learner resumed from the checkpoint
+    of `last_step` trains the later steps again, so without this they would be recorded twice. A line that is not
+    a record (the torn last line of a learner killed while writing it) goes too."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):  # torn or foreign: not a step of this run
+            dropped += 1
+            continue
+        if isinstance(step, int) and step <= last_step:
+            kept.append(line + "\n")
+        else:
+            dropped += 1
+    if dropped:
+        _write_atomically(path, "".join(kept))
+    return dropped
 
 
 def _write_atomically(path: Path, text: str) -> None:

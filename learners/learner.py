@@ -3,14 +3,22 @@
     tandem learner CONFIG                                  # world_size ranks (re-launched under torchrun if > 1)
     tandem learner CONFIG --learner.zero_stage 3 --learner.world_size 2
     tandem learner CONFIG --learner.resume true            # continue from the newest complete checkpoint
+    kill -INT <pid>                                        # stop after the step in flight, checkpoint, exit 130
     tandem learner CONFIG --run.simulate true              # SIMULATION: no model, real sockets and versions
 
 The loop, per step s (s = optimizer steps taken so far = the policy_version the step trains at):
     batch      <- buffer: this rank's share of the batch for step s (BatchNotReady: ask again; buffer down: back off)
     train_step -> one optimizer step on the global batch (learners.trainer), s <- s + 1
     publish    every sync_every steps (and at the last): weights of version s, then rank 0 sends VersionReport(s, s)
+               (`final` at learner.total_steps: the buffer ends the run, telling the generators to exit)
     metrics    rank 0: one record per step (metrics.jsonl, TensorBoard), progress bar, a log line
-    checkpoint every save_every steps and at the end (learners.checkpoint)
+    checkpoint every save_every steps, at the end, and on SIGINT/SIGTERM (learners.checkpoint)
+
+Interruption: SIGINT or SIGTERM is recorded, not obeyed at once. The loop stops before its next batch (a wait for
+the buffer is cut short: `learners.buffer_link.LinkInterrupted`), every rank at the same step (one all-reduce of a
+flag per step), saves a checkpoint unless learner.save_on_interrupt = false, and exits 128 + the signal (130 for
+SIGINT, 143 for SIGTERM). A second SIGINT raises KeyboardInterrupt at once, without a checkpoint. A resume drops
+the records of steps after its checkpoint from metrics.jsonl (they are trained again), so no step appears twice.
 
 Versions: the weights at start (step 0, or the step a resume continues from) are published first with version
 = that step, so a generator that (re)starts always finds weights; a resume keeps the numbering. Rank 0 announces
@@ -26,6 +34,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -35,10 +46,11 @@ import numpy as np
 
 from common.config import TandemConfig, write_resolved
 from common.logs import setup_logging
+from common.run_dir import reuse_problem
 from common.sockets import SocketSecurity
 from common.types import RolloutGroup
-from learners.buffer_link import BufferLink, BufferRefused
-from learners.checkpoint import CheckpointManager, LearnerState
+from learners.buffer_link import BufferLink, BufferRefused, LinkInterrupted
+from learners.checkpoint import CheckpointManager, LearnerState, trim_records
 from learners.publisher import WeightsPublisher, open_weights_publisher
 from learners.ranks import launch_ranks, pin_cores
 
@@ -61,8 +73,13 @@ class StepTrainer(Protocol):
 
 
 def run(config: TandemConfig) -> int:
-    """Train `learner.total_steps` steps (see the module docstring); returns the process exit code."""
+    """Train `learner.total_steps` steps (see the module docstring); returns the process exit code: 0 done, 1 the
+    buffer refused it, 2 its run directory holds another run (`common.run_dir`), 128 + signal when interrupted."""
     learner = config.learner
+    reused = None if "RANK" in os.environ else reuse_problem(config.run.run_dir, learner.resume, whole_run=False)
+    if reused:  # a learner started by hand (ranks and Ray members were checked by what started them)
+        print(f"tandem learner: {reused}", file=sys.stderr)
+        return 2
     if learner.world_size > 1 and "RANK" not in os.environ and not config.run.simulate:
         return launch_ranks(config)
     run_dir = config.run.run_dir
@@ -72,21 +89,35 @@ def run(config: TandemConfig) -> int:
         write_resolved(config, run_dir)
     checkpoints = CheckpointManager(run_dir / "checkpoints", dist.rank, KEEP_CHECKPOINTS, _barrier(config))
     state = _resume(checkpoints, trainer, learner.resume, log)
+    if dist.rank == 0 and learner.resume:
+        _forget_steps_after(run_dir / "metrics.jsonl", state.step, log)
     security = SocketSecurity.from_run(config.run)
     publisher = None
     if dist.rank == 0:
         publisher = open_weights_publisher(config.weights, learner.weights_host, learner.weights_port, security)
-    buffer = BufferLink(learner.buffer_address, security, dist.rank, dist.world_size, learner.groups_per_step)
+    stop = _Interrupt(log)
+    buffer = BufferLink(
+        learner.buffer_address,
+        security,
+        dist.rank,
+        dist.world_size,
+        learner.groups_per_step,
+        interrupted=stop.requested,
+    )
     reporter = None
     try:
         _publish(trainer, publisher, state.step)
         if dist.rank == 0:
-            buffer.report_version(state.policy_version, state.step, resync=True)
+            final = state.step >= learner.total_steps  # a finished run resumed: end it again
+            buffer.report_version(state.policy_version, state.step, resync=True, final=final)
             reporter = _reporter(config, state, log)
         saved_step = state.step if learner.resume else -1
         while state.step < learner.total_steps:
             step_start = time.perf_counter()
-            batch, wait_s = buffer.fetch_batch(state.step)
+            fetched = _fetch_unless_interrupted(buffer, state.step)
+            if _any_rank(config, fetched is None):  # every rank stops after the same step
+                break
+            batch, wait_s = fetched
             train_start = time.perf_counter()
             stats = trainer.train_step(batch.groups, batch.staleness)
             train_s = time.perf_counter() - train_start
@@ -96,7 +127,7 @@ def run(config: TandemConfig) -> int:
                 publish_s = _publish(trainer, publisher, state.step)
                 state.policy_version = state.step
                 if dist.rank == 0:
-                    buffer.report_version(state.policy_version, state.step)
+                    _report_version(buffer, state, state.step == learner.total_steps, log)
             timings = {
                 "perf/wait_s": wait_s,
                 "perf/train_s": train_s,
@@ -110,26 +141,133 @@ def run(config: TandemConfig) -> int:
             if learner.save_every and state.step % learner.save_every == 0:
                 checkpoints.save(trainer, state)
                 saved_step = state.step
-        if saved_step != state.step:
+        if state.step > 0 and saved_step != state.step and (not stop.signum or learner.save_on_interrupt):
             checkpoints.save(trainer, state)
+            saved_step = state.step
+        if stop.signum and state.step < learner.total_steps:
+            return _interrupted(stop, state.step, saved_step, checkpoints, learner.total_steps, log)
         log.info(
             "done: %d steps, policy_version %d, %d samples trained",
             state.step,
             state.policy_version,
             state.samples_trained,
         )
+    except LinkInterrupted as interruption:  # rank 0's first announcement, while the buffer was away
+        log.warning("%s at step %d: stopping", interruption, state.step)
+        return 128 + stop.signum
     except BufferRefused as refusal:  # refused for longer than the link's patience, or for good: say why, and stop
         log.error(
             "stopping at step %d: %s (last checkpoint: --learner.resume true continues from it)", state.step, refusal
         )
         return 1
     finally:
+        stop.restore()
         buffer.close()
         if publisher is not None:
             publisher.close()
         if reporter is not None:
             reporter.close()
     return 0
+
+
+class _Interrupt:
+    """Records SIGINT/SIGTERM for the loop to stop after the step in flight (see the module docstring); a second
+    SIGINT raises KeyboardInterrupt. Installed only in the main thread (where Python delivers signals)."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        self.signum = 0
+        self.log = log
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def requested(self) -> bool:
+        return self.signum != 0
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now, without a checkpoint
+        if not self.signum:
+            self.log.warning(
+                "%s: stopping after the step in flight (a second SIGINT stops at once, without a checkpoint)",
+                signal.Signals(signum).name,
+            )
+            self.signum = signum
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _fetch_unless_interrupted(buffer: BufferLink, step: int) -> tuple[Any, float] | None:
+    """(batch, wait_s) for `step`, or None when the learner was interrupted before or while waiting for it."""
+    try:
+        return buffer.fetch_batch(step)
+    except LinkInterrupted:
+        return None
+
+
+def _any_rank(config: TandemConfig, stopping: bool) -> bool:
+    """Whether any rank is stopping (collective: every rank calls it once per step, so all stop together)."""
+    if config.run.simulate:  # one process
+        return stopping
+    import torch
+
+    from learners.engine import all_reduce, device
+
+    return bool(all_reduce(torch.tensor([float(stopping)], device=device()), op="max").item())
+
+
+def _report_version(buffer: BufferLink, state: LearnerState, final: bool, log: logging.Logger) -> None:
+    """Rank 0's report of a published version; an interruption while the buffer is away skips it (the next start
+    announces the step anyway), and the loop then stops before its next batch."""
+    try:
+        buffer.report_version(state.policy_version, state.step, final=final)
+    except LinkInterrupted as interruption:
+        log.warning("%s: the version of step %d is not reported", interruption, state.step)
+
+
+def _interrupted(
+    stop: _Interrupt,
+    step: int,
+    saved_step: int,
+    checkpoints: CheckpointManager,
+    total_steps: int,
+    log: logging.Logger,
+) -> int:
+    """Say what a resume continues from; the exit code 128 + the signal."""
+    name = signal.Signals(stop.signum).name
+    if saved_step == step and step > 0:
+        log.warning(
+            "%s at step %d/%d: checkpoint %s holds it; --learner.resume true continues from there",
+            name,
+            step,
+            total_steps,
+            checkpoints.root / f"step-{step:06d}",
+        )
+    else:
+        latest = checkpoints.latest()
+        log.warning(
+            "%s at step %d/%d, no checkpoint saved (%s): --learner.resume true continues from %s",
+            name,
+            step,
+            total_steps,
+            "learner.save_on_interrupt = false" if step > 0 else "nothing trained yet",
+            latest if latest is not None else "step 0 (no checkpoint yet)",
+        )
+    return 128 + stop.signum
+
+
+def _forget_steps_after(metrics_path: Path, step: int, log: logging.Logger) -> None:
+    """Drop the records of steps after the resumed one: they are trained again, and must not appear twice."""
+    dropped = trim_records(metrics_path, step)
+    if dropped:
+        log.warning(
+            "resuming at step %d: %d records of later steps dropped from %s (trained again now)",
+            step,
+            dropped,
+            metrics_path,
+        )
 
 
 def _start_trainer(config: TandemConfig) -> tuple[StepTrainer, Any]:
@@ -167,7 +305,10 @@ def _resume(checkpoints: CheckpointManager, trainer: StepTrainer, resume: bool, 
         return LearnerState()
     latest = checkpoints.latest()
     if latest is None:
-        log.warning("learner.resume = true but %s holds no complete checkpoint: starting at step 0", checkpoints.root)
+        log.warning(
+            "learner.resume = true but %s holds no complete checkpoint: the run starts again at step 0",
+            checkpoints.root,
+        )
         return LearnerState()
     state = checkpoints.load(latest, trainer)
     state.policy_version = state.step  # the restored weights are published as this step's version

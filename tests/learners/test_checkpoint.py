@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from learners.checkpoint import CheckpointManager, LearnerState, capture_rng, restore_rng
+from learners.checkpoint import CheckpointManager, LearnerState, capture_rng, latest_step, restore_rng, trim_records
 
 
 class FakeTrainer:
@@ -50,6 +50,29 @@ def test_a_directory_without_learner_state_is_not_a_checkpoint(tmp_path: Path) -
     assert manager.latest() is None
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         manager.load(tmp_path / "step-000009", FakeTrainer())
+
+
+def test_latest_step_reads_only_complete_checkpoints(tmp_path: Path) -> None:
+    assert latest_step(tmp_path / "none") is None
+    manager = CheckpointManager(tmp_path, rank=0)
+    manager.save(FakeTrainer(), LearnerState(step=3, policy_version=3))
+    (tmp_path / "step-000007.tmp").mkdir()  # a save in progress (or a crash's leftover): left alone, not counted
+    (tmp_path / "step-000009").mkdir()
+    assert latest_step(tmp_path) == 3 and (tmp_path / "step-000007.tmp").is_dir()
+
+
+def test_a_resume_drops_the_records_of_later_steps(tmp_path: Path) -> None:
+    """metrics.jsonl of a learner killed after step 3 with checkpoint 2, its last line torn mid-write: resumed at
+    step 2, the file holds steps 1 and 2 only, so steps 3.. are recorded once, by the resumed learner."""
+    path = tmp_path / "metrics.jsonl"
+    assert trim_records(path, 2) == 0  # no file yet: nothing to do
+    path.write_text(
+        "".join(json.dumps({"step": s, "reward/mean": s / 10}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "rew'
+    )
+    assert trim_records(path, 2) == 2
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    assert path.read_text().endswith("\n") and trim_records(path, 2) == 0
+    assert trim_records(path, 0) == 2 and path.read_text() == ""  # resumed with no checkpoint: step 0
 
 
 def test_only_the_newest_checkpoints_are_kept(tmp_path: Path) -> None:

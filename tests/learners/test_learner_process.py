@@ -4,6 +4,7 @@ from the last complete checkpoint and continues at the next version. Plus the si
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -89,9 +90,11 @@ def test_learner_trains_publishes_checkpoints_survives_sigkill_and_resumes(tiny_
             assert header.policy_version == 2
             assert received_bytes(v2) == safetensors_bytes(checkpoints / "step-000002" / "hf" / "model.safetensors")
             assert sum(v2[n].tobytes() != initial[n].tobytes() for n in v2) == len(v2)  # every tensor trained
+            buffer.set_gate(3)  # step 3 is trained and recorded, not checkpointed (save_every 2), when it dies
+            learner.wait_until(lambda: any(r.step == 3 for r in buffer.requests), 120, "step 3's batch request")
             learner.kill()
             assert learner.poll() == -9
-        assert [(r.policy_version, r.step) for r in buffer.reports] == [(0, 0), (1, 1), (2, 2)]
+        assert [(r.policy_version, r.step) for r in buffer.reports] == [(0, 0), (1, 1), (2, 2), (3, 3)]
         before = len(buffer.requests), len(buffer.reports)
         buffer.set_gate(4)
         with RoleUnderTest(config, "learner", "--learner.resume", "true") as learner:
@@ -110,7 +113,7 @@ def test_learner_trains_publishes_checkpoints_survives_sigkill_and_resumes(tiny_
         assert [(r.policy_version, r.step) for r in buffer.reports[before[1] :]] == [(2, 2), (3, 3), (4, 4), (5, 5)]
         assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000004", "step-000005"]  # keep 2
         records = read_metrics(tmp_path / "run" / "metrics.jsonl")
-        assert [r["step"] for r in records][-3:] == [3, 4, 5]
+        assert [r["step"] for r in records] == [1, 2, 3, 4, 5]  # step 3 of the killed learner dropped at resume
         for key in REQUIRED_METRICS:
             assert all(r.get(key) is not None for r in records), key
         # the buffer dropped one group of 4 samples as too stale at step 3 (stale_at): its count reaches the metrics
@@ -159,6 +162,45 @@ def test_simulated_learner_serves_real_bytes_and_real_versions(tmp_path: Path) -
         assert records[2]["throughput/tokens_per_s"] < records[2]["perf/train_tokens_per_s"]
     finally:
         generator.close()
+        buffer.close()
+
+
+@pytest.mark.integration
+def test_sigint_checkpoints_the_step_reached_and_the_resumed_run_records_each_step_once(tmp_path: Path) -> None:
+    """The demo's save_every = 0: only the interrupt saves. SIGINT while the learner waits for step 3's batch: it
+    exits 130 with the checkpoint of step 3; resumed, it trains steps 4 and 5 and ends the run (`final`)."""
+    config = process_config(
+        "tiny",
+        tmp_path,
+        run__simulate=True,
+        learner__sim_weights_mb=1.0,
+        learner__sim_sample_s=0.01,
+        learner__total_steps=5,
+        learner__save_every=0,
+    )
+    checkpoints = tmp_path / "run" / "checkpoints"
+    buffer = SyntheticBuffer(config.buffer.port, groups_per_step=2, group_size=4, gate=3)
+    try:
+        with RoleUnderTest(config, "learner") as learner:
+            learner.wait_until(lambda: any(r.step == 3 for r in buffer.requests), 60, "step 3's batch request")
+            learner.send_signal(signal.SIGINT)
+            assert learner.wait(60) == 130, learner.tail()
+        assert [p.name for p in checkpoints.iterdir()] == ["step-000003"]
+        assert "SIGINT at step 3/5: checkpoint" in learner.output()
+        assert not any(r.final for r in buffer.reports)  # interrupted: the run is not over
+        buffer.set_gate(None)
+        before = len(buffer.requests)
+        with RoleUnderTest(config, "learner", "--learner.resume", "true") as resumed:
+            assert resumed.wait(60) == 0, resumed.tail()
+        assert buffer.requests[before].step == 3  # continues at the saved step
+        assert [(r.step, r.resync, r.final) for r in buffer.reports][-3:] == [
+            (3, True, False),
+            (4, False, False),
+            (5, False, True),
+        ]
+        records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+        assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    finally:
         buffer.close()
 
 
