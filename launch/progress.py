@@ -21,7 +21,7 @@ class RunProgress:
         self.offset = 0
         self.progress = Progress(
             TextColumn("[bold]train"),
-            BarColumn(),
+            BarColumn(bar_width=20),  # room for the status: rich cuts a line wider than the terminal
             MofNCompleteColumn(),
             TextColumn("{task.fields[status]}"),
             TimeElapsedColumn(),
@@ -63,10 +63,10 @@ def _fmt(record: dict[str, Any], key: str, spec: str) -> str:
 def _status(record: dict[str, Any]) -> str:
     """One line of a learner record; 'SIMULATION' first when the record comes from a simulated run."""
     return (
-        ("SIMULATION  " if record.get("simulation") else "")
-        + f"reward {_fmt(record, 'reward/mean', '.3f')}  staleness {_fmt(record, 'staleness/mean', '.2f')}"
-        f" (max {_fmt(record, 'staleness/max', '.0f')})  {_fmt(record, 'throughput/samples_per_s', ',.1f')} samples/s"
-        f"  {_fmt(record, 'throughput/tokens_per_s', ',.0f')} tok/s"
+        ("SIMULATION " if record.get("simulation") else "")
+        + f"reward {_fmt(record, 'reward/mean', '.3f')} staleness {_fmt(record, 'staleness/mean', '.2f')}"
+        f" (max {_fmt(record, 'staleness/max', '.0f')}) {_fmt(record, 'throughput/samples_per_s', ',.1f')} samples/s"
+        f" {_fmt(record, 'throughput/tokens_per_s', ',.0f')} tok/s"
         f" (train {_fmt(record, 'perf/train_tokens_per_s', ',.0f')} tok/s)"
     )
 

@@ -15,6 +15,6 @@ def test_the_bar_shows_end_to_end_rates_and_the_compute_rate() -> None:
         "perf/train_tokens_per_s": 43210.0,
     }
     status = _status(record)
-    assert "12.3 samples/s  4,321 tok/s (train 43,210 tok/s)" in status and "SIMULATION" not in status
+    assert "12.3 samples/s 4,321 tok/s (train 43,210 tok/s)" in status and "SIMULATION" not in status
     assert _status({**record, "simulation": True}).startswith("SIMULATION")
     assert "- samples/s" in _status({"reward/mean": 0.25})  # a record without them (an older run) shows '-'
