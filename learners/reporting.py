@@ -12,8 +12,8 @@ animates on a terminal, and the same numbers go to the log every step either way
 
 Two kinds of rate, and why both: `perf/train_tokens_per_s` is the trainer's compute speed (tokens over the
 `train_step` call alone), which does not move when generators are added; `throughput/samples_per_s` and
-`throughput/tokens_per_s` count wall time, waiting for batches included, so they rise while the learner is starved
-and adding generators feeds it, and they can never exceed the compute rate (see `WallClockRates`).
+`throughput/tokens_per_s` count wall time, waiting for batches included, so they rise when generators are added to a
+learner that waits for batches, and they never exceed the compute rate (see `WallClockRates`).
 """
 
 from __future__ import annotations
