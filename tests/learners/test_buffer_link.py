@@ -14,7 +14,7 @@ from buffers.core import RequestRejected
 from common.sockets import Server, SocketSecurity
 from common.types import LeaseRequest, VersionReport
 from launch.testing import ServerThread, free_port
-from learners.buffer_link import BufferLink, BufferRefused
+from learners.buffer_link import BufferLink, BufferRefused, LinkInterrupted
 from tests.buffers.fakes import GROUP, make_core, make_group
 from tests.learners.learner_fakes import SyntheticBuffer
 
@@ -30,6 +30,34 @@ def link(port: int, rank: int = 0, world_size: int = 1) -> BufferLink:
         reply_margin_s=0.3,
         reconnect_max_s=0.2,
     )
+
+
+def test_an_interrupted_learner_stops_waiting_for_a_buffer_that_is_away() -> None:
+    """Nothing listens: the fetch backs off (up to 10 s a retry) until the learner is interrupted, then raises; an
+    interrupted link sends no new batch request at all."""
+    stop = threading.Event()
+    client = BufferLink(
+        f"127.0.0.1:{free_port()}",
+        SocketSecurity(),
+        0,
+        1,
+        num_groups=2,
+        hold_s=0.1,
+        reply_margin_s=0.1,
+        reconnect_max_s=10.0,
+        interrupted=stop.is_set,
+    )
+    try:
+        threading.Thread(target=lambda: (time.sleep(0.5), stop.set()), daemon=True).start()
+        with pytest.raises(LinkInterrupted, match="while waiting for the batch for step 0"):
+            client.fetch_batch(0)
+        unavailable = client.counters["buffer_unavailable"]
+        assert unavailable >= 1
+        with pytest.raises(LinkInterrupted, match="before the batch for step 1"):
+            client.fetch_batch(1)
+        assert client.counters["buffer_unavailable"] == unavailable  # no request went out
+    finally:
+        client.close()
 
 
 def test_fetch_outlives_a_buffer_that_starts_late_and_is_not_ready_at_first() -> None:
