@@ -8,38 +8,94 @@
     scale_generators("my-run", 8)          # -> the fleet's status after the change
 
 Each call finds the run's controller actor by name (`tandem:<run>:controller`, namespace `tandem`) on the
-cluster at `address` (else RAY_ADDRESS, else `auto`: a Ray started on this machine). A process that is
-already connected to Ray (a test, a notebook) is reused as it is. Failure modes: LookupError when no run of
-that name is on the cluster; ValueError (from the controller) when the run has ended or the count is < 0;
-PlacementError when the cluster cannot place more generators.
+cluster at `address`, else RAY_ADDRESS, else the local cluster that `tandem ray` started on this machine for that
+run (launch.ray_local keeps a record of it per run name), else `auto` (a Ray started on this machine by `ray
+start`). A process that is already connected to Ray (a test, a notebook) is reused as it is.
+
+Failure modes, each one line on the command line (exit codes: 0 done, 1 no such run / over / unreachable /
+refused, 2 the cluster cannot hold the scale-up): LookupError when the run is not on the cluster, is over (its
+local cluster has shut down: the record says how it ended) or the cluster cannot be reached; ValueError (from the
+controller) when the run has ended; PlacementError when the cluster cannot place more generators (at once when its
+free CPUs/GPUs are too few).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import socket
 import sys
 from typing import Any
 
+from launch.ray_local import LocalCluster
 from launch.ray_placement import PlacementError
 from launch.ray_plan import NAMESPACE, controller_name
 
 FOLLOWER_SILENT_S = 10.0  # a follower asks every second; silent this long, it is gone
+REACH_TIMEOUT_S = 3.0  # a cluster address that accepts no TCP connection in this long is unreachable
 
 
 def controller(run_name: str, address: str | None = None) -> Any:
     """The controller actor of `run_name`; joins the cluster first if this process is not connected."""
+    return reach(run_name, address)[0]
+
+
+def reach(run_name: str, address: str | None = None) -> tuple[Any, LocalCluster | None]:
+    """(the controller of `run_name`, the record of the local cluster this process joined for it, or None).
+    LookupError, with one line that says why, when the run cannot be reached (see the module docstring)."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", namespace=NAMESPACE, log_to_driver=False)
+    local = None if ray.is_initialized() else join(run_name, address)
     try:
-        return ray.get_actor(controller_name(run_name), namespace=NAMESPACE)
+        return ray.get_actor(controller_name(run_name), namespace=NAMESPACE), local
     except ValueError:
         raise LookupError(
             f"no run named '{run_name}' on this Ray cluster (its controller '{controller_name(run_name)}' is not alive)"
         ) from None
+
+
+def join(run_name: str, address: str | None) -> LocalCluster | None:
+    """Connect this process to the cluster of `run_name` (see the module docstring); returns the local cluster's
+    record when that is where it went. Never a traceback for a cluster that is not there: LookupError."""
+    import ray
+
+    address = address or os.environ.get("RAY_ADDRESS", "")
+    local = None
+    if not address:
+        local = LocalCluster.load(run_name)
+        if local is not None and not local.running:
+            raise LookupError(local.over_line())
+        address = local.address if local is not None else "auto"
+        if local is not None:
+            local.prepare_join()
+    problem = unreachable(address)
+    if problem:
+        raise LookupError(f"cannot reach run '{run_name}': {problem}")
+    try:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.ERROR)
+    except ConnectionError:  # "auto" found no Ray on this machine
+        raise LookupError(
+            f"no run named '{run_name}' is running here: no Ray cluster runs on this machine and no local one was "
+            f"started for it (for a cluster elsewhere pass --address HOST:6379 or set RAY_ADDRESS)"
+        ) from None
+    return local
+
+
+def unreachable(address: str) -> str | None:
+    """Why a `host:port` (or `ray://host:port`) cluster address accepts no connection, else None; Ray's own
+    connect would retry for a minute or more."""
+    if address in ("auto", "local"):
+        return None
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not port.isdigit():
+        return None  # Ray says what is wrong with it
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_TIMEOUT_S).close()
+    except OSError as error:
+        return f"the Ray cluster at {address} does not answer ({error.strerror or error}); is it up (`ray status`)?"
+    return None
 
 
 def scale_generators(run_name: str, count: int, address: str | None = None) -> dict[str, Any]:
@@ -57,18 +113,23 @@ def fleet_status(run_name: str, address: str | None = None) -> dict[str, Any]:
 
 def stop_fleet(run_name: str, address: str | None = None) -> dict[str, Any]:
     """Stop every role of the run in order; returns the outcome. The controller is then removed by the run's
-    follower (`tandem ray CONFIG`, which reports the outcome and exits 130), or here if nobody follows it."""
+    follower (`tandem ray CONFIG`, which reports the outcome and exits 130), or here if nobody follows it. A
+    local cluster that `tandem ray` started for the run is shut down too (by its driver, if that still runs)
+    before this returns."""
     import ray
     from ray.exceptions import RayActorError
 
-    handle = controller(run_name, address)
+    handle, local = reach(run_name, address)
     outcome = ray.get(handle.stop.remote("tandem ray stop"))
     try:
         followed = ray.get(handle.followed.remote(FOLLOWER_SILENT_S))
     except RayActorError:  # the follower saw the outcome first and has already removed the controller
-        return outcome
+        followed = True
     if not followed:
         ray.kill(handle, no_restart=True)
+    if local is not None:
+        ray.shutdown()  # before the cluster goes: this process leaves it quietly
+        local.shut_down(outcome)
     return outcome
 
 
@@ -77,19 +138,32 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     scale = sub.add_parser("scale", help="add or retire generators while the learner trains")
     scale.add_argument("run", help="run.name of the fleet")
-    scale.add_argument("--generators", type=int, required=True, help="generators to run from now on")
-    status = sub.add_parser("status", help="print the fleet's members, endpoints and restarts")
+    scale.add_argument("--generators", type=_count, required=True, help="generators to run from now on (>= 0)")
+    status = sub.add_parser("status", help="print the fleet's members, endpoints and restarts (exit 1: not running)")
     status.add_argument("run")
     stop = sub.add_parser("stop", help="stop every role of the run (generators, learners, buffer)")
     stop.add_argument("run")
     for cmd in (scale, status, stop):
-        cmd.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else auto)")
+        cmd.add_argument(
+            "--address",
+            default=None,
+            help="Ray cluster address (default: RAY_ADDRESS, else the local Ray that `tandem ray` started for RUN, else auto)",
+        )
         cmd.add_argument("--json", action="store_true", help="print the reply as JSON")
     return parser
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (got {value})")
+    return value
+
+
 def main(argv: list[str]) -> int:
-    """`tandem ray scale|status|stop RUN ...`; returns the exit code (1: no such run, or the controller refused)."""
+    """`tandem ray scale|status|stop RUN ...`; returns the exit code: 0 done; 1 the run is not there, over,
+    unreachable, or the controller refused; 2 the cluster cannot hold the generators asked for. A status of a
+    run that is over is one line and exit 1."""
     args = _parser().parse_args(argv)
     try:
         if args.action == "scale":
@@ -98,19 +172,39 @@ def main(argv: list[str]) -> int:
             reply = fleet_status(args.run, args.address)
         else:
             reply = stop_fleet(args.run, args.address)
-    except (LookupError, ValueError, PlacementError) as error:
-        print(f"tandem ray {args.action}: {error}", file=sys.stderr)
+    except PlacementError as error:
+        print(f"tandem ray {args.action}: {message(error)}", file=sys.stderr)
+        return 2
+    except (LookupError, ValueError) as error:
+        print(f"tandem ray {args.action}: {message(error)}", file=sys.stderr)
         return 1
-    print(json.dumps(reply, indent=2) if args.json else _describe(reply))
-    return 0
+    over = args.action == "status" and reply["outcome"] is not None
+    if args.json:
+        print(json.dumps(reply, indent=2))
+    elif over:
+        print(f"tandem ray status: run {args.run} is over: {_outcome(reply['outcome'])}", file=sys.stderr)
+    else:
+        print(_describe(args.run, reply))
+    return 1 if over else 0
 
 
-def _describe(reply: dict[str, Any]) -> str:
+def message(error: BaseException) -> str:
+    """What an error says, without the remote traceback that Ray wraps around an actor method's exception."""
+    from ray.exceptions import RayTaskError
+
+    return str(error.cause if isinstance(error, RayTaskError) else error)
+
+
+def _outcome(outcome: dict[str, Any]) -> str:
+    return f"{outcome['outcome']} (code {outcome['code']})"
+
+
+def _describe(run_name: str, reply: dict[str, Any]) -> str:
     if "generators" not in reply:  # an outcome
-        return f"{reply['outcome']} (code {reply['code']})"
+        return f"run {run_name}: {_outcome(reply)}"
     members = [reply["buffer"], *reply["learners"], *reply["generators"], *reply["retiring"]]
     lines = [
-        f"run {reply['run']}: {reply['outcome']['outcome'] if reply['outcome'] else 'running'}",
+        f"run {reply['run']}: running",
         f"  buffer {reply['buffer_address']}   weights {reply['weights_address']}",
         f"  restarts {reply['restarts']}",
     ]

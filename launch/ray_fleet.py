@@ -50,7 +50,7 @@ from common.metrics import MetricsSink
 from launch import ray_members as members
 from launch.local import stop_grace_s
 from launch.ray_members import Member, call, describe_code
-from launch.ray_placement import BundlePool, Slot
+from launch.ray_placement import BundlePool, PlacementError, Slot
 from launch.ray_plan import Endpoints, bind_problem, fleet_config, learner_env, learner_processes
 
 SUPERVISE_S = 0.5
@@ -148,7 +148,9 @@ class FleetController:
     def scale_generators(self, count: int) -> dict[str, Any]:
         """Run `count` generators: start new ones (new indices; they fetch the newest weights before leasing) or
         retire the newest ones (SIGTERM: they return their leases). Raises ValueError when the run has ended
-        or count < 0, PlacementError when the cluster cannot place the new ones."""
+        or count < 0; PlacementError at once when the cluster's free CPUs/GPUs cannot hold the new ones, or
+        after ray.placement_timeout_s when they seemed to but could not be placed (other work took them, or no
+        single node has a bundle's worth free)."""
         if count < 0:
             raise ValueError(f"generators: must be >= 0 (got {count})")
         with self.lock:
@@ -156,6 +158,7 @@ class FleetController:
                 raise ValueError(f"run {self.run_name} has ended ({self.outcome['outcome']}); nothing to scale")
             current = len(self.generators)
             if count > current:
+                self._check_room(current, count)
                 self._add_generators(count - current)
             for member in sorted(self.generators, key=lambda m: m.index)[count:]:
                 self._retire(member)
@@ -168,6 +171,10 @@ class FleetController:
         The caller is the run's follower (`tandem ray CONFIG`), which removes the controller at the end."""
         self.last_followed = time.time()
         return self.outcome if self.ended.wait(timeout_s) else None  # set only once the fleet is stopped
+
+    def ended_with(self) -> dict[str, Any] | None:
+        """The outcome once the run has ended (the fleet stopped), else None; unlike wait(), no follower is noted."""
+        return self.outcome if self.ended.is_set() else None
 
     def followed(self, within_s: float) -> bool:
         """Whether a follower waited on this run in the last `within_s` seconds (it then removes the controller)."""
@@ -239,6 +246,13 @@ class FleetController:
         self.generators += added
         for member in added:
             self.log.info("%s started on %s (pid %s)", member.name, member.node["ip"], member.pid)
+
+    def _check_room(self, current: int, count: int) -> None:
+        """PlacementError at once, instead of after ray.placement_timeout_s, when the cluster's free resources
+        cannot hold the generators that scaling from `current` to `count` adds."""
+        problem = self.pools["generator"].room_problem(count - current)
+        if problem:
+            raise PlacementError(f"run {self.run_name} has {current} generator(s), {count} asked: {problem}")
 
     def _relay_host(self, member: Member) -> list[str]:
         """Where a generator's weights relay binds: its node's IP on a joined cluster (other nodes' generators

@@ -7,7 +7,8 @@
     tandem ray status exp1
     tandem ray stop exp1
 
-What this process does: joins the cluster (`ray.address`, else RAY_ADDRESS, else starts a local Ray), checks
+What this process does: joins the cluster (`ray.address`, else RAY_ADDRESS, else a local Ray that it starts as a
+head process of its own, launch.ray_local), checks
 that the cluster can hold the fleet at all, creates the run's controller — the named, detached actor
 `tandem:<run>:controller` (launch.ray_fleet) that places, starts, supervises and scales the roles — and then
 follows the run: a progress bar from `<run_dir>/metrics.jsonl` (when the run directory is visible on this
@@ -16,8 +17,10 @@ machine) until the controller reports the outcome.
 Exit codes: 0 the learner finished; 1 a role failed beyond what the controller may repair (its reason and log
 tail are printed); 2 the config or the cluster cannot hold this run, or its run directory holds another run
 (`common.run_dir`); 130 Ctrl-C / SIGTERM (fleet stopped).
-The controller is killed when this process ends; if this process is killed hard, the detached controller
-keeps the fleet running: `tandem ray status RUN` / `tandem ray stop RUN` reach it from any shell.
+The controller is killed when this process ends, and the local Ray it started is shut down. If this process is
+killed hard, the detached controller keeps the fleet running, on a joined cluster and on the local one alike (its
+head runs in its own session): `tandem ray status RUN` / `tandem ray stop RUN` reach it from any shell, and the
+stop also shuts the local Ray down (so does the run's own end: see launch.ray_local).
 """
 
 from __future__ import annotations
@@ -26,15 +29,18 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from common.config import TandemConfig
 from common.logs import setup_logging
 from common.run_dir import reuse_problem
 from launch.progress import RunProgress, summarize
+from launch.ray_local import LocalCluster, busy_problem, forget, start_local
 from launch.ray_plan import NAMESPACE, capacity_problem, controller_name, resource_demand
 
 FOLLOW_S = 1.0
+DRIVER_FAILED = {"outcome": "failed: tandem ray itself failed (see its output)", "code": 1}  # until one is known
 
 
 def run(config: TandemConfig) -> int:
@@ -46,40 +52,60 @@ def run(config: TandemConfig) -> int:
     if reused:  # before Ray starts or any role writes into it
         print(f"tandem ray: {reused}", file=sys.stderr)
         return 2
+    busy = None if joined_address(config) else busy_problem(config.run.name)
+    if busy:
+        print(f"tandem ray: {busy}", file=sys.stderr)
+        return 2
     log = setup_logging("launcher", 0, run_dir, simulation=config.run.simulate)
-    local_cluster = connect(config)
+    local = connect(config, run_dir)
+    outcome = DRIVER_FAILED
     try:
         problem = fleet_problem(config)
         if problem:
+            outcome = {"outcome": f"refused: {problem}", "code": 2}
             print(f"tandem ray: {problem}", file=sys.stderr)
             return 2
-        controller = create_controller(config, local_cluster)
+        controller = create_controller(config, local is not None)
         mode = "SIMULATION (no vLLM, no DeepSpeed)" if config.run.simulate else "real engines"
         log.info(
             "run %s on Ray (%s cluster, %s); run directory %s",
             config.run.name,
-            "local" if local_cluster else "joined",
+            f"local, head pid {local.head_pid}" if local else "joined",
             mode,
             run_dir,
         )
-        return follow(controller, config, log)
+        start = time.time()
+        outcome = follow(controller, config, log)
+        return report(outcome, config, time.time() - start)
     finally:
         ray.shutdown()
+        if local is not None:
+            local.shut_down(outcome)  # the outcome recorded for `tandem ray status RUN`; every Ray process ends
 
 
-def connect(config: TandemConfig) -> bool:
-    """Join `ray.address` / RAY_ADDRESS, or start a local Ray (returns True then: roles bind loopback)."""
+def joined_address(config: TandemConfig) -> str:
+    """The cluster to join (`ray.address`, else RAY_ADDRESS), or "" for a local Ray of this run."""
+    return config.ray.address or os.environ.get("RAY_ADDRESS", "")
+
+
+def connect(config: TandemConfig, run_dir: Path) -> LocalCluster | None:
+    """Join the cluster, or start a local Ray for this run and join it (its record is returned then: roles bind
+    loopback). The local Ray is a head process of its own (launch.ray_local), so that it outlives this one."""
     import ray
 
-    address = config.ray.address or os.environ.get("RAY_ADDRESS", "")
+    address = joined_address(config)
     if address:
+        forget(config.run.name)  # a local cluster of this name that has ended: `tandem ray status` asks here now
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
-        return False
-    object_store = config.ray.object_store_mb * (1 << 20) or None
-    ray.init(
-        address="local", namespace=NAMESPACE, include_dashboard=config.ray.dashboard, object_store_memory=object_store
-    )  # always a new Ray of this machine alone, even if one runs
-    return True
+        return None
+    local = start_local(config.run.name, run_dir, config.ray.dashboard, config.ray.object_store_mb)
+    try:
+        local.prepare_join()
+        ray.init(address=local.address, namespace=NAMESPACE, log_to_driver=True)
+    except BaseException:
+        local.shut_down({"outcome": "failed: the driver could not join the local Ray it started", "code": 1})
+        raise
+    return local
 
 
 def fleet_problem(config: TandemConfig) -> str | None:
@@ -122,8 +148,9 @@ def create_controller(config: TandemConfig, local_cluster: bool) -> Any:
     )
 
 
-def follow(controller: Any, config: TandemConfig, log: Any) -> int:
-    """Start the fleet, show progress until the controller reports the outcome, stop the fleet on a signal."""
+def follow(controller: Any, config: TandemConfig, log: Any) -> dict[str, Any]:
+    """Start the fleet, show progress until the controller reports the outcome ({"outcome", "code"}, returned),
+    stop the fleet on a signal."""
     import ray
     from ray.exceptions import RayActorError
 
@@ -132,7 +159,6 @@ def follow(controller: Any, config: TandemConfig, log: Any) -> int:
         sig: signal.signal(sig, lambda s, _f: interrupted.append(signal.Signals(s).name))
         for sig in (signal.SIGINT, signal.SIGTERM)
     }
-    start = time.time()
     run_dir = config.run.run_dir.resolve()
     try:
         status = ray.get(controller.start.remote())
@@ -158,8 +184,13 @@ def follow(controller: Any, config: TandemConfig, log: Any) -> int:
         ray.kill(controller, no_restart=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    return outcome
+
+
+def report(outcome: dict[str, Any], config: TandemConfig, wall_s: float) -> int:
+    """Print the run's summary (it finished) or how it ended; returns the exit code."""
     if outcome["code"] == 0:
-        print(summarize(run_dir, wall_s=time.time() - start))
+        print(summarize(config.run.run_dir.resolve(), wall_s=wall_s))
     else:
         print(f"\ntandem ray: run {config.run.name} {outcome['outcome']}", file=sys.stderr)
     return int(outcome["code"])

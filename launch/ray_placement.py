@@ -3,6 +3,7 @@
     learners = BundlePool("my-run", "learner", {"CPU": 1, "GPU": 1}, "PACK", timeout_s=120)
     slots = learners.acquire(4)               # one placement group of 4 bundles, packed on as few nodes as fit
     generators = BundlePool("my-run", "generator", {"CPU": 1}, "SPREAD", timeout_s=120)
+    generators.room_problem(2)                # None, or at once: what is free and what 2 more would reserve
     more = generators.acquire(2)              # reuses freed bundles first, else a new group of the rest, spread
     generators.release(more[0])               # a group none of whose bundles is used any more is removed
     actor_cls.options(scheduling_strategy=slot.strategy(), ...)
@@ -10,7 +11,8 @@
 Ray reserves a placement group all at once (gang scheduling) and never resizes it, so growing a fleet adds a
 group for the new members, and shrinking frees bundles; a replacement for a member that died takes the
 freed bundle of the same group, hence the same node. Failure mode: a group that cannot be placed within
-`timeout_s` (not enough free CPUs/GPUs) is removed and PlacementError says what it asked for.
+`timeout_s` (not enough free CPUs/GPUs) is removed and PlacementError says what it asked for and what is free
+(CPUs and GPUs: never Ray's internal per-group resource names).
 Not thread-safe: the fleet controller calls it under its lock.
 """
 
@@ -63,6 +65,26 @@ class BundlePool:
         self.used.update(taken)
         return taken
 
+    def room_problem(self, count: int) -> str | None:
+        """None when `count` more slots look placeable now: this pool's free slots first, then new bundles out of
+        the cluster's free CPUs/GPUs in all; else what is free and what was asked, in one line. (A bundle must
+        also fit on one node, and other work may take resources meanwhile: acquire() finds that out, later.)"""
+        import ray
+
+        new = count - len(self.free)
+        if new <= 0:
+            return None
+        free, total = ray.available_resources(), ray.cluster_resources()
+        for resource, each in self.bundle.items():
+            have = float(free.get(resource, 0.0))
+            if new * each > have + 1e-9:  # 1e-9: Ray counts resources in units of 1e-4, so sums of them are exact
+                return (
+                    f"{new} more {self.label}(s) reserve {new * each:g} {resource} ({each:g} each); the cluster has "
+                    f"{have:g} {resource} free of {float(total.get(resource, 0.0)):g}: lower "
+                    f"ray.{self.label}_{resource.lower()}s, ask for fewer, or add nodes"
+                )
+        return None
+
     def release(self, slot: Slot) -> None:
         """The member of `slot` is gone; the slot is reusable, and its group is removed once all of it is free."""
         import ray
@@ -98,8 +120,14 @@ class BundlePool:
             ray.util.remove_placement_group(group)
             raise PlacementError(
                 f"could not place {count} x {self.bundle} ({self.label}, {self.strategy}) within "
-                f"{self.timeout_s:.0f}s; free resources now: {ray.available_resources()}. Lower the "
+                f"{self.timeout_s:.0f}s; free now: {describe(ray.available_resources())}. Lower the "
                 f"ray.{self.label}_* reservations, add nodes, or raise ray.placement_timeout_s"
             ) from None
         self.groups += 1
         return [Slot(group, index) for index in range(count)]
+
+
+def describe(resources: dict[str, Any]) -> str:
+    """ "2.5 CPU, 0 GPU": the CPUs and GPUs of `ray.available_resources()`, without Ray's per-placement-group
+    entries (`CPU_group_<id>`, `bundle_group_<id>`), memory and node labels."""
+    return ", ".join(f"{float(resources.get(key, 0.0)):g} {key}" for key in ("CPU", "GPU"))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -63,6 +65,34 @@ def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, launch: 
             return value
         time.sleep(0.25)
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}\n{launch.tail() if launch else ''}")
+
+
+def control(action: str, run_name: str, *args: str, address: str | None = None) -> subprocess.CompletedProcess:
+    """`tandem ray ACTION RUN ARGS [--address ADDRESS]` as a user types it, in a shell without RAY_ADDRESS."""
+    argv = [sys.executable, "-m", "launch.cli", "ray", action, run_name, *args]
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    return subprocess.run(
+        argv + (["--address", address] if address else []),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        check=False,
+    )
+
+
+def session_processes(session_id: int) -> list[str]:
+    """Processes of the session `session_id` (a local Ray head leads one: Ray's GCS, raylet and workers)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
+        if int(fields[3]) == session_id and fields[0] != "Z":
+            found.append(f"{pid}: {stat[: stat.rfind(')') + 1]}")
+    return found
 
 
 def samples_per_s(records: list[dict[str, Any]], first_step: int, last_step: int) -> float:

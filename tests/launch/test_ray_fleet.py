@@ -14,7 +14,7 @@ import itertools
 import os
 import signal
 import subprocess
-import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +23,7 @@ from tests.launch.ray_runs import (
     SIM_CONFIG,
     RayLaunch,
     buffer_counters,
+    control,
     freeze_while_holding_leases,
     member_pid,
     processes_of,
@@ -40,19 +41,7 @@ HEARTBEAT_TIMEOUT_S = 3  # ray_sim.toml: buffer.heartbeat_timeout_s
 
 
 def scale_with_cli(name: str, address: str, generators: int) -> subprocess.CompletedProcess:
-    argv = [
-        sys.executable,
-        "-m",
-        "launch.cli",
-        "ray",
-        "scale",
-        name,
-        "--generators",
-        str(generators),
-        "--address",
-        address,
-    ]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    return control("scale", name, "--generators", str(generators), address=address)
 
 
 def saved_steps(run_dir: Path) -> list[int]:
@@ -92,6 +81,7 @@ def test_scale_up_and_replace_dead_generators(tmp_path: Path, ray_cluster: str, 
         status = fleet_status("scale")
         assert [g["name"] for g in status["generators"]] == ["generator-0", "generator-1", "generator-2"]
         assert len({g["node_id"] for g in status["generators"]}) >= 2, "generators were not spread over nodes"
+        refuse_scaling_past_capacity("scale", ray_cluster)
         scaled_at = len(launch.records())
         records = launch.wait_steps(scaled_at + 30, timeout_s=90)
         after = samples_per_s(records, scaled_at + 8, len(records))
@@ -135,6 +125,26 @@ def test_scale_up_and_replace_dead_generators(tmp_path: Path, ray_cluster: str, 
     assert counters["buffered_groups"] < GROUPS_PER_STEP, counters
     assert not processes_of(launch.run_dir), processes_of(launch.run_dir)
     assert all((launch.run_dir / "logs" / f"generator-{i}.log").is_file() for i in range(5))
+
+
+def refuse_scaling_past_capacity(name: str, address: str) -> None:
+    """20 generators on 3 nodes x 2 CPUs that hold 2.5 CPUs of this fleet: 17 more x 0.5 CPU > 3.5 free. Refused
+    at once, in one line that says what is free and what was asked; the fleet is left as it was."""
+    from launch.ray_control import fleet_status, scale_generators
+    from launch.ray_placement import PlacementError
+
+    began = time.monotonic()
+    with pytest.raises(PlacementError, match=r"has 3 generator\(s\), 20 asked: 17 more generator\(s\) reserve 8.5 CPU"):
+        scale_generators(name, 20)
+    # The issue's contract: an answer within 5 s. The check is one actor call and two GCS reads (tens of ms even
+    # on this loaded 2-core machine: over 100x under 5 s); what it replaces waited ray.placement_timeout_s (60 s
+    # in ray_sim.toml) for a placement group first, so the old path cannot pass this and the new one cannot miss.
+    assert time.monotonic() - began < 5.0
+    result = scale_with_cli(name, address, 20)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("tandem ray scale: run scale has 3 generator(s), 20 asked:"), result.stderr
+    assert result.stderr.count("\n") <= 2 and "group" not in result.stderr, result.stderr  # no Ray internals
+    assert len(fleet_status(name)["generators"]) == 3
 
 
 def test_dead_learner_stops_the_run_cleanly(tmp_path: Path, ray_cluster: str, curve_keys: Path) -> None:

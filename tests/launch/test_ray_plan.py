@@ -3,6 +3,7 @@ the example GPU cluster config, and the `tandem ray scale|status|stop` command l
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -125,3 +126,68 @@ def test_ray_control_commands_answer_help_at_once() -> None:
         [*TANDEM, "ray", "scale", "some-run"], capture_output=True, text=True, cwd=REPO, check=False
     )
     assert missing.returncode == 2 and "--generators" in missing.stderr
+
+
+def test_status_of_a_run_that_is_over_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A local run whose cluster has shut down is answered from its record (launch.ray_local), without Ray."""
+    import ray
+
+    from launch import ray_control, ray_local
+
+    monkeypatch.setattr(ray_local, "RECORDS", tmp_path)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh `tandem ray status` process
+    monkeypatch.setattr(ray, "init", lambda **_: pytest.fail("a run that is over needs no Ray"))
+    not_a_head = os.getpid()  # alive, but not a `launch.ray_local` head: the cluster is gone
+    finished = {"outcome": "finished", "code": 0}
+    ray_local.LocalCluster(
+        "done", str(tmp_path / "done"), not_a_head, not_a_head, "10.0.0.5:6379", "token", finished
+    ).save()
+    for action in (["status", "done"], ["stop", "done"], ["scale", "done", "--generators", "2"]):
+        assert ray_control.main(action) == 1
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1, err
+        assert f"tandem ray {action[0]}: run done is over: finished (code 0)" in err, err
+
+
+def test_a_cluster_that_is_not_there_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import ray
+
+    from launch import ray_control
+    from launch.testing import free_port
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    # an address where nothing listens: answered by a TCP connect, not by Ray's minutes of retries
+    assert ray_control.main(["status", "some-run", "--address", f"127.0.0.1:{free_port()}"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not answer" in err, err
+
+    def no_ray_here(**_: object) -> None:  # what ray.init(address="auto") raises with no Ray on this machine
+        raise ConnectionError("Could not find any running Ray instance.\n" + "  (Ray's traceback)\n" * 20)
+
+    monkeypatch.setattr(ray, "init", no_ray_here)
+    assert ray_control.main(["status", "some-run"]) == 1  # no address and no local cluster of that name: auto
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no Ray cluster runs on this machine" in err, err
+
+
+def test_scale_room_says_what_is_free_and_what_was_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    from launch.ray_placement import BundlePool, Slot
+
+    monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 0.5, "CPU_group_ab12": 1.0, "memory": 1e9})
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    pool = BundlePool("r", "generator", {"CPU": 0.5, "GPU": 0.0}, "SPREAD", timeout_s=120)
+    assert pool.room_problem(1) is None  # 0.5 CPU free holds one more
+    problem = pool.room_problem(3)
+    assert problem == (
+        "3 more generator(s) reserve 1.5 CPU (0.5 each); the cluster has 0.5 CPU free of 2: lower "
+        "ray.generator_cpus, ask for fewer, or add nodes"
+    )
+    pool.free = [Slot(group=None, index=0), Slot(group=None, index=1)]  # freed bundles of its groups come first
+    assert pool.room_problem(3) is None
