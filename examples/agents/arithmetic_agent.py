@@ -1,6 +1,6 @@
 """An agent program that trains a model through Tandem's OpenAI-compatible endpoint (actors/openai_server.py).
 
-    PYTHONPATH=. tandem run examples/openai_agent.toml &     # the run: its generator serves 127.0.0.1:8000
+    tandem run examples/openai_agent.toml &                  # the run: its generator serves 127.0.0.1:8000
     python examples/agents/arithmetic_agent.py               # this agent: runs episodes until the run ends
 
 It knows nothing of Tandem but three HTTP calls: it claims an episode (`POST /tandem/episodes`: an arithmetic
