@@ -119,14 +119,6 @@ def test_stale_refusal_loads_newer_weights_and_later_samples_carry_the_version(t
     assert all(r["simulation"] is True for r in records)
     stamped = [line for line in err.splitlines() if line[:2].isdigit() and " [generator-0" in line]
     assert stamped and all("[generator-0 SIMULATION]" in line for line in stamped)
-    # the metrics' step (TensorBoard's too) is the policy version sampled with, the learner's step axis; the report
-    # number is a metric of its own. A simulated run says so in every record and every log line
-    records = read_metrics(tmp_path / "runs" / "gen" / "generator-0.jsonl")
-    assert [r["step"] for r in records] == [r["actor/policy_version"] for r in records] and records[-1]["step"] == 1
-    assert [r["actor/report"] for r in records] == list(range(len(records)))
-    assert all(r["simulation"] is True for r in records)
-    stamped = [line for line in err.splitlines() if line[:2].isdigit() and " [generator-0" in line]
-    assert stamped and all("[generator-0 SIMULATION]" in line for line in stamped)
 
 
 def test_buffer_restart_loses_no_group(tmp_path, ports, peers):
