@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from common.config import TandemConfig, parse_cores, write_resolved
@@ -48,7 +50,10 @@ def torchrun_command(config_path: Path, world_size: int, master_port: int) -> li
 def launch_ranks(config: TandemConfig) -> int:
     """Run `learner.world_size` ranks of this learner under torchrun and wait; returns torchrun's exit code.
 
-    Interrupting this process (Ctrl-C, SIGTERM from a launcher) terminates torchrun, which stops the ranks.
+    Ctrl-C or a launcher's SIGTERM reaches the whole process group (this process, torchrun and the ranks): the
+    ranks stop after their step and checkpoint (`learners.learner`), torchrun forwards SIGTERM and gives them its
+    own 30 s. This process does not die first (a launcher waiting on it would kill the ranks mid-save): it waits for
+    torchrun up to learner.stop_timeout_s, then terminates it.
     """
     path = write_resolved(config, config.run.run_dir)
     command = torchrun_command(path, config.learner.world_size, free_port())
@@ -56,9 +61,22 @@ def launch_ranks(config: TandemConfig) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // config.learner.world_size)))
     process = subprocess.Popen(command, env=env)
+    signalled: list[int] = []
+    previous = {sig: signal.signal(sig, lambda s, _f: signalled.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    deadline: float | None = None  # once signalled: when to stop waiting for the ranks
     try:
-        return process.wait()
+        while True:
+            try:
+                return process.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                if signalled and deadline is None:
+                    deadline = time.monotonic() + config.learner.stop_timeout_s
+                if deadline is not None and time.monotonic() > deadline:
+                    log.warning("the ranks did not stop within learner.stop_timeout_s: terminating torchrun")
+                    break
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if process.poll() is None:
             process.terminate()
             try:
