@@ -48,7 +48,8 @@ def torchrun_command(config_path: Path, world_size: int, master_port: int) -> li
 
 
 def launch_ranks(config: TandemConfig) -> int:
-    """Run `learner.world_size` ranks of this learner under torchrun and wait; returns torchrun's exit code.
+    """Run `learner.world_size` ranks of this learner under torchrun and wait; returns torchrun's exit code (128 +
+    the signal when interrupted, as a single-rank learner).
 
     Ctrl-C or a launcher's SIGTERM reaches the whole process group (this process, torchrun and the ranks): the
     ranks stop after their step and checkpoint (`learners.learner`), torchrun forwards SIGTERM and gives them its
@@ -67,7 +68,8 @@ def launch_ranks(config: TandemConfig) -> int:
     try:
         while True:
             try:
-                return process.wait(timeout=0.5)
+                code = process.wait(timeout=0.5)
+                return 128 + signalled[0] if signalled and code != 0 else code  # torchrun says 1 for the ranks' 130
             except subprocess.TimeoutExpired:
                 if signalled and deadline is None:
                     deadline = time.monotonic() + config.learner.stop_timeout_s
