@@ -90,6 +90,7 @@ def summarize(run_dir: Path, wall_s: float, first_step: int = 0) -> str:
     first, last = reward_rise(records)
     last_record = records[-1] if records else {}
     trained = sum(int(r.get("perf/samples", 0) or 0) for r in session)
+    dropped = last_record.get("buffer/dropped_stale", 0)
     resumed = (
         f" (resumed at step {first_step}; the run: {len(records)} steps, "
         f"{sum(int(r.get('perf/samples', 0) or 0) for r in records)} samples trained)"
@@ -100,8 +101,7 @@ def summarize(run_dir: Path, wall_s: float, first_step: int = 0) -> str:
         "",
         f"run finished: {len(session)} learner steps in {wall_s / 60:.1f} min{resumed}",
         f"  reward/mean  first 20% of steps {first:.3f}  ->  last 20% {last:.3f}  (change {last - first:+.3f})",
-        f"  samples trained {trained}{' this session' if first_step else ''}   "
-        f"dropped as stale {last_record.get('buffer/dropped_stale', 0)}",
+        f"  samples trained {trained}{' this session' if first_step else ''}   dropped as stale {dropped}",
         f"  final policy_version {last_record.get('policy_version', '-')}",
         f"  metrics   {metrics_path}",
         f"  logs      {run_dir / 'logs'}",
