@@ -70,7 +70,7 @@ def run(config: TandemConfig) -> int:
         log.info(
             "run %s on Ray (%s cluster, %s); run directory %s",
             config.run.name,
-            f"local, head pid {local.head_pid}" if local else "joined",
+            f"local (head pid {local.head_pid})" if local else "joined",
             mode,
             run_dir,
         )

@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -101,8 +102,12 @@ class LocalCluster:
             Config.initialize("")
 
     def record_outcome(self, outcome: dict[str, Any]) -> None:
-        """Record how the run ended, unless someone (the driver, `tandem ray stop`, the head) recorded it first."""
-        current = self.load(self.run) or self
+        """Record how the run ended, unless someone (the driver, `tandem ray stop`, the head) recorded it first;
+        a record that is gone or now belongs to a newer run of the same name is left alone."""
+        current = self.load(self.run)
+        if current is None or current.head_pid != self.head_pid:
+            self.outcome = self.outcome or outcome
+            return
         if current.outcome is None:
             current.outcome = outcome
             current.save()
@@ -129,10 +134,11 @@ class LocalCluster:
             wait_gone(self.head_pid, DRIVER_END_S)
         if not self.running:
             return
-        os.kill(self.head_pid, signal.SIGTERM)
-        if not wait_gone(self.head_pid, HEAD_STOP_S):
-            os.killpg(self.head_pid, signal.SIGKILL)  # the head leads its own session and process group
-            wait_gone(self.head_pid, HEAD_STOP_S)
+        with suppress(ProcessLookupError):  # it may end by itself meanwhile
+            os.kill(self.head_pid, signal.SIGTERM)
+            if not wait_gone(self.head_pid, HEAD_STOP_S):
+                os.killpg(self.head_pid, signal.SIGKILL)  # the head leads its own session and process group
+                wait_gone(self.head_pid, HEAD_STOP_S)
 
 
 def process_alive(pid: int, command_part: str = "") -> bool:
