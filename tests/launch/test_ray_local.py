@@ -20,10 +20,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
 
 def shut_down_leftover(name: str) -> None:
-    """Whatever a failed test left: the run's local cluster, with every Ray process of it."""
+    """Whatever a failed test left: the run's local cluster, with every Ray process of it; then its record."""
     record = LocalCluster.load(name)
     if record is not None and record.running:
         record.shut_down({"outcome": "stopped by the test's clean-up", "code": 1})
+    LocalCluster.path(name).unlink(missing_ok=True)
 
 
 def test_local_cluster_outlives_a_killed_driver(tmp_path: Path) -> None:
