@@ -129,6 +129,12 @@ class Role:
         return f"{self.name} exited with code {self.poll()}: {last_meaningful_line(text)}\n  full log: {self.out_path}"
 
 
+def resumed_from(config: TandemConfig) -> int:
+    """The step this session starts after: with learner.resume, the latest complete checkpoint's (0 if none),
+    else 0. The end summary counts this session's steps from there and the whole run's separately."""
+    return (latest_step(config.run.run_dir / "checkpoints") or 0) if config.learner.resume else 0
+
+
 TRACEBACK = "Traceback (most recent call last):"
 
 
@@ -247,7 +253,7 @@ def run(config: TandemConfig) -> int:
     mode = "SIMULATION (no vLLM, no DeepSpeed: compute stand-ins)" if config.run.simulate else "real engines"
     log.info("mode: %s; eta = %d; %d generator(s)", mode, config.algo.max_staleness, config.generator.count)
     start = time.time()
-    first_step = (latest_step(run_dir / "checkpoints") or 0) if config.learner.resume else 0
+    first_step = resumed_from(config)
     if config.learner.resume and first_step == 0:
         log.warning("learner.resume = true, but %s holds no checkpoint: the run starts at step 0", run_dir)
     interrupted: list[int] = []

@@ -223,7 +223,7 @@ class FleetController:
         members.start([self.buffer], [["buffer"]], [{}], self.config_text)
         code = call(self.buffer.actor.wait_listening.remote(self.config.buffer.port, members.CALL_TIMEOUT_S - 30))
         if code is not None:
-            raise RunEnded(f"buffer-0 exited with code {code} at start:\n{self._tail(self.buffer)}", 1)
+            raise RunEnded(f"buffer-0 exited with code {code} at start: {self._failure(self.buffer)}", 1)
 
     def _start_learners(self, master_port: int, resume: bool) -> None:
         nodes = [m.node["node_id"] for m in self.learners]
@@ -310,20 +310,20 @@ class FleetController:
             self.buffer_gone_at = self.buffer_gone_at or time.monotonic()
             if time.monotonic() - self.buffer_gone_at < stop_grace_s(self.config, "learner"):
                 return
-            raise RunEnded(f"buffer-0 exited 0 but the learner did not finish:\n{self._tail(self.buffer)}", 1)
+            raise RunEnded(f"buffer-0 exited 0 but the learner did not finish: {self._failure(self.buffer)}", 1)
         if code is not None:
-            raise RunEnded(f"buffer-0 ended ({describe_code(code)}):\n{self._tail(self.buffer)}", 1)
+            raise RunEnded(f"buffer-0 ended ({describe_code(code)}): {self._failure(self.buffer)}", 1)
 
     def _replace_generator(self, member: Member, code: Any) -> None:
         self.restarts["generator"] += 1
         limit = self.base.ray.max_generator_restarts
         self.log.warning(
-            "%s ended (%s); replacing it (%d/%d):\n%s",
+            "%s ended (%s); replacing it (%d/%d): %s",
             member.name,
             describe_code(code),
             self.restarts["generator"],
             limit,
-            self._tail(member),
+            self._failure(member),
         )
         if self.restarts["generator"] > limit:
             raise RunEnded(
@@ -337,7 +337,7 @@ class FleetController:
     def _on_learner_failure(self, member: Member, code: Any) -> None:
         """End the run, or (within ray.max_learner_restarts) restart it in place from the latest checkpoint."""
         why = f"{member.name} ended ({describe_code(code)})"
-        self.log.error("%s:\n%s", why, self._tail(member))
+        self.log.error("%s: %s", why, self._failure(member))
         self.learner_failed = True
         limit = self.base.ray.max_learner_restarts
         if self.restarts["learner"] >= limit:
@@ -442,5 +442,5 @@ class FleetController:
                 },
             )
 
-    def _tail(self, member: Member) -> str:
-        return members.tail(member, self.run_dir)
+    def _failure(self, member: Member) -> str:
+        return members.failure(member, self.run_dir)

@@ -35,6 +35,7 @@ from typing import Any
 from common.config import TandemConfig
 from common.logs import setup_logging
 from common.run_dir import reuse_problem
+from launch.local import resumed_from
 from launch.progress import RunProgress, summarize
 from launch.ray_local import LocalCluster, busy_problem, forget, start_local
 from launch.ray_plan import NAMESPACE, capacity_problem, controller_name, resource_demand
@@ -74,9 +75,9 @@ def run(config: TandemConfig) -> int:
             mode,
             run_dir,
         )
-        start = time.time()
+        start, first_step = time.time(), resumed_from(config)
         outcome = follow(controller, config, log)
-        return report(outcome, config, time.time() - start)
+        return report(outcome, config, time.time() - start, first_step)
     finally:
         ray.shutdown()
         if local is not None:
@@ -187,10 +188,11 @@ def follow(controller: Any, config: TandemConfig, log: Any) -> dict[str, Any]:
     return outcome
 
 
-def report(outcome: dict[str, Any], config: TandemConfig, wall_s: float) -> int:
-    """Print the run's summary (it finished) or how it ended; returns the exit code."""
+def report(outcome: dict[str, Any], config: TandemConfig, wall_s: float, first_step: int = 0) -> int:
+    """Print the run's summary (it finished: this session's steps after `first_step`, and the whole run's) or how
+    it ended; returns the exit code."""
     if outcome["code"] == 0:
-        print(summarize(config.run.run_dir.resolve(), wall_s=wall_s))
+        print(summarize(config.run.run_dir.resolve(), wall_s=wall_s, first_step=first_step))
     else:
         print(f"\ntandem ray: run {config.run.name} {outcome['outcome']}", file=sys.stderr)
     return int(outcome["code"])

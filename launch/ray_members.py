@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launch.local import last_meaningful_line
 from launch.ray_placement import Slot
 from launch.ray_plan import NAMESPACE, actor_name
 from launch.ray_roles import CONCURRENCY, WATCH, RoleProcess
@@ -131,14 +132,18 @@ def stop(members: list[Member], grace_s: float, faults: Counter, log: logging.Lo
         ray.kill(member.actor, no_restart=True)
 
 
-def tail(member: Member, run_dir: Path, lines: int = 12) -> str:
-    """The member's last lines of output (from its actor, or where to find them if the actor is gone)."""
+def failure(member: Member, run_dir: Path, lines: int = 200) -> str:
+    """Why the member ended, as `tandem run` says it: the last meaningful line of its output (the exception line
+    of its last traceback, see launch.local.last_meaningful_line, read from its actor's last `lines` lines), then
+    where its full log is (on the member's node). If the actor is gone, only where the log is."""
     from ray.exceptions import GetTimeoutError, RayActorError
 
+    log_path = run_dir / "logs" / f"{member.name}.out"
     try:
-        return call(member.actor.tail.remote(lines))
+        text = call(member.actor.tail.remote(lines))
     except (RayActorError, GetTimeoutError):
-        return f"(actor gone; see {run_dir / 'logs' / (member.name + '.out')})"
+        return f"(actor gone)\n  full log: {log_path}"
+    return f"{last_meaningful_line(text)}\n  full log: {log_path}"
 
 
 def describe_code(code: Any) -> str:

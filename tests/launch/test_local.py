@@ -58,3 +58,31 @@ def test_the_failure_names_the_code_the_line_and_the_log(tmp_path: Path) -> None
         f"generator-0 exited with code None: RuntimeError: the engine did not start:\n"
         f"  full log: {tmp_path / 'generator-0.out'}"
     )
+
+
+def test_a_ray_members_failure_is_told_the_same_way(tmp_path: Path, monkeypatch) -> None:
+    """`tandem ray` reports a failing member as `tandem run` does: its exception line (read through its actor's
+    tail) and where its log is; an actor that is gone gives only where the log is."""
+    from ray.exceptions import RayActorError
+
+    from launch import ray_members
+
+    class Tail:
+        def __init__(self, result: object) -> None:
+            self.result = result
+
+        def remote(self, lines: int) -> object:
+            if isinstance(self.result, BaseException):
+                raise self.result
+            return self.result
+
+    def member(result: object) -> ray_members.Member:
+        actor = type("Actor", (), {"tail": Tail(result)})()
+        return ray_members.Member("generator-3", "generator", 3, actor, slot=None, node={})  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ray_members, "call", lambda ref: ref)
+    log = tmp_path / "logs" / "generator-3.out"
+    assert ray_members.failure(member(CHAINED), tmp_path) == (
+        f"RuntimeError: the engine did not start:\n  full log: {log}"
+    )
+    assert ray_members.failure(member(RayActorError()), tmp_path) == f"(actor gone)\n  full log: {log}"
