@@ -51,6 +51,7 @@ import zmq
 
 from actors.weights import LayoutGuard, WeightsTransportError, WeightsUpdate, ask_publisher
 from common.config import WeightsConfig
+from common.processes import pid_alive
 from common.sockets import Client, PeerUnavailable, Request, SecurityError, Server, SocketSecurity
 from common.types import (
     ChunkReply,
@@ -182,7 +183,7 @@ class HostCopy:
         magic, version, _, _, pid, abandoned = self.fields()
         if magic != MAGIC or version != self.header.policy_version:
             return False  # not initialised yet
-        return bool(abandoned) or not _alive(pid)
+        return bool(abandoned) or not pid_alive(pid)
 
     def buckets(self) -> list[memoryview]:
         view = memoryview(self.mapped)
@@ -254,18 +255,8 @@ def delete_orphaned_copies(directory: Path) -> None:
                 magic, _, _, _, pid, _ = _FIELDS.unpack(file.read(_FIELDS.size))
         except (OSError, struct.error):
             continue
-        if magic == MAGIC and not _alive(pid):
+        if magic == MAGIC and not pid_alive(pid):
             path.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def delete_copies(directory: Path, generator_id: int, below_version: int | None = None) -> None:

@@ -34,6 +34,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from common.processes import pid_alive
+
 PREFIX = "twf"  # interface names have at most 15 characters: "twf" + pid (<= 7 digits) + "b" + index (<= 3)
 SUBNET = "10.213.0"  # /24, private to the namespaces
 MAX_HOSTS = 250
@@ -113,17 +115,6 @@ def link_names() -> list[str]:
     """The links of this process's network namespace (`ip -o link show`, without the `@peer` suffix)."""
     lines = _run(["ip", "-o", "link", "show"], check=False).splitlines()
     return [line.split(": ")[1].split("@")[0] for line in lines if len(line.split(": ")) > 1]
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (a lab or directory named with it is still in use)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def token_bucket(rate_mbit: float) -> list[str]:

@@ -55,7 +55,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import save
-from benchmarks.netns import Lab, LabUnavailable, lab, pid_alive
+from benchmarks.netns import Lab, LabUnavailable, lab
+from common.processes import pid_alive
 
 WORK_PREFIX = "weight-fanout-"  # + the driver's pid: its directories under /tmp and /dev/shm
 PORT = 5555  # inside host 0's namespace: nothing else binds there
