@@ -57,9 +57,16 @@ def test_tandem_run_refuses_before_any_role_starts(tmp_path: Path, capsys: pytes
     assert sorted(p.name for p in config.run.run_dir.iterdir()) == ["metrics.jsonl"]  # nothing written
 
 
-def test_a_learner_alone_refuses_before_it_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_learner_alone_refuses_before_it_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from learners import learner
 
+    # A learner started by hand has no RANK (torchrun's ranks do, and were checked by what started them). An
+    # in-process DeepSpeed test earlier in the session leaves RANK=0 in os.environ (learners.engine.init_distributed),
+    # which would skip the check and leave this learner waiting for a buffer that never comes.
+    for variable in local.RENDEZVOUS_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
     config = run_config(tmp_path, "used", run={"simulate": True})
     (config.run.run_dir / "checkpoints" / "step-000001").mkdir(parents=True)
     assert learner.run(config) == 2
