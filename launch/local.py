@@ -35,6 +35,7 @@ from pathlib import Path
 from common.config import TandemConfig, parse_cores, write_resolved
 from common.logs import setup_logging
 from common.run_dir import reuse_problem
+from common.signals import caught_signals
 from common.weights import weights_store_dir
 from launch.progress import RunProgress, summarize
 from learners.checkpoint import latest_step
@@ -256,20 +257,17 @@ def run(config: TandemConfig) -> int:
     first_step = resumed_from(config)
     if config.learner.resume and first_step == 0:
         log.warning("learner.resume = true, but %s holds no checkpoint: the run starts at step 0", run_dir)
-    interrupted: list[int] = []
-    previous = {sig: signal.signal(sig, lambda s, _f: interrupted.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
     progress = RunProgress(run_dir / "metrics.jsonl", config.learner.total_steps)
     failed: Role | None = None
-    try:
-        for role in roles:
-            role.start(run_dir)
-        with progress:
-            failed = supervise(roles, progress, interrupted, stop_grace_s(config, "learner"))
-    finally:
-        stop_all(roles, log, config)
-        shutil.rmtree(weights_store_dir(run_dir), ignore_errors=True)  # host copies a killed generator left
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with caught_signals() as interrupted:
+        try:
+            for role in roles:
+                role.start(run_dir)
+            with progress:
+                failed = supervise(roles, progress, interrupted, stop_grace_s(config, "learner"))
+        finally:
+            stop_all(roles, log, config)
+            shutil.rmtree(weights_store_dir(run_dir), ignore_errors=True)  # host copies a killed generator left
     if interrupted:
         log.warning("interrupted; every role stopped")
         print(interrupt_message(config, config_path), file=sys.stderr)

@@ -35,6 +35,7 @@ from typing import Any
 from common.config import TandemConfig
 from common.logs import setup_logging
 from common.run_dir import reuse_problem
+from common.signals import caught_signals
 from launch.local import resumed_from
 from launch.progress import RunProgress, summarize
 from launch.ray_local import LocalCluster, busy_problem, forget, start_local
@@ -155,36 +156,30 @@ def follow(controller: Any, config: TandemConfig, log: Any) -> dict[str, Any]:
     import ray
     from ray.exceptions import RayActorError
 
-    interrupted: list[str] = []
-    previous = {
-        sig: signal.signal(sig, lambda s, _f: interrupted.append(signal.Signals(s).name))
-        for sig in (signal.SIGINT, signal.SIGTERM)
-    }
     run_dir = config.run.run_dir.resolve()
-    try:
-        status = ray.get(controller.start.remote())
-        outcome = status["outcome"]
-        if outcome is None:
-            log.info(
-                "fleet up: buffer %s, weights %s, %d generator(s) on %s",
-                status["buffer_address"],
-                status["weights_address"],
-                len(status["generators"]),
-                sorted({g["node"] for g in status["generators"]}),
-            )
-            with RunProgress(run_dir / "metrics.jsonl", config.learner.total_steps) as progress:
-                while outcome is None and not interrupted:
-                    outcome = ray.get(controller.wait.remote(FOLLOW_S))
-                    progress.refresh()
-        if outcome is None:
-            outcome = ray.get(controller.stop.remote(interrupted[0]))
-    except RayActorError as error:  # killed from outside (ray.kill, `ray stop`): its members went with it
-        log.error("the controller of run %s died: %s", config.run.name, error)
-        outcome = {"outcome": "failed: the run's controller died (its roles were stopped with it)", "code": 1}
-    finally:
-        ray.kill(controller, no_restart=True)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with caught_signals() as interrupted:
+        try:
+            status = ray.get(controller.start.remote())
+            outcome = status["outcome"]
+            if outcome is None:
+                log.info(
+                    "fleet up: buffer %s, weights %s, %d generator(s) on %s",
+                    status["buffer_address"],
+                    status["weights_address"],
+                    len(status["generators"]),
+                    sorted({g["node"] for g in status["generators"]}),
+                )
+                with RunProgress(run_dir / "metrics.jsonl", config.learner.total_steps) as progress:
+                    while outcome is None and not interrupted:
+                        outcome = ray.get(controller.wait.remote(FOLLOW_S))
+                        progress.refresh()
+            if outcome is None:
+                outcome = ray.get(controller.stop.remote(signal.Signals(interrupted[0]).name))
+        except RayActorError as error:  # killed from outside (ray.kill, `ray stop`): its members went with it
+            log.error("the controller of run %s died: %s", config.run.name, error)
+            outcome = {"outcome": "failed: the run's controller died (its roles were stopped with it)", "code": 1}
+        finally:
+            ray.kill(controller, no_restart=True)
     return outcome
 
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from common.config import TandemConfig, parse_cores, write_resolved
+from common.signals import caught_signals
 from common.sockets import free_port
 
 log = logging.getLogger("tandem.learner.ranks")
@@ -62,30 +62,27 @@ def launch_ranks(config: TandemConfig) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // config.learner.world_size)))
     process = subprocess.Popen(command, env=env)
-    signalled: list[int] = []
-    previous = {sig: signal.signal(sig, lambda s, _f: signalled.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
-    deadline: float | None = None  # once signalled: when to stop waiting for the ranks
-    try:
-        while True:
-            try:
-                code = process.wait(timeout=0.5)
-                return 128 + signalled[0] if signalled and code != 0 else code  # torchrun says 1 for the ranks' 130
-            except subprocess.TimeoutExpired:
-                if signalled and deadline is None:
-                    deadline = time.monotonic() + config.learner.stop_timeout_s
-                if deadline is not None and time.monotonic() > deadline:
-                    log.warning("the ranks did not stop within learner.stop_timeout_s: terminating torchrun")
-                    break
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    with caught_signals() as signalled:
+        deadline: float | None = None  # once signalled: when to stop waiting for the ranks
+        try:
+            while True:
+                try:
+                    code = process.wait(timeout=0.5)
+                    return 128 + signalled[0] if signalled and code != 0 else code  # torchrun says 1 for the ranks' 130
+                except subprocess.TimeoutExpired:
+                    if signalled and deadline is None:
+                        deadline = time.monotonic() + config.learner.stop_timeout_s
+                    if deadline is not None and time.monotonic() > deadline:
+                        log.warning("the ranks did not stop within learner.stop_timeout_s: terminating torchrun")
+                        break
+        finally:
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
 
 
 def pin_cores(spec: str, local_rank: int, local_world: int) -> list[int] | None:
