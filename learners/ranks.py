@@ -48,8 +48,9 @@ def torchrun_command(config_path: Path, world_size: int, master_port: int) -> li
 
 
 def launch_ranks(config: TandemConfig) -> int:
-    """Run `learner.world_size` ranks of this learner under torchrun and wait; returns torchrun's exit code (128 +
-    the signal when interrupted, as a single-rank learner).
+    """Run `learner.world_size` ranks of this learner under torchrun and wait; returns torchrun's exit code, or
+    128 + the signal when interrupted, as a single-rank learner (also when the ranks had to be terminated past
+    learner.stop_timeout_s).
 
     Ctrl-C or a launcher's SIGTERM reaches the whole process group (this process, torchrun and the ranks): the
     ranks stop after their step and checkpoint (`learners.learner`), torchrun forwards SIGTERM and gives them its
@@ -83,6 +84,7 @@ def launch_ranks(config: TandemConfig) -> int:
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()
+    return 128 + signalled[0]  # the ranks outlived learner.stop_timeout_s after a signal: interrupted, not done
 
 
 def pin_cores(spec: str, local_rank: int, local_world: int) -> list[int] | None:
