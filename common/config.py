@@ -70,9 +70,16 @@ class ConfigError(ValueError):
 
 
 # run.port_base + offset is the port of each (section, key) that the config does not write.
-PORT_OFFSETS = (("buffer", "port", 0), ("learner", "weights_port", 1), ("weights", "broadcast_port", 2))
+PORT_OFFSETS = (
+    ("buffer", "port", 0),
+    ("learner", "weights_port", 1),
+    ("weights", "broadcast_port", 2),
+    ("reward", "port", 4),
+)
 OPENAI_ENDPOINT = "actors.openai_server:AgentEnvironment"  # the built-in environment that binds a port of its own
 OPENAI_PORT_OFFSET = 3  # ... its env.environment_args.port, when not written, is run.port_base + 3
+OFFLINE_STAGES = ("sft", "rm", "dpo")  # the sections of `tandem sft`, `tandem rm` and `tandem dpo`
+MAX_PORT_OFFSET = max(OPENAI_PORT_OFFSET, *(offset for _, _, offset in PORT_OFFSETS))
 _WILDCARD_HOSTS = ("0.0.0.0", "*")
 
 
@@ -289,12 +296,12 @@ class RunConfig(_Section):
     port_base: int | None = Field(
         None,
         description="One number that moves every fixed port the run binds: buffer.port = base, "
-        "learner.weights_port = base + 1, weights.broadcast_port = base + 2 and, with the OpenAI endpoint "
-        f"(env.environment = `{OPENAI_ENDPOINT}`), env.environment_args.port = base + 3. A port key written "
-        "explicitly wins. Unset: 5555, 5556, 29517 and 8000. (`tandem ray` picks free ports on its nodes for the "
-        "buffer and the publisher; relays and torchrun always take free ports.)",
+        "learner.weights_port = base + 1, weights.broadcast_port = base + 2, reward.port = base + 4 and, with the "
+        f"OpenAI endpoint (env.environment = `{OPENAI_ENDPOINT}`), env.environment_args.port = base + 3. A port key "
+        "written explicitly wins. Unset: 5555, 5556, 29517, 5559 and 8000. (`tandem ray` picks free ports on its "
+        "nodes for the buffer, the publisher and the reward service; relays and torchrun always take free ports.)",
         ge=1,
-        le=65535 - OPENAI_PORT_OFFSET,
+        le=65535 - MAX_PORT_OFFSET,
     )
 
     @field_validator("name")
@@ -345,10 +352,31 @@ class EnvConfig(_Section):
         1024, description="Prompts generated for kind=arithmetic.", ge=1, le=MAX_ARITHMETIC_PROMPTS
     )
     difficulty: int = Field(1, description="Arithmetic difficulty level (see common.tasks).", ge=1, le=5)
+    split: Literal["train", "held_out", "all"] = Field(
+        "train",
+        description="kind=arithmetic: which expressions prompts are drawn from. `train` leaves out the held-out "
+        "split (common.tasks.is_held_out: a fixed ~20% of the expressions of each level), which evaluation and "
+        "`tandem eval` use, so that they measure prompts the model never trained on; `all` draws from every one.",
+    )
     reward_fn: str = Field(
         "common.tasks:arithmetic_reward",
-        description="Reward function `module:function(completion, metadata) -> float | dict[str, float]`.",
-        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="Reward function `module:function(completion, metadata) -> float | dict[str, float]`; empty = "
+        "none (then env.reward_model, env.reward_url or env.environment gives the reward).",
+        pattern=r"^$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+    )
+    reward_fn_weight: float = Field(
+        1.0,
+        description="Weight of reward_fn's (or reward_url's) components in the scalar reward. 0 = monitored only: "
+        "its components are still recorded (reward/<name> in the metrics), beside env.reward_model's, and add "
+        "nothing: how a run trained on a learned reward shows the verifier's verdict (reward hacking shows there).",
+        ge=0,
+    )
+    reward_model: str = Field(
+        "",
+        description="A learned reward model that scores every completion: a Hugging Face sequence-classification "
+        "directory with one label (what `tandem rm` exports to <run_dir>/model, or any such model). Its score "
+        "is the reward component `reward_model`, times reward.weight. Scored by the reward service (`tandem "
+        "reward`, started by `tandem run` and `tandem ray`), or inside each generator with reward.in_process.",
     )
     reward_url: Annotated[str, AfterValidator(_check_url)] = Field(
         "", description="HTTP reward endpoint (POST JSON); when set it is used instead of reward_fn."
@@ -403,6 +431,11 @@ class EnvConfig(_Section):
     def _file_needs_source(self) -> EnvConfig:
         if self.kind == "file" and not self.source:
             raise ValueError("source: required when kind = 'file' (a .jsonl, .parquet or datasets folder)")
+        if not (self.reward_fn or self.reward_url or self.reward_model or self.environment):
+            raise ValueError(
+                "reward_fn: empty, and nothing else gives a reward: set env.reward_fn, env.reward_model, "
+                "env.reward_url or env.environment"
+            )
         return self
 
 
@@ -699,6 +732,138 @@ class WeightsConfig(_Section):
     )
 
 
+class RewardConfig(_Section):
+    """The reward service (`tandem reward`, actors/reward_service.py): env.reward_model scored for the generators,
+    a whole group per request, batched. Used only when env.reward_model is set."""
+
+    host: Host = Field(
+        "127.0.0.1",
+        description="Address the reward service binds (loopback by default; any other needs run.curve_keys_dir or "
+        "run.insecure).",
+    )
+    port: int = Field(
+        5559, description="Port of the reward service (unset: run.port_base + 4, else 5559).", ge=1, le=65535
+    )
+    address: Address = Field(
+        "127.0.0.1:5559",
+        description="host:port the generators reach the reward service at. Unset: reward.host:reward.port "
+        "(127.0.0.1 for a wildcard host); write it when the service runs on another machine.",
+    )
+    in_process: bool = Field(
+        False,
+        description="Score inside each generator (its own copy of the model, no service): for small reward models.",
+    )
+    weight: float = Field(1.0, description="Weight of the `reward_model` component in the scalar reward.", ge=0)
+    normalize: bool = Field(
+        False,
+        description="Give (score - mean) / std, with the running mean and std of every score the scorer has given "
+        "(the first score: 0). Raw scores drift with the model; normalised ones keep the reward's scale.",
+    )
+    batch_size: int = Field(32, description="Sequences in one forward pass of the reward model.", ge=1, le=4096)
+    timeout_s: float = Field(
+        60.0,
+        description="Longest wait for one group's scores; past it (or while the service is down) the group's "
+        "`reward_model` component is env.fallback_reward, counted (actor/reward_model_fallbacks) and logged, and "
+        "the generator keeps going (it reconnects by itself).",
+        gt=0,
+        le=MAX_TIMEOUT_S,
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Dtype the reward model scores in (float32: batched and one-by-one scores agree)."
+    )
+    cpu_cores: CoreList = Field(
+        "", description="Cores the reward service is pinned to, written as generator.cpu_cores (empty = all)."
+    )
+
+
+class _OfflineStage(_Section):
+    """Data and schedule of an offline stage (`tandem sft`, `tandem rm`, `tandem dpo`, learners/offline.py).
+    The stages train with [learner]'s engine settings (lr, zero_stage, world_size, micro_batch_size, grad_clip,
+    warmup_steps, weight_decay, gradient_checkpointing, save_every, resume, cpu_cores); learner.total_steps is
+    not used: `epochs` and `max_steps` decide."""
+
+    source: str = Field(
+        "arithmetic",
+        description="`arithmetic`: rows built from the embedded task (common.rlhf_data); else a .jsonl or .parquet "
+        "file or a `datasets` folder of rows (docs/rlhf.md shows their shapes).",
+        min_length=1,
+    )
+    eval_source: str = Field(
+        "",
+        description="Held-out rows, a file like `source`. Empty: the held-out split of `arithmetic` (prompts whose "
+        "expressions training never sees), or the last `held_out` share of a file source.",
+    )
+    held_out: float = Field(
+        0.1, description="Share of a file source's rows kept out for evaluation (eval_source empty).", ge=0, lt=1
+    )
+    num_examples: int = Field(
+        512, description="source = arithmetic: training rows built.", ge=1, le=MAX_ARITHMETIC_PROMPTS
+    )
+    num_eval_examples: int = Field(
+        128, description="Held-out rows evaluated, at most (source = arithmetic: built).", ge=1, le=100_000
+    )
+    difficulty: int = Field(1, description="source = arithmetic: the difficulty level (see common.tasks).", ge=1, le=5)
+    batch_size: int = Field(
+        16,
+        description="Rows (chats or pairs) in one optimizer step, over all ranks: a multiple of learner.world_size.",
+        ge=1,
+    )
+    epochs: float = Field(1.0, description="Passes over the training rows (fractions allowed).", gt=0, le=1e6)
+    max_steps: int = Field(0, description="Optimizer steps at most (0 = as many as `epochs` makes).", ge=0)
+    eval_every: int = Field(
+        0, description="Evaluate on the held-out rows every this many steps (0 = at the start and the end only).", ge=0
+    )
+    prompt_key: str = Field("prompt", description="Column of a row's prompt as text.", min_length=1)
+    messages_key: str = Field("messages", description="Column of a row's prompt (or chat) as messages.", min_length=1)
+
+
+class SftConfig(_OfflineStage):
+    """`tandem sft`: supervised fine-tuning on chats; the loss covers the assistant's tokens only. A row holds
+    `messages` (a chat), or `prompt` and `completion` (text)."""
+
+    completion_key: str = Field("completion", description="Column of the reply when a row has `prompt`.")
+
+
+class RmConfig(_OfflineStage):
+    """`tandem rm`: a reward model (the policy's architecture with a scalar head) trained on preference pairs with
+    the Bradley-Terry loss. A row holds `prompt` (text) or `messages` (a chat), and `chosen` and `rejected`
+    (text, or assistant messages; a whole chat each when the row has no prompt)."""
+
+    chosen_key: str = Field("chosen", description="Column of the preferred reply.", min_length=1)
+    rejected_key: str = Field("rejected", description="Column of the other reply.", min_length=1)
+    margin: float = Field(
+        0.0,
+        description="Margin m of the loss -log sigmoid(r_chosen - r_rejected - m): the chosen reply must win by m.",
+        ge=0,
+    )
+
+
+class DpoConfig(RmConfig):
+    """`tandem dpo`: direct preference optimisation of the policy against a frozen reference, on the rows of
+    `tandem rm`."""
+
+    beta: float = Field(0.1, description="Strength of the implicit KL to the reference (beta).", gt=0)
+    loss: Literal["sigmoid", "ipo"] = Field(
+        "sigmoid", description="`sigmoid`: DPO's loss; `ipo`: IPO's squared loss ((h - 1/(2 beta))^2)."
+    )
+    label_smoothing: float = Field(
+        0.0,
+        description="cDPO: the share of pairs taken as mislabelled (loss = (1-e) DPO(chosen) + e DPO(swapped)); "
+        "sigmoid loss only.",
+        ge=0,
+        lt=0.5,
+    )
+    reference: str = Field(
+        "", description="The frozen reference model (a model.path value); empty = model.path, the starting point."
+    )
+
+    @model_validator(mode="after")
+    def _smoothing_needs_sigmoid(self) -> DpoConfig:
+        if self.label_smoothing and self.loss != "sigmoid":
+            raise ValueError("label_smoothing: only with loss = 'sigmoid' (IPO has no smoothed form here)")
+        return self
+
+
 class RayConfig(_Section):
     """`tandem ray`: where the fleets run on a Ray cluster and what each role instance reserves there."""
 
@@ -715,6 +880,8 @@ class RayConfig(_Section):
     )
     learner_cpus: float = Field(1.0, description="CPUs reserved per learner rank.", ge=0)
     learner_gpus: float = Field(0.0, description="GPUs reserved per learner rank (0 or 1 on GPU clusters).", ge=0)
+    reward_cpus: float = Field(1.0, description="CPUs reserved for the reward service (env.reward_model).", ge=0)
+    reward_gpus: float = Field(0.0, description="GPUs reserved for the reward service (0 on CPU clusters).", ge=0)
     max_generator_restarts: int = Field(
         16,
         description="Generators that died (process or actor) and were replaced, at most, over the run; one more "
@@ -753,7 +920,16 @@ class TandemConfig(_Section):
     buffer: BufferConfig = BufferConfig()
     learner: LearnerConfig = LearnerConfig()
     weights: WeightsConfig = WeightsConfig()
+    reward: RewardConfig = RewardConfig()
     ray: RayConfig = RayConfig()
+    sft: SftConfig = SftConfig()
+    rm: RmConfig = RmConfig()
+    dpo: DpoConfig = DpoConfig()
+
+    @property
+    def reward_service(self) -> bool:
+        """Whether this run has a reward service to start: env.reward_model is set and not scored in-process."""
+        return bool(self.env.reward_model) and not self.reward.in_process
 
     def _fill_unwritten_endpoints(self) -> None:
         """Ports the config does not write follow run.port_base (PORT_OFFSETS, and the OpenAI endpoint's port), then
@@ -769,10 +945,12 @@ class TandemConfig(_Section):
                 self.env.environment_args = {**self.env.environment_args, "port": base + OPENAI_PORT_OFFSET}
         buffer = connect_address(self.buffer.host, self.buffer.port)
         weights = connect_address(self.learner.weights_host, self.learner.weights_port)
+        reward = connect_address(self.reward.host, self.reward.port)
         for part, key, address in (
             (self.generator, "buffer_address", buffer),
             (self.learner, "buffer_address", buffer),
             (self.generator, "weights_address", weights),
+            (self.reward, "address", reward),
         ):
             if key not in part.model_fields_set:
                 setattr(part, key, address)
@@ -786,12 +964,14 @@ class TandemConfig(_Section):
             "the learner's publisher",
             "learner.weights_host and learner.weights_port",
         )
+        reward = (self.reward.host, self.reward.port, "the reward service", "reward.host and reward.port")
         return [
             f"{key}: '{address}' does not reach {what} {host}:{port} (leave it out to follow {follows})"
             for key, address, (host, port, what, follows) in (
                 ("generator.buffer_address", self.generator.buffer_address, buffer),
                 ("learner.buffer_address", self.learner.buffer_address, buffer),
                 ("generator.weights_address", self.generator.weights_address, weights),
+                ("reward.address", self.reward.address, reward),
             )
             if not reaches(address, host, port)
         ]
@@ -804,6 +984,8 @@ class TandemConfig(_Section):
             binds = [("buffer.host", self.buffer.host), ("learner.weights_host", self.learner.weights_host)]
             if self.weights.transport == "relay":
                 binds.append(("weights.relay_host", self.weights.relay_host))
+            if self.reward_service:
+                binds.append(("reward.host", self.reward.host))
             for key, host in binds:
                 if not is_loopback(host):
                     problems.append(
@@ -812,6 +994,18 @@ class TandemConfig(_Section):
                     )
         if self.learner.weights_port == self.buffer.port and self.learner.weights_host == self.buffer.host:
             problems.append(f"learner.weights_port: must differ from buffer.port ({self.buffer.port})")
+        if self.reward_service and self.reward.port in (self.buffer.port, self.learner.weights_port):
+            problems.append(
+                f"reward.port: must differ from buffer.port ({self.buffer.port}) and learner.weights_port "
+                f"({self.learner.weights_port})"
+            )
+        for name in OFFLINE_STAGES:
+            batch_size = getattr(self, name).batch_size
+            if batch_size % self.learner.world_size:
+                problems.append(
+                    f"{name}.batch_size: must be a multiple of learner.world_size = {self.learner.world_size} "
+                    f"(got {batch_size})"
+                )
         if self.learner.sync_every > self.algo.max_staleness + 1:
             problems.append(
                 f"learner.sync_every: must be <= algo.max_staleness + 1 = {self.algo.max_staleness + 1} "
