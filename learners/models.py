@@ -62,6 +62,12 @@ def load_reference(model_dir: Path, dtype: torch.dtype) -> nn.Module:
     return model
 
 
+def is_reward_model(config: object) -> bool:
+    """Whether a Hugging Face config describes a reward model: a `...ForSequenceClassification` with one label."""
+    architectures = getattr(config, "architectures", None) or []
+    return any(name.endswith("ForSequenceClassification") for name in architectures) and config.num_labels == 1
+
+
 class ValueModel(nn.Module):
     """A critic: the policy's transformer backbone (initialised from the same weights) and a linear value head.
 
@@ -79,14 +85,32 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, dtype: torch.dtype, gradient_checkpointing: bool = False) -> ValueModel:
-        from transformers import AutoModel
+        """The critic from a causal LM directory (its backbone, a zero head) or from a reward model directory (a
+        sequence-classification model with one label, e.g. `tandem rm`'s export: its backbone and its scalar head,
+        so the first values are the reward model's scores of each prefix, as OpenRLHF starts its critic)."""
+        from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
         _check_model_dir(model_dir)
-        backbone = AutoModel.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True)
+        config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+        head = None
+        if is_reward_model(config):
+            scorer = AutoModelForSequenceClassification.from_pretrained(
+                str(model_dir), dtype=dtype, local_files_only=True
+            )
+            backbone, head = getattr(scorer, scorer.base_model_prefix), getattr(scorer, "score", None)
+            if not isinstance(head, nn.Linear) or head.out_features != 1:
+                raise ValueError(f"{model_dir}: a reward model whose head is not a `score` linear layer to one label")
+        else:
+            backbone = AutoModel.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True)
         backbone.config.use_cache = False
         if gradient_checkpointing:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = cls(backbone, backbone.config.hidden_size)
+        if head is not None:
+            with torch.no_grad():
+                model.value_head.weight.copy_(head.weight)
+                if head.bias is not None:
+                    model.value_head.bias.copy_(head.bias)
         model.train()
         return model
 

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from common.config import AlgoConfig, LearnerConfig, ModelConfig, TandemConfig
+from common.model_prep import resolve_model_path
 from common.types import RolloutGroup
 from learners import engine as eng
 from learners.batching import ModelInputs, PaddedBatch, pad_groups, split_rows
@@ -143,15 +144,14 @@ class Trainer:
         self.critic = None
         if algo.estimator == "gae":
             critic_settings = replace(settings, lr=learner.critic_lr)
-            critic = ValueModel.from_pretrained(self.model_dir, dtype, learner.gradient_checkpointing)
+            critic_dir = resolve_model_path(learner.critic_path) if learner.critic_path else self.model_dir
+            critic = ValueModel.from_pretrained(critic_dir, dtype, learner.gradient_checkpointing)
             self.critic = eng.TrainEngine(critic, critic_settings)
 
     @classmethod
     def from_config(cls, config: TandemConfig, dist: eng.DistInfo) -> Trainer:
         """The model dir comes from `resolve_model_path(model.path)`; logits are divided by the generator's
         sampling temperature, so that log-probs match the behaviour log-probs the generator recorded."""
-        from common.model_prep import resolve_model_path
-
         return cls(
             resolve_model_path(config.model.path),
             config.model,
