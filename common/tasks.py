@@ -14,6 +14,7 @@ datasets) are imported only by the loaders that need them.
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import math
 import numbers
@@ -180,25 +181,56 @@ def _evaluate(expression: str) -> int:
     return value(ast.parse(expression, mode="eval").body)
 
 
-def arithmetic_prompts(num_prompts: int, *, seed: int, difficulty: int) -> list[PromptRecord]:
+HELD_OUT_PERCENT = 20
+SPLITS = ("train", "held_out", "all")
+
+
+def is_held_out(expression: str) -> bool:
+    """Whether an arithmetic expression belongs to the held-out split: a fixed ~20% (HELD_OUT_PERCENT) of the
+    expressions of every level, chosen by SHA-256 of the expression text (whitespace runs folded to one space), so
+    the split is the same on every machine, in every process and for every seed, and an expression that two levels
+    share (`12 + 34` at levels 2 and 3) is on the same side in both. Level 1 has only 100 distinct expressions
+    (a + b, a and b in 0..9): 19 of them are held out, 81 train (see `arithmetic_prompts`)."""
+    text = " ".join(expression.split())
+    digest = hashlib.sha256(f"tandem-held-out:{text}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % 100 < HELD_OUT_PERCENT
+
+
+def _in_split(expression: str, split: str) -> bool:
+    return split == "all" or is_held_out(expression) == (split == "held_out")
+
+
+def arithmetic_prompts(num_prompts: int, *, seed: int, difficulty: int, split: str = "all") -> list[PromptRecord]:
     """`num_prompts` arithmetic questions of one difficulty level (see `_LEVELS` for the levels, 1..5).
 
     Each user message reads `What is <expression>? Put the final answer after '####'.`; metadata holds
-    `answer` (int), `expression` (str) and `difficulty` (int). Reproducible: the same (seed, difficulty) gives the
-    same records, and a shorter list is a prefix of a longer one. prompt_id = index.
-    Raises ValueError for an unknown difficulty or a negative count.
+    `answer` (int), `expression` (str) and `difficulty` (int). Reproducible: the same (seed, difficulty, split)
+    gives the same records, and a shorter list is a prefix of a longer one. prompt_id = index in the list.
+
+    split: `all` draws every expression (the records of before the split existed); `train` skips the expressions
+    `is_held_out` picks, `held_out` keeps only those. Both walk the same random stream as `all` and drop what is on
+    the other side, so a split's list is the `all` list with the other side's records taken out (ids renumbered).
+    Expressions repeat within a list (levels are sampled with replacement), never across the two splits. At level 1
+    only 100 expressions exist: the train split draws from 81 of them, the held-out split from the other 19, so a
+    held-out evaluation of more than 19 prompts repeats questions (count distinct expressions when that matters),
+    and a held-out `9 + 1` may have its mirror `1 + 9` in training (the split is by text, not by value).
+    Raises ValueError for an unknown difficulty or split, or a negative count.
     """
     if difficulty not in _LEVELS:
         raise ValueError(f"difficulty must be one of {DIFFICULTIES}, got {difficulty!r}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if num_prompts < 0:
         raise ValueError(f"num_prompts must be >= 0, got {num_prompts}")
     rng = random.Random(f"tandem-arithmetic:{seed}:{difficulty}")
-    records = []
-    for prompt_id in range(num_prompts):
+    records: list[PromptRecord] = []
+    while len(records) < num_prompts:
         expression = _LEVELS[difficulty](rng)
+        if not _in_split(expression, split):
+            continue
         records.append(
             PromptRecord(
-                prompt_id=prompt_id,
+                prompt_id=len(records),
                 messages=[{"role": "user", "content": f"What is {expression}? {ARITHMETIC_INSTRUCTION}"}],
                 metadata={"answer": _evaluate(expression), "expression": expression, "difficulty": difficulty},
             )

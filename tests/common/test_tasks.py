@@ -21,6 +21,7 @@ from common.tasks import (
     PromptRecord,
     arithmetic_prompts,
     arithmetic_reward,
+    is_held_out,
     load_prompts,
     parse_answer,
     render_prompt,
@@ -141,6 +142,63 @@ def test_arithmetic_prompts_rejects_bad_arguments() -> None:
         arithmetic_prompts(1, seed=0, difficulty=6)
     with pytest.raises(ValueError, match="num_prompts"):
         arithmetic_prompts(-1, seed=0, difficulty=1)
+    with pytest.raises(ValueError, match="split"):
+        arithmetic_prompts(1, seed=0, difficulty=1, split="test")
+
+
+def test_split_all_keeps_the_records_of_before_the_split() -> None:
+    # Pinned from the code before `split` existed: the default draws the same expressions (and ids) as then.
+    pinned = {
+        1: ["3 + 2", "9 + 1", "5 + 8"],
+        2: ["64 - 34", "63 + 76", "15 + 42"],
+        3: ["30 - 88", "95 - 23", "87 - 91"],
+        4: ["96 - 6 + 92", "42 - 72 - 48", "82 - 46 + 27"],
+        5: ["(17 + 10) * 4 + 64 + 72", "(69 - 71) * 5 + 93 - 68", "(2 + 13) * 7 - 79 + 28"],
+    }
+    for difficulty, expressions in pinned.items():
+        records = arithmetic_prompts(3, seed=0, difficulty=difficulty)
+        assert [r.metadata["expression"] for r in records] == expressions
+        assert records == arithmetic_prompts(3, seed=0, difficulty=difficulty, split="all")
+    assert [r.metadata["answer"] for r in arithmetic_prompts(3, seed=0, difficulty=3)] == [-58, 72, -4]
+    expressions = [r.metadata["expression"] for r in arithmetic_prompts(5, seed=7, difficulty=2)]
+    assert expressions == ["60 - 19", "18 + 42", "24 + 21", "94 - 31", "98 - 10"]
+
+
+@pytest.mark.parametrize("difficulty", DIFFICULTIES)
+def test_train_and_held_out_splits_are_disjoint_and_non_empty(difficulty: int) -> None:
+    train = arithmetic_prompts(400, seed=0, difficulty=difficulty, split="train")
+    held_out = arithmetic_prompts(100, seed=1, difficulty=difficulty, split="held_out")
+    train_expressions = {r.metadata["expression"] for r in train}
+    held_out_expressions = {r.metadata["expression"] for r in held_out}
+    assert train_expressions and held_out_expressions
+    assert not train_expressions & held_out_expressions
+    assert not any(is_held_out(e) for e in train_expressions) and all(map(is_held_out, held_out_expressions))
+    assert [r.prompt_id for r in train] == list(range(400))
+    # A split is the `all` stream with the other side's records taken out.
+    everything = [r.metadata["expression"] for r in arithmetic_prompts(600, seed=0, difficulty=difficulty)]
+    assert [r.metadata["expression"] for r in train] == [e for e in everything if not is_held_out(e)][:400]
+
+
+def test_splits_are_reproducible_and_prefix_stable() -> None:
+    for split in ("train", "held_out"):
+        a = arithmetic_prompts(60, seed=4, difficulty=2, split=split)
+        assert a == arithmetic_prompts(60, seed=4, difficulty=2, split=split)
+        assert a[:7] == arithmetic_prompts(7, seed=4, difficulty=2, split=split)
+
+
+def test_held_out_share_per_level() -> None:
+    level_1 = [f"{a} + {b}" for a in range(10) for b in range(10)]
+    assert sum(map(is_held_out, level_1)) == 19  # of 100: the number the docstrings state
+    for difficulty in DIFFICULTIES[1:]:
+        expressions = {r.metadata["expression"] for r in arithmetic_prompts(5000, seed=0, difficulty=difficulty)}
+        share = sum(map(is_held_out, expressions)) / len(expressions)
+        # ~4,000+ distinct expressions: a binomial share's standard deviation is sqrt(0.2 * 0.8 / 4000) ~ 0.0063,
+        # so 0.2 +- 0.03 is ~5 standard deviations (the hash is fixed, so this never flakes: it passes or fails).
+        assert share == pytest.approx(0.2, abs=0.03), difficulty
+
+
+def test_held_out_ignores_spacing_and_is_stable() -> None:
+    assert is_held_out("9 + 1") and is_held_out(" 9  +   1 ") and not is_held_out("1 + 9")
 
 
 def test_prompt_record_crosses_the_wire() -> None:
