@@ -13,6 +13,9 @@ With eta = 0 and a numerically exact sampler, pi_behaviour == pi_prox and every 
     lp = logprobs_from_logits(logits, tokens)                                   # [B, T]
     loss, stats = policy_loss(lp, prox_lp, behaviour_lp, adv, mask, correction="decoupled")
     loss = loss - entropy_coef * masked_mean(entropy_from_logits(logits), mask)
+
+The offline stages' losses (`tandem sft`, `tandem rm`, `tandem dpo`) are here too: `sft_token_nll` on [B, T],
+`bradley_terry_loss` and `dpo_loss` on one value per pair [B].
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ from torch import Tensor
 from learners.advantages import action_mask, masked_mean
 
 __all__ = [
+    "bradley_terry_loss",
+    "dpo_loss",
     "entropy_from_logits",
     "kl_estimate",
     "logprobs_from_logits",
     "policy_loss",
+    "sft_token_nll",
     "value_loss",
 ]
 
@@ -319,3 +325,105 @@ def logprobs_from_logits(logits: Tensor, tokens: Tensor, chunk_size: int = 1024)
     flat = logits.reshape(-1, logits.shape[-1])  # [B*T, V]
     out = _TokenLogprobs.apply(flat, tokens.reshape(-1).long(), chunk_size)  # [B*T]
     return out.reshape(tokens.shape)
+
+
+# ------------------------------------------------------------------------- offline stages (SFT, RM, DPO)
+
+_DPO_KINDS = ("sigmoid", "ipo")
+
+
+def sft_token_nll(logprobs: Tensor, mask: Tensor) -> Tensor:
+    """Per-row SUM [B] of -log p over the loss tokens: nll_b = -sum_t mask[b, t] * logprobs[b, t].
+
+    logprobs: [B, T] log-probs of the target tokens (`logprobs_from_logits`); mask: [B, T] bool or 0/1, True on the
+    assistant tokens (`learners.offline_data.tokenize_chat`), False on prompt, user turns and padding (those
+    positions may hold anything, even inf/NaN, and get no gradient). A sum, not a mean: the caller divides by the
+    loss tokens of the whole global batch, so micro-batches and ranks add up to one token mean. A row with no
+    loss token gives 0.
+    """
+    m = action_mask(mask, logprobs.shape)
+    return -torch.where(m, logprobs, 0).sum(dim=1)
+
+
+def _check_pairs(**tensors: Tensor) -> None:
+    """Raises ValueError unless every tensor is 1-D [B] with the same B."""
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    first = next(iter(shapes.values()))
+    if len(first) != 1 or any(shape != first for shape in shapes.values()):
+        raise ValueError(f"expected 1-D tensors [B] of one shape (one value per pair), got {shapes}")
+
+
+def bradley_terry_loss(chosen: Tensor, rejected: Tensor, margin: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
+    """Bradley-Terry loss per pair [B] and its statistics, for reward-model training.
+
+        loss_b = -log sigmoid(r_chosen - r_rejected - margin)          (= softplus(-(r_c - r_r - m)), stable)
+
+    The model's P(chosen > rejected) = sigmoid(r_c - r_r) (Bradley & Terry 1952; InstructGPT, Ouyang et al. 2022);
+    `margin` m >= 0 asks the chosen reply to win by m (Llama 2's margin term, Touvron et al. 2023). Differentiable
+    in both scores: d loss / d r_c = -sigmoid(-(r_c - r_r - m)) < 0, so raising the chosen score lowers the loss.
+    chosen, rejected: [B] scalar rewards of each pair's two replies. Per-pair stats (detached, [B]; the caller
+    averages): "accuracy" = 1.0 where r_c > r_r (ties count 0), "margin" = r_c - r_r.
+    Raises ValueError for mismatched shapes or a negative margin.
+    """
+    _check_pairs(chosen=chosen, rejected=rejected)
+    if margin < 0:
+        raise ValueError(f"margin must be >= 0, got {margin}")
+    diff = chosen - rejected  # [B]
+    loss = torch.nn.functional.softplus(-(diff - margin))  # [B]
+    d = diff.detach()
+    return loss, {"accuracy": (d > 0).to(d.dtype), "margin": d}
+
+
+def dpo_loss(
+    policy_chosen: Tensor,
+    policy_rejected: Tensor,
+    ref_chosen: Tensor,
+    ref_rejected: Tensor,
+    beta: float,
+    kind: str = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPO loss per pair [B] (differentiable in the policy inputs; the reference inputs are constants) and stats.
+
+    Inputs [B] are log-probs of each pair's replies given the prompt, under the policy and the frozen reference:
+    sums over the reply tokens for kind="sigmoid", per-token MEANS for kind="ipo" (as the IPO paper and TRL's
+    DPOTrainer do; the caller chooses). With h = (pc - pr) - (rc - rr), the policy's log-ratio gain over the
+    reference, and e = label_smoothing:
+        sigmoid  loss = -(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h)
+                 e = 0: DPO (Rafailov et al. 2023, eq. 7); e > 0: conservative DPO (cDPO, Mitchell 2023), the
+                 expected loss when a share e of the pairs is mislabelled (chosen and rejected swapped)
+        ipo      loss = (h - 1/(2 beta))^2   (IPO, Azar et al. 2023, eq. 17): minimum 0 at h = 1/(2 beta), so
+                 the log-ratio gap is pulled to a finite target instead of to infinity
+    TRL's `DPOTrainer.dpo_loss` ("sigmoid" with label_smoothing, "ipo") computes the same numbers.
+    Per-pair stats (detached, [B]): "reward_chosen" = beta (pc - rc), "reward_rejected" = beta (pr - rr) (the
+    implicit rewards), "accuracy" = 1.0 where reward_chosen > reward_rejected, "margin" = their difference (beta h).
+    Raises ValueError for mismatched shapes, beta <= 0, an unknown kind, label_smoothing outside [0, 0.5), or
+    label_smoothing with kind="ipo".
+    """
+    _check_pairs(
+        policy_chosen=policy_chosen, policy_rejected=policy_rejected, ref_chosen=ref_chosen, ref_rejected=ref_rejected
+    )
+    if not beta > 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    if kind not in _DPO_KINDS:
+        raise ValueError(f"kind must be one of {_DPO_KINDS}, got {kind!r}")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    if label_smoothing and kind != "sigmoid":
+        raise ValueError("label_smoothing (cDPO) applies to kind='sigmoid' only")
+    ref_chosen, ref_rejected = ref_chosen.detach(), ref_rejected.detach()
+    h = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)  # [B]
+    if kind == "sigmoid":
+        logsig = torch.nn.functional.logsigmoid
+        loss = -(1.0 - label_smoothing) * logsig(beta * h) - label_smoothing * logsig(-beta * h)  # [B]
+    else:
+        loss = (h - 1.0 / (2.0 * beta)) ** 2  # [B]
+    reward_chosen = beta * (policy_chosen - ref_chosen).detach()  # [B]
+    reward_rejected = beta * (policy_rejected - ref_rejected).detach()  # [B]
+    stats = {
+        "reward_chosen": reward_chosen,
+        "reward_rejected": reward_rejected,
+        "accuracy": (reward_chosen > reward_rejected).to(reward_chosen.dtype),
+        "margin": reward_chosen - reward_rejected,
+    }
+    return loss, stats
