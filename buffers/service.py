@@ -37,11 +37,12 @@ METRICS_EVERY_S = 2.0
 
 
 def load_prompt_records(env: EnvConfig, seed: int) -> list[Any]:
-    """The dataset as PromptRecords (prompt_id, messages, metadata), from `env.kind`."""
+    """The dataset as PromptRecords (prompt_id, messages, metadata), from `env.kind`. Arithmetic prompts come from
+    `env.split` (by default `train`: no expression of the held-out split that evaluation measures is trained on)."""
     from common import tasks
 
     if env.kind == "arithmetic":
-        return tasks.arithmetic_prompts(env.num_prompts, seed=seed, difficulty=env.difficulty)
+        return tasks.arithmetic_prompts(env.num_prompts, seed=seed, difficulty=env.difficulty, split=env.split)
     return tasks.load_prompts(env.source)
 
 

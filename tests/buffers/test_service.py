@@ -214,10 +214,17 @@ def test_ten_thousand_fuzzed_messages_are_answered_counted_and_survived(buffers)
 def test_prompts_come_from_the_env_section(tmp_path: Path) -> None:
     from buffers.service import load_prompt_records
     from common.config import EnvConfig
+    from common.tasks import arithmetic_prompts, is_held_out
 
     arithmetic = load_prompt_records(EnvConfig(kind="arithmetic", num_prompts=5, difficulty=2), seed=3)
     assert [r.prompt_id for r in arithmetic] == list(range(5))
     assert arithmetic == load_prompt_records(EnvConfig(kind="arithmetic", num_prompts=5, difficulty=2), seed=3)
+    assert arithmetic == arithmetic_prompts(5, seed=3, difficulty=2, split="train")  # env.split's default
+    held_out = load_prompt_records(EnvConfig(num_prompts=50, split="held_out"), seed=3)
+    assert all(is_held_out(r.metadata["expression"]) for r in held_out)
+    assert load_prompt_records(EnvConfig(num_prompts=5, split="all"), seed=3) == arithmetic_prompts(
+        5, seed=3, difficulty=1
+    )
     source = tmp_path / "prompts.jsonl"
     source.write_text('{"prompt": "1 + 1?", "answer": 2}\n{"prompt": "2 + 2?", "answer": 4}\n')
     records = load_prompt_records(EnvConfig(kind="file", source=str(source)), seed=0)
