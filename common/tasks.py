@@ -359,7 +359,7 @@ def _record_from_row(
         raise ValueError(f"{where}: {error}") from None
 
 
-def _jsonl_rows(path: Path) -> Iterable[tuple[str, Any]]:
+def _jsonl_rows(path: Path) -> Iterable[tuple[str, dict[str, Any]]]:
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
@@ -374,7 +374,7 @@ def _jsonl_rows(path: Path) -> Iterable[tuple[str, Any]]:
             yield where, row
 
 
-def _parquet_rows(path: Path) -> Iterable[tuple[str, Any]]:
+def _parquet_rows(path: Path) -> Iterable[tuple[str, dict[str, Any]]]:
     try:
         import pyarrow.parquet as pq
     except ImportError as error:
@@ -386,7 +386,7 @@ def _parquet_rows(path: Path) -> Iterable[tuple[str, Any]]:
             index += 1
 
 
-def _datasets_rows(path: Path) -> Iterable[tuple[str, Any]]:
+def _datasets_rows(path: Path) -> Iterable[tuple[str, dict[str, Any]]]:
     try:
         import datasets
     except ImportError as error:
@@ -402,6 +402,30 @@ def _datasets_rows(path: Path) -> Iterable[tuple[str, Any]]:
         yield f"{path}, row {index}", row
 
 
+def read_rows(source: str, *, what: str = "data source") -> Iterable[tuple[str, dict[str, Any]]]:
+    """The rows of a user's dataset as (where, row) pairs, in file order: a `.jsonl` file (one JSON object a line;
+    blank lines are skipped, not rows), a `.parquet` file (needs pyarrow), or a folder written by
+    `datasets.Dataset.save_to_disk` (needs datasets). `where` names the row for error messages:
+    `"<path>, line N"` (jsonl, 1-based lines) or `"<path>, row N"` (parquet and datasets, 0-based rows).
+
+    The source is checked at once (before the first row is read): FileNotFoundError for a missing source,
+    ValueError for an unknown kind; `what` names it in those messages ("prompt source", "sft source", ...).
+    While iterating: ValueError naming the file and line for invalid JSON or a line that is not an object,
+    ImportError (saying what to install) when an optional reader is missing, ValueError for a `datasets`
+    folder of several splits. The rows are not validated further: that is the caller's shape to check.
+    """
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"{what} {source!r} does not exist")
+    if path.is_dir():
+        return _datasets_rows(path)
+    if path.suffix == ".jsonl":
+        return _jsonl_rows(path)
+    if path.suffix == ".parquet":
+        return _parquet_rows(path)
+    raise ValueError(f"{what} {source!r}: expected a .jsonl or .parquet file, or a `datasets` folder")
+
+
 def load_prompts(
     source: str, *, prompt_key: str = "prompt", messages_key: str = "messages", limit: int | None = None
 ) -> list[PromptRecord]:
@@ -415,17 +439,7 @@ def load_prompts(
     install) when an optional reader is missing, ValueError naming the file and line/row for a malformed row,
     and ValueError for an unknown source kind or a dataset without rows.
     """
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"prompt source {source!r} does not exist")
-    if path.is_dir():
-        rows = _datasets_rows(path)
-    elif path.suffix == ".jsonl":
-        rows = _jsonl_rows(path)
-    elif path.suffix == ".parquet":
-        rows = _parquet_rows(path)
-    else:
-        raise ValueError(f"prompt source {source!r}: expected a .jsonl or .parquet file, or a `datasets` folder")
+    rows = read_rows(source, what="prompt source")
     records: list[PromptRecord] = []
     for where, row in rows:
         if limit is not None and len(records) >= limit:

@@ -24,6 +24,7 @@ from common.tasks import (
     is_held_out,
     load_prompts,
     parse_answer,
+    read_rows,
     render_prompt,
     resolve_reward_fn,
     total_reward,
@@ -315,6 +316,16 @@ def test_load_prompts_source_errors(tmp_path: Path) -> None:
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(ValueError, match="no rows"):
         load_prompts(str(tmp_path / "empty.jsonl"))
+
+
+def test_read_rows_names_each_row_and_checks_the_source_at_once(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "rows.jsonl", [{"a": 1}, "", {"b": [2]}])
+    assert list(read_rows(str(path))) == [(f"{path}, line 1", {"a": 1}), (f"{path}, line 3", {"b": [2]})]
+    with pytest.raises(FileNotFoundError, match="sft source '.*missing.jsonl' does not exist"):
+        read_rows(str(tmp_path / "missing.jsonl"), what="sft source")  # raised by the call, not the first row
+    (tmp_path / "data.csv").write_text("a\n1\n")
+    with pytest.raises(ValueError, match=r"data source '.*data.csv': expected a \.jsonl or \.parquet"):
+        read_rows(str(tmp_path / "data.csv"))
 
 
 def test_optional_readers_say_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
