@@ -894,6 +894,12 @@ class RayConfig(_Section):
         "death fails the run.",
         ge=0,
     )
+    max_reward_restarts: int = Field(
+        4,
+        description="Reward services that died (process or actor) and were restarted (same node, same port: the "
+        "generators' reward.address stays right), at most, over the run; one more death fails the run.",
+        ge=0,
+    )
     max_learner_restarts: int = Field(
         0,
         description="0: a learner rank that dies stops the run (the latest complete checkpoint stays resumable). "
