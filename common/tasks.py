@@ -168,8 +168,9 @@ _OPERATORS: dict[type, Callable[[int, int], int]] = {
 }
 
 
-def _evaluate(expression: str) -> int:
-    """Value of an expression made here: integers, + - *, parentheses, usual precedence (no `eval`)."""
+def evaluate_expression(expression: str) -> int:
+    """Value of an arithmetic expression: integers, + - *, parentheses, usual precedence (no `eval`).
+    Raises ValueError for anything else (a name, a division, a float, a call)."""
 
     def value(node: ast.expr) -> int:
         if isinstance(node, ast.Constant) and type(node.value) is int:
@@ -232,7 +233,11 @@ def arithmetic_prompts(num_prompts: int, *, seed: int, difficulty: int, split: s
             PromptRecord(
                 prompt_id=len(records),
                 messages=[{"role": "user", "content": f"What is {expression}? {ARITHMETIC_INSTRUCTION}"}],
-                metadata={"answer": _evaluate(expression), "expression": expression, "difficulty": difficulty},
+                metadata={
+                    "answer": evaluate_expression(expression),
+                    "expression": expression,
+                    "difficulty": difficulty,
+                },
             )
         )
     return records
