@@ -355,8 +355,9 @@ class EnvConfig(_Section):
     split: Literal["train", "held_out", "all"] = Field(
         "train",
         description="kind=arithmetic: which expressions prompts are drawn from. `train` leaves out the held-out "
-        "split (common.tasks.is_held_out: a fixed ~20% of the expressions of each level), which evaluation and "
-        "`tandem eval` use, so that they measure prompts the model never trained on; `all` draws from every one.",
+        "split (common.tasks.is_held_out: a fixed ~20% of the expressions of each level; level 1: 19 of its 100), "
+        "which evaluation and `tandem eval` use, so that they measure prompts the model never trained on; `all` "
+        "draws from every one.",
     )
     reward_fn: str = Field(
         "common.tasks:arithmetic_reward",
