@@ -48,11 +48,12 @@ _CORRECT_PHRASINGS: tuple[Phrasing, ...] = (
 #   marker_no_number the marker with no number anywhere: `I'll put the answer after the marker.\n####`
 #   rambling_wrong   a long reply that names the right answer on the way and ends on a wrong one, no marker
 # These four keep the chosen reply's wording (a minimal pair: only the value or only the marker line differs).
-# Why these shares: 90% of the pairs differ in correctness (all kinds but no_marker_right), and half of them (the
-# two wrong-in-the-right-format kinds) differ in correctness ONLY, the same format and length on both sides, so a
-# reward model that learned the format alone would be right on at most half of the pairs; a near miss is the most
-# common kind because it is what a policy that has learned the format gets wrong most. no_marker_right (10%) is the
-# one kind that teaches the format alone: a correct reply still loses to the same reply with the marker line.
+# Why these shares: in 90% of the pairs the rejected answer is wrong (every kind but no_marker_right), and in 50% of
+# all pairs (wrong_near, wrong_operation) it is wrong ONLY: same wording, format and length as the chosen reply. A
+# reward model that learned the format alone is at chance on those, ~0.75 pairwise accuracy overall, short of the
+# 0.9 the chain asks for. The near miss is the most common kind because it is what a policy that has learned the
+# format gets wrong most. no_marker_right (10%) is the one kind that teaches the format alone: a correct reply still
+# loses to the same reply with the marker line.
 REJECTION_KINDS: dict[str, int] = {
     "wrong_near": 6,
     "wrong_operation": 4,
