@@ -646,9 +646,9 @@ class LearnerConfig(_Section):
     critic_lr: float = Field(5e-6, description="Critic learning rate (estimator = gae).", gt=0)
     critic_path: str = Field(
         "",
-        description="Where the critic (estimator = gae) starts: a model.path value. A reward model (e.g. `tandem "
-        "rm`'s <run_dir>/model) gives its backbone and its scalar head, so the first values are its scores; empty = "
-        "the policy's backbone with a zero head (V = 0 at first).",
+        description="Where the critic (estimator = gae) starts: a model.path value. A reward model (e.g. the "
+        "<run_dir>/model that tandem rm exports) gives its backbone and its scalar head, so the first values are "
+        "its scores; empty = the policy's backbone with a zero head (V = 0 at first).",
     )
     cpu_cores: CoreList = Field(
         "", description="Cores the learner ranks are pinned to, written as generator.cpu_cores (empty = all)."
