@@ -377,7 +377,8 @@ class EnvConfig(_Section):
         description="A learned reward model that scores every completion: a Hugging Face sequence-classification "
         "directory with one label (what `tandem rm` exports to <run_dir>/model, or any such model). Its score "
         "is the reward component `reward_model`, times reward.weight. Scored by the reward service (`tandem "
-        "reward`, started by `tandem run` and `tandem ray`), or inside each generator with reward.in_process.",
+        "reward`, started by `tandem run` and `tandem ray`), or inside each generator with reward.in_process. "
+        "Single-turn only: not with env.environment.",
     )
     reward_url: Annotated[str, AfterValidator(_check_url)] = Field(
         "", description="HTTP reward endpoint (POST JSON); when set it is used instead of reward_fn."
@@ -436,6 +437,11 @@ class EnvConfig(_Section):
             raise ValueError(
                 "reward_fn: empty, and nothing else gives a reward: set env.reward_fn, env.reward_model, "
                 "env.reward_url or env.environment"
+            )
+        if self.reward_model and self.environment:
+            raise ValueError(
+                "reward_model: scores single-turn completions only, and env.environment is set (a multi-turn "
+                "environment gives its own rewards): leave one of them empty"
             )
         return self
 

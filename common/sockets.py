@@ -287,8 +287,15 @@ class Client:
     """
 
     _ids = itertools.count()
+    HEARTBEAT_MS = 1000  # immediate clients: ZMTP heartbeats, so that a connection to a dead host is dropped ...
+    HEARTBEAT_TIMEOUT_MS = 5000  # ... this long after the peer stopped answering them
 
-    def __init__(self, address: str, security: SocketSecurity, identity: str, role: str | None = None) -> None:
+    def __init__(
+        self, address: str, security: SocketSecurity, identity: str, role: str | None = None, immediate: bool = False
+    ) -> None:
+        """`immediate`: queue a message only on a live connection (ZMQ_IMMEDIATE, with heartbeats): while the
+        peer is away `send` raises zmq.Again instead of queueing requests that a restarted peer would answer
+        long after the caller gave up on them."""
         if role is not None and role not in ROLES:
             raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
         if role is None and security.curve_keys_dir is not None:
@@ -300,10 +307,15 @@ class Client:
         self.context = zmq.Context.instance()
         self._sequence = itertools.count(1)
         self.socket: zmq.Socket | None = None
+        self.immediate = immediate
 
     def _open(self) -> zmq.Socket:
         sock = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.immediate:
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, self.HEARTBEAT_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.HEARTBEAT_TIMEOUT_MS)
         sock.setsockopt(zmq.METADATA, f"{_NAME_PROPERTY}:{self.identity}".encode())
         if self.role is not None:
             sock.setsockopt(zmq.METADATA, f"{_ROLE_PROPERTY}:{self.role}".encode())
@@ -331,6 +343,29 @@ class Client:
             return decode(frames[2:], self.security.max_message_bytes)
         self.reset()
         raise PeerUnavailable(f"no reply from {self.host}:{self.port} within {timeout_s:.1f}s")
+
+    def send(self, message: Any) -> bytes:
+        """Send without waiting for the reply (several requests may be in flight; the caller matches the replies
+        that `receive` returns). Returns the envelope's request id. Raises zmq.Again when ZeroMQ cannot queue it
+        now (an `immediate` client without a live connection, or a full queue)."""
+        if self.socket is None:
+            self.socket = self._open()
+        request_id = struct.pack("<Q", next(self._sequence))
+        self.socket.send_multipart([b"", request_id, *encode(message)], copy=False, flags=zmq.NOBLOCK)
+        return request_id
+
+    def receive(self, timeout_s: float) -> tuple[bytes, Any] | None:
+        """The next reply to any request sent (its envelope's request id, the decoded message) within `timeout_s`,
+        else None. Raises `WireError` for a malformed reply."""
+        if self.socket is None:
+            self.socket = self._open()
+        if not self.socket.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
+            return None
+        frames = self.socket.recv_multipart(copy=False)
+        if len(frames) < 3 or len(frames[1].bytes) != 8:
+            raise WireError("reply without the envelope [b'', request id, frames...]", "bad_envelope")
+        message, _ = decode(frames[2:], self.security.max_message_bytes)
+        return frames[1].bytes, message
 
     def reset(self) -> None:
         if self.socket is not None:

@@ -421,6 +421,47 @@ class ChunkUnavailable:
     reason: str = ""
 
 
+# ---------------------------------------------------------------------------------------------------- rewards
+MAX_REWARD_GROUP = 4096  # completions in one reward request (algo.group_size is far below)
+MAX_REWARD_TEXT_CHARS = 1 << 20  # one message's content or one completion (common.sockets bounds the whole message)
+
+
+@message("reward_request")
+class RewardRequest:
+    """Generator (or `tandem eval`) -> reward service: score the n completions of one prompt, a whole group.
+    Each completion is appended to `prompt` as an assistant turn and the chat scored (actors/reward_model.py)."""
+
+    request_id: int = count()  # the sender's own id, echoed in the reply (a late reply to an abandoned one is dropped)
+    prompt: list[dict[str, str]]  # the prompt's messages: [{"role": "user", "content": "..."}, ...]
+    completions: list[str]  # [n], n >= 1
+
+    def validate(self) -> None:
+        if not 1 <= len(self.completions) <= MAX_REWARD_GROUP:
+            raise ContractError(f"reward_request.completions: {len(self.completions)} (1 to {MAX_REWARD_GROUP})")
+        if not self.prompt:
+            raise ContractError("reward_request.prompt: no messages")
+        for i, turn in enumerate(self.prompt):
+            if not {"role", "content"} <= turn.keys():
+                raise ContractError(f"reward_request.prompt[{i}]: needs 'role' and 'content', has {sorted(turn)}")
+        texts = [*self.completions, *(value for turn in self.prompt for value in turn.values())]
+        if any(len(text) > MAX_REWARD_TEXT_CHARS for text in texts):
+            raise ContractError(f"reward_request: a text longer than {MAX_REWARD_TEXT_CHARS} characters")
+
+
+@message("reward_reply")
+class RewardReply:
+    """Reward service -> sender: one score per completion of request `request_id`, in order; or no scores and
+    `error` saying why the group could not be scored (the sender falls back, counts and logs it)."""
+
+    request_id: int = count()
+    scores: list[float]  # [n] raw (or normalised, reward.normalize) reward-model scores; [] with an error
+    error: str = ""
+
+    def validate(self) -> None:
+        if bool(self.scores) == bool(self.error):
+            raise ContractError("reward_reply: exactly one of scores or error")
+
+
 # ---------------------------------------------------------------------------------------------------- decoding
 Checker = typing.Callable[[Any, str], Any]
 _CHECKERS: dict[Any, Checker] = {}

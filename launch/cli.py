@@ -6,6 +6,7 @@ so `tandem --help` and config errors answer at once.
     tandem buffer CONFIG                          # one role alone (fleets launched separately)
     tandem generator CONFIG --generator.index 1
     tandem learner CONFIG                         # one rank per process; torchrun sets RANK/WORLD_SIZE
+    tandem reward CONFIG                          # the reward service of env.reward_model (reward.port)
     tandem ray CONFIG                             # the fleets on a Ray cluster
     tandem ray scale RUN --generators N           # ... add or retire generators of a running fleet
     tandem ray status RUN | tandem ray stop RUN
@@ -37,6 +38,7 @@ ROLES = {
     "buffer": "buffers.service:run",
     "generator": "actors.generator:run",
     "learner": "learners.learner:run",
+    "reward": "actors.reward_service:run",
     "ray": "launch.ray_launch:run",
 }
 # command -> its own flags (each a store_true) -> help; every other `--section.key VALUE` is a config override.
@@ -150,6 +152,7 @@ def _parser() -> argparse.ArgumentParser:
         ("buffer", "start the buffer service alone"),
         ("generator", "start one generator alone (--generator.index I)"),
         ("learner", "start one learner rank alone"),
+        ("reward", "start the reward service alone (scores env.reward_model for the generators)"),
         (
             "ray",
             (

@@ -29,10 +29,11 @@ EMBEDDED = " or ".join(BUILT_IN_MEANING[name] for name in BUILT_IN_MODELS)
 
 # role -> the checks it needs; `run` starts every role on this machine
 NEEDS = {
-    "run": ("prompts", "model", "keys"),
+    "run": ("prompts", "model", "reward_model", "keys"),
     "buffer": ("prompts", "keys"),
-    "generator": ("model", "keys"),
+    "generator": ("model", "reward_model", "keys"),
     "learner": ("model", "keys"),
+    "reward": ("reward_model", "keys"),
 }
 # role -> (the client roles it connects as, whether it serves): which key files it loads (common.keys.check_keys).
 # A learner serves the weights on rank 0 only, so its server key is checked when that socket opens.
@@ -41,6 +42,7 @@ KEY_USERS = {
     "buffer": ((), True),
     "generator": (("generator",), False),
     "learner": (("learner",), False),
+    "reward": ((), True),
 }
 
 
@@ -92,6 +94,21 @@ def _model_problem(config: TandemConfig, role: str) -> str | None:
     )
 
 
+def _reward_model_problem(config: TandemConfig, role: str) -> str | None:
+    """env.reward_model must be a model directory where it is loaded: the reward service, a generator that scores
+    in-process (reward.in_process), and `tandem run`, which starts either."""
+    if not config.env.reward_model or (role == "generator" and not config.reward.in_process):
+        return None
+    path = Path(config.env.reward_model).expanduser()
+    if (path / "config.json").is_file():
+        return None
+    what = "is not a Hugging Face model directory (no config.json in it)" if path.exists() else "does not exist"
+    return (
+        f"env.reward_model: '{config.env.reward_model}' {what} on this machine{_relative_hint(path)}: name the "
+        "folder `tandem rm` exported (<run_dir>/model) or another sequence-classification model directory"
+    )
+
+
 def _keys_problem(config: TandemConfig, role: str) -> str | None:
     folder = config.run.curve_keys_dir
     if folder is None:
@@ -109,7 +126,12 @@ def _keys_problem(config: TandemConfig, role: str) -> str | None:
     return None
 
 
-CHECKS = {"prompts": _prompts_problem, "model": _model_problem, "keys": _keys_problem}
+CHECKS = {
+    "prompts": _prompts_problem,
+    "model": _model_problem,
+    "reward_model": _reward_model_problem,
+    "keys": _keys_problem,
+}
 
 
 def missing_paths(config: TandemConfig, role: str) -> list[str]:

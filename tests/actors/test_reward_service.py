@@ -1,0 +1,141 @@
+"""The reward service (actors/reward_service.py) and its client (actors/reward_client.py): whole groups scored in
+shared batches, bad messages refused while the service stays up, and a dead or slow service survived and counted."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from actors.reward_client import RewardClient
+from actors.reward_model import RewardModelScorer
+from actors.reward_service import RewardService
+from common.sockets import Client, Request, Server, SocketSecurity, free_port
+from common.types import ErrorReply, Heartbeat, RewardReply, RewardRequest
+from common.wire import decode, encode
+from tests.actors.reward_models import make_tiny_reward_model
+from tests.actors.test_reward_model import BATCH_TOLERANCE
+
+PROMPT = [{"role": "user", "content": "What is 2 + 5?"}]
+GROUPS = [["2 + 5 = 7\n#### 7", "#### 8"], ["seven", "7", "it is 7, surely: 2 + 5 = 7"], ["no idea"]]
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_reward_model(tiny_model_dir, tmp_path_factory.mktemp("rm") / "tiny-rm", seed=2)
+
+
+@pytest.fixture
+def service(rm_dir: Path):
+    server = Server("127.0.0.1", free_port(), SocketSecurity(), name="reward")
+    scorer = RewardModelScorer(rm_dir, "float32", batch_size=4, max_len=512, normalize=False)
+    yield RewardService(scorer, server)
+    server.close()
+
+
+def _address(service: RewardService) -> str:
+    return service.server.socket.getsockopt_string(zmq.LAST_ENDPOINT).removeprefix("tcp://")
+
+
+def _serve_until(service: RewardService, client: RewardClient, groups: int, timeout_s: float = 30.0) -> list:
+    """Alternate the service's batches and the client's collection until `groups` results came back."""
+    results, deadline = [], time.monotonic() + timeout_s
+    while len(results) < groups and time.monotonic() < deadline:
+        service.serve_batch(0.02)
+        results += client.collect(time.monotonic(), wait_s=0.02)
+    return results
+
+
+def test_the_services_batched_scores_equal_one_by_one_scores(service: RewardService, rm_dir: Path):
+    client = RewardClient(_address(service), SocketSecurity(), timeout_s=60.0, name="generator-0")
+    for key, completions in enumerate(GROUPS):
+        client.submit(key, PROMPT, completions, time.monotonic())
+    results = {r.key: r for r in _serve_until(service, client, len(GROUPS))}
+    alone = RewardModelScorer(rm_dir, "float32", batch_size=1, max_len=512, normalize=False)
+    for key, completions in enumerate(GROUPS):
+        one_by_one = [alone.score_group(PROMPT, [text])[0] for text in completions]
+        assert results[key].scores == pytest.approx(one_by_one, abs=BATCH_TOLERANCE, rel=0)  # see BATCH_TOLERANCE
+    counters = service.counters
+    assert counters.groups == 3 and counters.samples == 6 and counters.score_errors == 0 and counters.scoring_s > 0
+    assert client.fallbacks == 0 and client.scored == 3
+    client.close()
+
+
+class _QueuedServer:
+    """A server whose requests are already queued (what several generators leave between two batches)."""
+
+    def __init__(self, requests: list[Request]) -> None:
+        self.queue, self.replies, self.rejected = list(requests), [], {}
+
+    def poll(self, timeout_ms: int) -> Request | None:
+        return self.queue.pop(0) if self.queue else None
+
+    def reply(self, request: Request, message: RewardReply) -> None:
+        self.replies.append(message)
+
+
+class _CountingScorer:
+    batch_size = 5
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def score_chats(self, chats: list) -> list[float]:
+        self.calls.append(len(chats))
+        return [float(len(chat[-1]["content"])) for chat in chats]
+
+
+def _request(request_id: int, completions: list[str]) -> Request:
+    message = RewardRequest(request_id=request_id, prompt=PROMPT, completions=completions)
+    return Request(b"peer", b"\0" * 8, message, [], role="generator")
+
+
+def test_queued_groups_share_one_scoring_call_up_to_the_batch_size():
+    server = _QueuedServer([_request(i, ["a" * i, "b"]) for i in range(1, 5)])  # 4 groups of 2 completions
+    scorer = _CountingScorer()
+    service = RewardService(scorer, server)
+    assert service.serve_batch(0.0) == 3  # 0, 2, 4 < 5 completions taken: a third group joins, then 6 >= 5
+    assert service.serve_batch(0.0) == 1
+    assert scorer.calls == [6, 2]
+    assert [(r.request_id, r.scores) for r in server.replies] == [(i, [float(i), 1.0]) for i in range(1, 5)]
+
+
+def test_malformed_and_refused_messages_are_counted_and_the_service_stays_up(service: RewardService):
+    address = _address(service)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"tcp://{address}")
+    raw.send_multipart([b"", b"\1" * 8, b"\xc1 not msgpack"])  # garbage
+    raw.send_multipart([b"", b"\2" * 8, msgpack.packb({"p": 999, "t": "reward_request", "a": 0, "f": {}})])
+    bad = encode(RewardRequest(request_id=1, prompt=PROMPT, completions=["x"]))
+    header = msgpack.unpackb(bad[0])
+    header["f"]["completions"] = []  # a group of no completions breaks the contract
+    raw.send_multipart([b"", b"\3" * 8, msgpack.packb(header)])
+    learner = Client(address, SocketSecurity(), "learner", role="learner")
+    stranger = Client(address, SocketSecurity(), "someone", role="generator")
+    for _ in range(5):
+        service.serve_batch(0.05)
+    for _ in range(3):  # each sender is told why, under its own request id
+        assert raw.poll(5000)
+        assert isinstance(decode(raw.recv_multipart()[2:])[0], ErrorReply)
+    not_asking = [
+        (learner, RewardRequest(request_id=1, prompt=PROMPT, completions=["x"])),  # a role that may not ask
+        (stranger, Heartbeat(generator_id=0, policy_version=0, lease_ids=[])),  # not a reward request
+    ]
+    for client, message in not_asking:
+        client.send(message)
+        service.serve_batch(2.0)
+        assert isinstance(client.receive(5.0)[1], ErrorReply)
+        client.close()
+    rejected = dict(service.server.rejected)
+    assert rejected == {"garbage": 1, "wrong_version": 1, "invalid_fields": 1, "refused": 2}
+    client = RewardClient(address, SocketSecurity(), timeout_s=60.0, name="generator-0")
+    client.submit("after", PROMPT, ["7"], time.monotonic())
+    [result] = _serve_until(service, client, 1)
+    assert result.key == "after" and result.scores is not None and len(result.scores) == 1
+    assert service.counters.values()["reward_service/rejected"] == 5
+    raw.close()
+    client.close()
