@@ -1,0 +1,117 @@
+"""Named evaluation sets: held-out arithmetic, transfer sets, and any prompt file.
+
+    from common.eval_sets import eval_set, parse_set_names
+    for name in parse_set_names("arithmetic,arithmetic-d2,file:data/test.jsonl"):
+        prompts = eval_set(name, limit=200).records      # PromptRecords, prompt_id = index in the set
+
+The sets (`SETS`; `tandem eval --sets`, and the names an `[eval]` config section can list):
+  arithmetic           level-1 arithmetic (a + b, single digits) from the held-out split (`common.tasks.is_held_out`),
+                       which training never draws from (env.split = "train"): measures the task on unseen questions
+  arithmetic-d2        level-2 arithmetic (two-digit + and -), held out: transfer to harder questions
+  arithmetic-reworded  the `arithmetic` questions with the instruction reworded (it still asks for the `####`
+                       marker): transfer to a prompt the model was not trained on
+  file:PATH            the prompts of a .jsonl / .parquet / `datasets` folder (`common.tasks.load_prompts`), scored
+                       by the config's env.reward_fn; rows with an `answer` field get strict/lenient accuracy too
+An arithmetic set holds each expression once, in the order the held-out stream first draws it: level 1 has only 19
+held-out expressions, so `arithmetic` has 19 prompts whatever the limit; level 2 has thousands (the limit applies).
+Sets are the same on every machine and for every run seed (EVAL_SEED is fixed), so evaluations compare.
+No torch and no tokenizer here: a config can name sets, and a launcher check them, cheaply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.tasks import ANSWER_MARKER, PromptRecord, arithmetic_prompts, load_prompts
+
+EVAL_SEED = 0
+MAX_SET_PROMPTS = 200  # the default cap on prompts per set
+FILE_PREFIX = "file:"
+REWORDED_INSTRUCTION = f"End your reply with '{ANSWER_MARKER}' followed by the final answer."
+_DRAWN_PER_PROMPT = 10  # held-out prompts drawn per distinct one wanted (repeats are dropped)
+_MIN_DRAWN = 2000  # level 1: 19 distinct held-out expressions, each ~1/19 of the draws; 2000 draws find them all
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """One evaluation set: its name (as written in --sets), what it measures, its prompts (prompt_id = index)."""
+
+    name: str
+    description: str
+    records: list[PromptRecord]
+
+
+def _distinct_held_out(difficulty: int, limit: int) -> list[PromptRecord]:
+    """The first `limit` distinct held-out expressions of a level, renumbered 0.. (the stream is prefix-stable, so
+    a smaller limit gives a prefix of a larger one)."""
+    drawn = arithmetic_prompts(
+        max(_MIN_DRAWN, limit * _DRAWN_PER_PROMPT), seed=EVAL_SEED, difficulty=difficulty, split="held_out"
+    )
+    seen: dict[str, PromptRecord] = {}
+    for record in drawn:
+        expression = str(record.metadata["expression"])
+        if expression not in seen:
+            seen[expression] = PromptRecord(len(seen), record.messages, dict(record.metadata))
+            if len(seen) == limit:
+                break
+    return list(seen.values())
+
+
+def _reworded(record: PromptRecord) -> PromptRecord:
+    expression = record.metadata["expression"]
+    message = {"role": "user", "content": f"Calculate {expression}. {REWORDED_INSTRUCTION}"}
+    return PromptRecord(record.prompt_id, [message], dict(record.metadata))
+
+
+_BUILTIN: dict[str, tuple[str, Callable[[int], list[PromptRecord]]]] = {
+    "arithmetic": ("held-out level-1 arithmetic", lambda limit: _distinct_held_out(1, limit)),
+    "arithmetic-d2": ("held-out level-2 arithmetic (transfer)", lambda limit: _distinct_held_out(2, limit)),
+    "arithmetic-reworded": (
+        "held-out level-1 arithmetic, reworded instruction (transfer)",
+        lambda limit: [_reworded(r) for r in _distinct_held_out(1, limit)],
+    ),
+}
+SETS = (*_BUILTIN, f"{FILE_PREFIX}PATH")
+
+
+def parse_set_names(text: str) -> list[str]:
+    """The set names of a comma-separated list (`arithmetic,file:x.jsonl`), in order, without repeats, each
+    checked: a built-in name, or `file:` and a path that exists. Raises ValueError naming the bad entry and the
+    sets there are."""
+    names = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    if not names:
+        raise ValueError(f"no evaluation set named in {text!r}; the sets: {', '.join(SETS)}")
+    for name in names:
+        check_set_name(name)
+    return names
+
+
+def check_set_name(name: str) -> None:
+    """Raise ValueError, saying what to write, unless `name` is a built-in set or `file:` and an existing path."""
+    if name in _BUILTIN:
+        return
+    if name.startswith(FILE_PREFIX):
+        path = Path(name[len(FILE_PREFIX) :]).expanduser()
+        if not path.exists():
+            raise ValueError(f"evaluation set {name!r}: {str(path)!r} does not exist")
+        return
+    raise ValueError(f"unknown evaluation set {name!r}; the sets: {', '.join(SETS)}")
+
+
+def eval_set(
+    name: str, *, limit: int = MAX_SET_PROMPTS, prompt_key: str = "prompt", messages_key: str = "messages"
+) -> EvalSet:
+    """The set `name` (see the module docstring) with at most `limit` prompts (>= 1). A file set keeps its first
+    `limit` rows (`prompt_key` / `messages_key` as in `common.tasks.load_prompts`). Raises ValueError for an
+    unknown name or a bad limit, and what `load_prompts` raises for a bad file."""
+    if limit < 1:
+        raise ValueError(f"an evaluation set needs at least 1 prompt, got limit {limit}")
+    check_set_name(name)
+    if name in _BUILTIN:
+        description, build = _BUILTIN[name]
+        return EvalSet(name, description, build(limit))
+    source = name[len(FILE_PREFIX) :]
+    records = load_prompts(source, prompt_key=prompt_key, messages_key=messages_key, limit=limit)
+    return EvalSet(name, f"prompts of {source}", records)
