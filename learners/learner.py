@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -50,9 +48,10 @@ from common.run_dir import reuse_problem
 from common.sockets import SocketSecurity
 from common.types import RolloutGroup
 from learners.buffer_link import BufferLink, BufferRefused, LinkInterrupted
-from learners.checkpoint import CheckpointManager, LearnerState, trim_records
+from learners.checkpoint import CheckpointManager, LearnerState
 from learners.publisher import WeightsPublisher, open_weights_publisher
 from learners.ranks import launch_ranks, pin_cores
+from learners.session import Interrupt, any_rank, forget_steps_after, interrupted_exit, resume_state
 
 KEEP_CHECKPOINTS = 2
 
@@ -88,14 +87,14 @@ def run(config: TandemConfig) -> int:
     if dist.rank == 0:
         write_resolved(config, run_dir)
     checkpoints = CheckpointManager(run_dir / "checkpoints", dist.rank, KEEP_CHECKPOINTS, _barrier(config))
-    state = _resume(checkpoints, trainer, learner.resume, log)
+    state = resume_state(checkpoints, trainer, learner.resume, log)
     if dist.rank == 0 and learner.resume:
-        _forget_steps_after(run_dir / "metrics.jsonl", state.step, log)
+        forget_steps_after(run_dir / "metrics.jsonl", state.step, log)
     security = SocketSecurity.from_run(config.run)
     publisher = None
     if dist.rank == 0:
         publisher = open_weights_publisher(config.weights, learner.weights_host, learner.weights_port, security)
-    stop = _Interrupt(log)
+    stop = Interrupt(log)
     buffer = BufferLink(
         learner.buffer_address,
         security,
@@ -115,7 +114,7 @@ def run(config: TandemConfig) -> int:
         while state.step < learner.total_steps:
             step_start = time.perf_counter()
             fetched = _fetch_unless_interrupted(buffer, state.step)
-            if _any_rank(config, fetched is None):  # every rank stops after the same step
+            if any_rank(fetched is None, config.run.simulate):  # every rank stops after the same step
                 break
             batch, wait_s = fetched
             train_start = time.perf_counter()
@@ -145,7 +144,7 @@ def run(config: TandemConfig) -> int:
             checkpoints.save(trainer, state)
             saved_step = state.step
         if stop.signum and state.step < learner.total_steps:
-            return _interrupted(stop, state.step, saved_step, checkpoints, learner.total_steps, log)
+            return interrupted_exit(stop, state.step, saved_step, checkpoints, learner.total_steps, log)
         log.info(
             "done: %d steps, policy_version %d, %d samples trained",
             state.step,
@@ -170,52 +169,12 @@ def run(config: TandemConfig) -> int:
     return 0
 
 
-class _Interrupt:
-    """Records SIGINT/SIGTERM for the loop to stop after the step in flight (see the module docstring); a second
-    SIGINT raises KeyboardInterrupt. Installed only in the main thread (where Python delivers signals)."""
-
-    def __init__(self, log: logging.Logger) -> None:
-        self.signum = 0
-        self.log = log
-        self._previous: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-    def requested(self) -> bool:
-        return self.signum != 0
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # the second Ctrl-C: stop now, without a checkpoint
-        if not self.signum:
-            self.log.warning(
-                "%s: stopping after the step in flight (a second SIGINT stops at once, without a checkpoint)",
-                signal.Signals(signum).name,
-            )
-            self.signum = signum
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
 def _fetch_unless_interrupted(buffer: BufferLink, step: int) -> tuple[Any, float] | None:
     """(batch, wait_s) for `step`, or None when the learner was interrupted before or while waiting for it."""
     try:
         return buffer.fetch_batch(step)
     except LinkInterrupted:
         return None
-
-
-def _any_rank(config: TandemConfig, stopping: bool) -> bool:
-    """Whether any rank is stopping (collective: every rank calls it once per step, so all stop together)."""
-    if config.run.simulate:  # one process
-        return stopping
-    import torch
-
-    from learners.engine import all_reduce, device
-
-    return bool(all_reduce(torch.tensor([float(stopping)], device=device()), op="max").item())
 
 
 def _report_version(buffer: BufferLink, state: LearnerState, final: bool, log: logging.Logger) -> None:
@@ -225,49 +184,6 @@ def _report_version(buffer: BufferLink, state: LearnerState, final: bool, log: l
         buffer.report_version(state.policy_version, state.step, final=final)
     except LinkInterrupted as interruption:
         log.warning("%s: the version of step %d is not reported", interruption, state.step)
-
-
-def _interrupted(
-    stop: _Interrupt,
-    step: int,
-    saved_step: int,
-    checkpoints: CheckpointManager,
-    total_steps: int,
-    log: logging.Logger,
-) -> int:
-    """Say what a resume continues from; the exit code 128 + the signal."""
-    name = signal.Signals(stop.signum).name
-    if saved_step == step and step > 0:
-        log.warning(
-            "%s at step %d/%d: checkpoint %s holds it; --learner.resume true continues from there",
-            name,
-            step,
-            total_steps,
-            checkpoints.root / f"step-{step:06d}",
-        )
-    else:
-        latest = checkpoints.latest()
-        log.warning(
-            "%s at step %d/%d, no checkpoint saved (%s): --learner.resume true continues from %s",
-            name,
-            step,
-            total_steps,
-            "learner.save_on_interrupt = false" if step > 0 else "nothing trained yet",
-            latest if latest is not None else "step 0 (no checkpoint yet)",
-        )
-    return 128 + stop.signum
-
-
-def _forget_steps_after(metrics_path: Path, step: int, log: logging.Logger) -> None:
-    """Drop the records of steps after the resumed one: they are trained again, and must not appear twice."""
-    dropped = trim_records(metrics_path, step)
-    if dropped:
-        log.warning(
-            "resuming at step %d: %d records of later steps dropped from %s (trained again now)",
-            step,
-            dropped,
-            metrics_path,
-        )
 
 
 def _start_trainer(config: TandemConfig) -> tuple[StepTrainer, Any]:
@@ -298,21 +214,6 @@ def _barrier(config: TandemConfig) -> Callable[[], None]:
     from learners.engine import barrier
 
     return barrier
-
-
-def _resume(checkpoints: CheckpointManager, trainer: StepTrainer, resume: bool, log: logging.Logger) -> LearnerState:
-    if not resume:
-        return LearnerState()
-    latest = checkpoints.latest()
-    if latest is None:
-        log.warning(
-            "learner.resume = true but %s holds no complete checkpoint: the run starts again at step 0",
-            checkpoints.root,
-        )
-        return LearnerState()
-    state = checkpoints.load(latest, trainer)
-    state.policy_version = state.step  # the restored weights are published as this step's version
-    return state
 
 
 def _publish(trainer: StepTrainer, publisher: WeightsPublisher | None, version: int) -> float:

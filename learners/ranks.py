@@ -1,7 +1,8 @@
 """Process placement of the learner: one command starts every data-parallel rank, and ranks pin their cores.
 
     if config.learner.world_size > 1 and "RANK" not in os.environ:
-        return launch_ranks(config)        # torchrun --nproc_per_node N -m launch.cli learner <resolved config>
+        return launch_ranks(config)          # torchrun --nproc_per_node N -m launch.cli learner <resolved config>
+        # launch_ranks(config, "sft"): the same for an offline stage (-m launch.cli sft ...; rm, dpo)
     pin_cores(config.learner.cpu_cores, rank, world_size)
 
 `launch_ranks` writes the resolved config into the run directory (`config.json`, so the ranks read exactly the
@@ -27,7 +28,9 @@ from common.sockets import free_port
 log = logging.getLogger("tandem.learner.ranks")
 
 
-def torchrun_command(config_path: Path, world_size: int, master_port: int) -> list[str]:
+def torchrun_command(config_path: Path, world_size: int, master_port: int, command: str = "learner") -> list[str]:
+    """torchrun running `tandem COMMAND CONFIG` (`learner`, or an offline stage: `sft`, `rm`, `dpo`) as
+    `world_size` local ranks."""
     return [
         sys.executable,
         "-m",
@@ -42,15 +45,15 @@ def torchrun_command(config_path: Path, world_size: int, master_port: int) -> li
         str(master_port),
         "-m",
         "launch.cli",
-        "learner",
+        command,
         str(config_path),
     ]
 
 
-def launch_ranks(config: TandemConfig) -> int:
-    """Run `learner.world_size` ranks of this learner under torchrun and wait; returns torchrun's exit code, or
-    128 + the signal when interrupted, as a single-rank learner (also when the ranks had to be terminated past
-    learner.stop_timeout_s).
+def launch_ranks(config: TandemConfig, command: str = "learner") -> int:
+    """Run `learner.world_size` ranks of `tandem COMMAND` (the learner, or an offline stage: sft, rm, dpo) under
+    torchrun and wait; returns torchrun's exit code, or 128 + the signal when interrupted, as a single rank
+    (also when the ranks had to be terminated past learner.stop_timeout_s).
 
     Ctrl-C or a launcher's SIGTERM reaches the whole process group (this process, torchrun and the ranks): the
     ranks stop after their step and checkpoint (`learners.learner`), torchrun forwards SIGTERM and gives them its
@@ -58,11 +61,11 @@ def launch_ranks(config: TandemConfig) -> int:
     torchrun up to learner.stop_timeout_s, then terminates it.
     """
     path = write_resolved(config, config.run.run_dir)
-    command = torchrun_command(path, config.learner.world_size, free_port())
-    log.info("starting %d learner ranks: %s", config.learner.world_size, " ".join(command))
+    argv = torchrun_command(path, config.learner.world_size, free_port(), command)
+    log.info("starting %d %s ranks: %s", config.learner.world_size, command, " ".join(argv))
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // config.learner.world_size)))
-    process = subprocess.Popen(command, env=env)
+    process = subprocess.Popen(argv, env=env)
     with caught_signals() as signalled:
         deadline: float | None = None  # once signalled: when to stop waiting for the ranks
         try:

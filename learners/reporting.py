@@ -7,8 +7,9 @@
 The record of a step holds what `train_step` returned plus what the loop measured (`perf/wait_s`,
 `perf/publish_s`, `perf/step_s`, `perf/train_tokens_per_s`, `buffer/dropped_stale`, `policy_version`), the
 end-to-end rates over wall clock that the reporter adds (`WallClockRates`: `perf/interval_s`, `throughput/…`),
-and `step` and `time` (`MetricsSink`). The bar (rich) shows step, reward, staleness and the rates; it only
-animates on a terminal, and the same numbers go to the log every step either way.
+and `step` and `time` (`MetricsSink`). The bar (rich) shows step, reward, staleness and the rates (an offline
+stage, `learners.offline`, passes its own `info`: its loss and rates); it only animates on a terminal, and the
+same numbers go to the log every step either way.
 
 Two kinds of rate, and why both: `perf/train_tokens_per_s` is the trainer's compute speed (tokens over the
 `train_step` call alone), which does not move when generators are added; `throughput/samples_per_s` and
@@ -69,6 +70,14 @@ class WallClockRates:
         }
 
 
+def rl_info(values: dict[str, Any]) -> str:
+    """'v3 reward 0.400 staleness 0.50 12.5 samples/s ...': the RL learner's bar and log line."""
+    return (
+        f"v{values['policy_version']} reward {values['reward/mean']:.3f} "
+        f"staleness {values['staleness/mean']:.2f} {rates_line(values)}"
+    )
+
+
 def rates_line(values: dict[str, Any]) -> str:
     """'12.5 samples/s 1,234 tok/s (train 43,210 tok/s)': end-to-end over wall clock, then compute only."""
     return (
@@ -89,15 +98,20 @@ class StepReporter:
         log: logging.Logger,
         clock: Callable[[], float] = time.perf_counter,
         simulation: bool = False,
+        label: str = "learner",
+        info: Callable[[dict[str, Any]], str] | None = None,
     ) -> None:
+        """`label` names the bar (the role: learner, sft, rm, dpo); `info(record)` is the text after the step on
+        the bar and in the log line (default `rl_info`: version, reward, staleness, rates)."""
         self.sink = MetricsSink(run_dir, stream="metrics", simulation=simulation)
         self.log = log
         self.total_steps = total_steps
         self.clock = clock
+        self.info = info or rl_info
         self.rates = WallClockRates(start=clock())
         console = Console(stderr=True)
         self.progress = Progress(
-            TextColumn("[bold]learner"),
+            TextColumn(f"[bold]{label}"),
             BarColumn(),
             MofNCompleteColumn(),
             TimeRemainingColumn(),
@@ -110,23 +124,22 @@ class StepReporter:
 
     def report(self, step: int, values: dict[str, Any]) -> dict[str, Any]:
         """Write the record of `step` (the optimizer steps taken after it), with the wall-clock rates added, and
-        show it; returns the record. `values` holds at least policy_version, reward/mean, staleness/mean,
-        perf/samples, perf/tokens, perf/train_tokens_per_s, perf/wait_s and perf/step_s (KeyError otherwise)."""
+        show it; returns the record. `values` holds at least perf/samples, perf/tokens, perf/train_tokens_per_s
+        and perf/step_s, and what `info` reads (the RL learner's: policy_version, reward/mean, staleness/mean,
+        perf/wait_s); KeyError otherwise."""
         values = {**values, **self.rates.tick(self.clock(), int(values["perf/samples"]), int(values["perf/tokens"]))}
         record = self.sink.log(step, values)
-        info = (
-            f"v{values['policy_version']} reward {values['reward/mean']:.3f} "
-            f"staleness {values['staleness/mean']:.2f} {rates_line(values)}"
-        )
+        info = self.info(values)
         self.progress.update(self.task, completed=step, info=info)
-        self.log.info(
-            "step %d/%d %s wait %.2fs step %.2fs",
-            step,
-            self.total_steps,
-            info,
-            values["perf/wait_s"],
-            values["perf/step_s"],
-        )
+        wait = f" wait {values['perf/wait_s']:.2f}s" if "perf/wait_s" in values else ""
+        self.log.info("step %d/%d %s%s step %.2fs", step, self.total_steps, info, wait, values["perf/step_s"])
+        return record
+
+    def note(self, step: int, values: dict[str, Any], what: str) -> dict[str, Any]:
+        """Write a record of `step` that no training step made (an offline stage's evaluation before its first
+        step), as given (no rates, the bar unmoved), and log `what`; returns the record."""
+        record = self.sink.log(step, values)
+        self.log.info("step %d/%d %s", step, self.total_steps, what)
         return record
 
     def close(self) -> None:
