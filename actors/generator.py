@@ -18,8 +18,10 @@ One loop, one thread, each pass in this order (`run` below):
   6. add leased prompts to the engine (n requests each, stamped with the current policy version); with a multi-turn
      environment (`env.environment`), open n episodes each instead (`actors.episodes`): their environment calls
      run off this loop, and this phase also takes in finished calls and adds the episodes' next turns.
-  7. one engine step; finished groups are scored and built into `RolloutGroup`s for the outbox (multi-turn: each
-     finished turn goes to its episode, and a group is built once its n episodes have ended).
+  7. one engine step; finished groups are scored (`actors.group_rewards`: the reward function, and the learned
+     reward model in this process or in the reward service, whose answers this phase also collects) and built
+     into `RolloutGroup`s for the outbox (multi-turn: each finished turn goes to its episode, and a group is built
+     once its n episodes have ended). A group waiting for the reward service stays in flight (it holds its lease).
   8. metrics (`actor/...`) every `REPORT_S` to `<run_dir>/generator-<i>.jsonl` and TensorBoard, with the policy
      version sampled with as the step (the learner's step counts the same thing, so the curves line up; several
      reports of one version share a step) and the report's number as `actor/report`.
@@ -37,9 +39,9 @@ from typing import Any
 from actors.engine_api import Engine, SamplingSettings
 from actors.env_runner import EnvRunner
 from actors.episodes import EpisodeDriver, EpisodeLimits
+from actors.group_rewards import GroupRewards
 from actors.groups import LeaseBook, PendingGroup, build_group, sample_request_id
 from actors.outbox import BufferLink, Outbox
-from actors.rewards import RewardScorer
 from actors.trajectory import build_episode_group
 from actors.weights import WeightsPoller, WeightsUpdate, open_weights_source, relay_metrics, weights_store_dir
 from common.config import TandemConfig
@@ -65,10 +67,10 @@ def run(config: TandemConfig) -> int:
     index = config.generator.index
     setup_logging("generator", index, config.run.run_dir, simulation=config.run.simulate)
     stop = _StopSignal()  # before the engine's slow start: a SIGTERM then still exits cleanly
-    scorer = RewardScorer(config.env)  # a misnamed reward function fails now, not after the engine started
+    rewards = GroupRewards.from_config(config, f"generator-{index}")  # a misnamed reward function fails now
     environments = environment_factory(config.env) if config.env.environment else None  # ... and environment
     engine = open_engine(config)
-    actor = Generator(config, engine, scorer, environments)
+    actor = Generator(config, engine, rewards, environments)
     try:
         actor.sync_weights_at_start()
         while not actor.done():
@@ -127,7 +129,11 @@ class Generator:
     """The state of one generator and one method per phase of `run`'s loop. One thread."""
 
     def __init__(
-        self, config: TandemConfig, engine: Engine, scorer: RewardScorer, environments: EnvironmentFactory | None = None
+        self,
+        config: TandemConfig,
+        engine: Engine,
+        rewards: GroupRewards,
+        environments: EnvironmentFactory | None = None,
     ) -> None:
         gen = config.generator
         self.config = config
@@ -143,7 +149,8 @@ class Generator:
             WEIGHTS_POLL_S,
             gen.reconnect_max_s,
         )
-        self.scorer = scorer
+        self.rewards = rewards
+        self.scoring: dict[tuple[int, int], PendingGroup] = {}  # (lease, prompt) -> group waiting for its rewards
         self.book = LeaseBook(config.algo.group_size)
         self.episodes: EpisodeDriver | None = None  # multi-turn mode when an environment is configured
         if environments is not None:
@@ -182,7 +189,8 @@ class Generator:
         if self.run_over:  # in-flight samples are aborted and returned: no learner will train them
             return True
         if self.draining:  # queued prompts will not run: they are returned
-            running = bool(self.book.running) or (self.episodes is not None and self.episodes.active())
+            running = bool(self.book.running) or bool(self.scoring)
+            running = running or (self.episodes is not None and self.episodes.active())
             return time.monotonic() >= self.drain_deadline or (not running and len(self.outbox) == 0)
         return self.exhausted and self.book.in_flight() == 0 and len(self.outbox) == 0
 
@@ -210,6 +218,7 @@ class Generator:
     def close(self) -> None:
         self.report(time.monotonic(), force=True)
         self.engine.shutdown()
+        self.rewards.close()
         if self.episodes is not None:
             self.episodes.close()
         self.link.close()
@@ -325,6 +334,8 @@ class Generator:
             return
         if self.episodes is not None:
             self._advance_episodes()
+        if self.scoring:
+            self._build_scored_groups(now)
         if self.engine.num_unfinished() == 0:
             if self.episodes is not None:
                 self.episodes.wait(IDLE_WAIT_S)  # wakes as soon as an environment call finishes
@@ -354,10 +365,18 @@ class Generator:
             self.book.close_prompt(group.lease_id, group.prompt.prompt_id)
 
     def _finish_group(self, pending: PendingGroup) -> None:
-        metadata = pending.prompt.metadata
-        scores = [self.scorer.score(self.engine.decode(s.completion_tokens), metadata) for s in pending.samples]
-        self.outbox.add(build_group(pending, scores, self.index))
-        self.book.close_prompt(pending.lease_id, pending.prompt.prompt_id)
+        prompt = pending.prompt
+        texts = [self.engine.decode(s.completion_tokens) for s in pending.samples]
+        key = (pending.lease_id, prompt.prompt_id)
+        self.scoring[key] = pending
+        self.rewards.submit(key, prompt.messages, texts, prompt.metadata, time.monotonic())
+        self._build_scored_groups(time.monotonic())
+
+    def _build_scored_groups(self, now: float) -> None:
+        for key, scores in self.rewards.finished(now):
+            pending = self.scoring.pop(key)
+            self.outbox.add(build_group(pending, scores, self.index))
+            self.book.close_prompt(pending.lease_id, pending.prompt.prompt_id)
 
     def report(self, now: float, force: bool = False) -> None:
         if not force and now - self.stats.since < REPORT_S:
@@ -367,13 +386,13 @@ class Generator:
             {
                 "actor/policy_version": self.engine.policy_version,
                 "actor/unsent_groups": len(self.outbox),
-                "actor/reward_errors": self.scorer.errors,
                 "actor/groups_delivered": self.outbox.acks["accepted"] + self.outbox.acks["duplicate"],
                 "actor/groups_rejected": self.outbox.acks["rejected"],
                 "actor/prompts_in_flight": self.book.in_flight(),
                 "actor/buffer_reconnects": self.link.reconnects,
                 "actor/weight_fetch_failures": sum(self.weights.failures.values()),
                 **relay_metrics(self.weights.source),
+                **self.rewards.metrics(),
             }
         )
         if self.episodes is not None:

@@ -170,7 +170,15 @@ class Trainer:
         """
         batch = pad_groups(groups, staleness, self.pad_id, first_group_id=self.dist.rank * len(groups))
         rows = split_rows(batch.size, self.micro_steps)
-        summary = rollout_summary(groups, staleness, self.algo.max_staleness, self._sum_ranks, self._max_ranks)
+        summary = rollout_summary(
+            groups,
+            staleness,
+            self.algo.max_staleness,
+            self._sum_ranks,
+            self._max_ranks,
+            self.dist.rank,
+            self.dist.world_size,
+        )
         start = time.perf_counter()
         with torch.no_grad():
             pre = self._pre_update(batch, rows)

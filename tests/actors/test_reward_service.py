@@ -139,3 +139,54 @@ def test_malformed_and_refused_messages_are_counted_and_the_service_stays_up(ser
     assert service.counters.values()["reward_service/rejected"] == 5
     raw.close()
     client.close()
+
+
+FALLBACK = -7.0  # far from any score of the tiny RM (|s| < 1): a fallback is told apart from a score
+
+
+@pytest.mark.integration  # starts `tandem reward` (twice) and a simulated `tandem generator`
+def test_a_killed_reward_service_is_survived_counted_and_used_again_once_restarted(rm_dir: Path, tmp_path: Path):
+    import numpy as np
+
+    from common.metrics import read_metrics
+    from launch.testing import FakeBuffer, FakePublisher, RoleUnderTest, arithmetic_items, run_config
+
+    config = run_config(
+        tmp_path / "runs",
+        "killed-rm",
+        run={"simulate": True},
+        algo={"group_size": 2},
+        env={"reward_model": str(rm_dir), "reward_fn_weight": 0.0, "fallback_reward": FALLBACK},
+        reward={"port": free_port(), "timeout_s": 5.0},
+        generator={"sim_tokens": 4, "sim_token_s": 0.001, "prompts_in_flight": 2, "reconnect_max_s": 0.5},
+    )
+    reward = RoleUnderTest(config, "reward")
+    generator = RoleUnderTest(config, "generator")
+
+    def bound(times: int) -> bool:
+        return reward.output().count("reward service on") >= times
+
+    def new_groups(buffer: FakeBuffer, first_id: int, count: int) -> list:
+        buffer.add_prompts(arithmetic_items(count, first_id=first_id))
+        groups = buffer.wait_for_groups(first_id + count, timeout_s=60)
+        return sorted((g for g in groups if g.prompt_id >= first_id), key=lambda g: g.prompt_id)
+
+    buffer = FakeBuffer(config, [], lease_size=2, when_empty="full")
+    with buffer, FakePublisher(config.learner.weights_port), reward, generator:
+        reward.wait_until(lambda: bound(1), 120, "the reward service to bind")
+        for group in new_groups(buffer, 0, 4):  # the service is up: scores, the verifier recorded beside them
+            scores = group.reward_components["reward_model"]
+            assert np.all(np.abs(scores) < 1) and np.array_equal(group.rewards, scores)  # reward_fn_weight 0
+            assert "correct" in group.reward_components and not any("error" in r for r in group.finish_reasons)
+        reward.kill()  # SIGKILL: no goodbye
+        for group in new_groups(buffer, 4, 2):  # the generator goes on: the fallback, marked on every sample
+            assert np.all(group.reward_components["reward_model"] == FALLBACK)
+            assert all(r.startswith("error: reward: reward_model: ") for r in group.finish_reasons)
+        reward.start()
+        reward.wait_until(lambda: bound(2), 120, "the restarted reward service to bind")
+        for group in new_groups(buffer, 6, 2):  # ZeroMQ reconnected by itself: scores again
+            assert np.all(np.abs(group.reward_components["reward_model"]) < 1)
+        assert generator.stop() == 0
+    records = read_metrics(config.run.run_dir / "generator-0.jsonl")
+    assert records[-1]["actor/reward_model_fallbacks"] == 2  # the two groups scored while the service was dead
+    assert "reward_model falls back" in generator.output()
