@@ -204,6 +204,11 @@ def plan(argv: list[str]) -> EvalPlan:
     if len(set(args.models)) != len(args.models):
         raise EvalUsageError(f"a MODEL is named twice in {args.models}")
     config = _load_config(args.config)
+    if args.max_tokens >= config.model.max_model_len:
+        raise EvalUsageError(
+            f"--max-tokens {args.max_tokens}: must be < model.max_model_len = {config.model.max_model_len} "
+            "(room for the prompt); lower it, or raise model.max_model_len in --config"
+        )
     if args.reward_model is not None and _hf_config(args.reward_model) is None:
         raise EvalUsageError(f"--reward-model {args.reward_model}: not a Hugging Face model directory (no config.json)")
     from common.tasks import resolve_reward_fn

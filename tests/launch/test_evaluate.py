@@ -84,6 +84,7 @@ def test_models_that_cannot_be_evaluated_are_refused_saying_what_to_pass(tmp_pat
         (["--samples", "4", "--temperature", "0"], "greedy decoding gives one completion"),
         (["--temperature", "-1"], "must be >= 0"),
         (["--prompts", "0"], "must be >= 1"),
+        (["--max-tokens", "1024"], "--max-tokens 1024: must be < model.max_model_len = 1024"),
         (["--sets", "arithmetc"], "--sets: unknown evaluation set 'arithmetc'"),
         (["--reward-model", "/nonexistent"], "not a Hugging Face model directory"),
     ],
