@@ -30,6 +30,7 @@ from common.types import ErrorReply, RewardReply, RewardRequest
 from common.wire import WireError
 
 log = logging.getLogger("tandem.actors.reward_client")
+UNREACHABLE_WARN_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,8 @@ class RewardClient:
         self.late_replies = 0  # replies to requests no longer waiting
         self.bad_replies = 0  # replies that did not decode
         self.scored = 0  # groups scored by the service
-        self._down_since: float | None = None  # for one log line per outage, not one per group
+        self._down_since: float | None = None  # first failed send of the current outage
+        self._warned = False  # its warning is logged (one per outage, not one per group)
 
     def submit(self, key: Hashable, prompt: list[dict[str, str]], completions: list[str], now: float) -> None:
         request_id = next(self._ids)
@@ -94,14 +96,20 @@ class RewardClient:
             try:
                 item.envelope = self.client.send(item.request)
             except zmq.Again:  # no live connection: ZeroMQ keeps reconnecting; the request waits here
-                if self._down_since is None:
-                    self._down_since = now
-                    log.warning("reward service %s unreachable: groups wait up to %.0fs", self.address, self.timeout_s)
+                self._note_unreachable(now)
                 return
             self._by_envelope[item.envelope] = request_id
-            if self._down_since is not None:
+            if self._warned:
                 log.info("reward service %s reachable again after %.1fs", self.address, now - self._down_since)
-                self._down_since = None
+            self._down_since, self._warned = None, False
+
+    def _note_unreachable(self, now: float) -> None:
+        """One warning per outage, once it has lasted UNREACHABLE_WARN_S (a fresh socket is not connected yet)."""
+        if self._down_since is None:
+            self._down_since = now
+        elif not self._warned and now - self._down_since >= UNREACHABLE_WARN_S:
+            self._warned = True
+            log.warning("reward service %s unreachable: groups wait up to %.0fs", self.address, self.timeout_s)
 
     def _receive(self, wait_s: float) -> tuple[bytes, object] | None:
         try:

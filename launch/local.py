@@ -2,7 +2,8 @@
 
     tandem run demo --run.name my-run              # a packaged config by name, or a TOML file
 
-Order: buffer, then the learner rank(s) (whose publisher serves the initial weights), then the generator(s).
+Order: buffer, then the learner rank(s) (whose publisher serves the initial weights), then the reward service
+(`reward-0`, when env.reward_model is scored out of process: `config.reward_service`), then the generator(s).
 Each child runs `python -m launch.cli ROLE <run_dir>/config.json ...` in its own session (so that vLLM's and
 torchrun's own children go with it), pinned to its CPU cores, with stdout/stderr in `logs/<role>-<i>.out`.
 
@@ -10,11 +11,12 @@ Ends when:
   - the learner exits 0           -> the run is over: the buffer and the generators exit by themselves (the learner's
                                      final report ends them); any still running get SIGTERM, exit 0;
   - any role exits non-zero       -> the others are stopped, its last meaningful log line (a traceback's
-                                     `SomeError: message`) and the path of its log are printed, exit 1;
+                                     `SomeError: message`) and the path of its log are printed, exit 1 (so does
+                                     the reward service exiting at all: it only stops when told);
   - Ctrl-C / SIGTERM to launcher  -> everything is stopped (the learner saves a checkpoint after its step in flight),
                                      the command that resumes the run is printed, exit 130.
-Stopping SIGTERMs the generators and the learner at once, then the buffer (generators return their leases to a
-live buffer); each gets its grace (`stop_grace_s`: a generator's drain timeout, the learner's stop timeout, plus
+Stopping SIGTERMs the generators and the learner at once, then the buffer and the reward service (generators
+return their leases to a live buffer, and their last groups are scored); each gets its grace (`stop_grace_s`: a generator's drain timeout, the learner's stop timeout, plus
 STOP_MARGIN_S) before its process group is SIGKILLed. No child outlives the launcher.
 """
 
@@ -41,7 +43,7 @@ from launch.progress import RunProgress, summarize
 from learners.checkpoint import latest_step
 
 STOP_MARGIN_S = 15.0  # beyond a role's own bound: signal handling, closing sockets, an engine's shutdown
-STOP_STAGES = (("generator", "learner"), ("buffer",))  # generators return their leases to a live buffer
+STOP_STAGES = (("generator", "learner"), ("buffer", "reward"))  # generators drain into a live buffer and RM
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -200,6 +202,23 @@ def plan_cores(config: TandemConfig) -> tuple[set[int] | None, set[int] | None]:
     return set(available[:half]), set(available[half:])
 
 
+def plan_reward_cores(
+    config: TandemConfig, generator_cores: set[int] | None
+) -> tuple[set[int] | None, set[int] | None]:
+    """(reward service cores, generator cores): the reward service's own core where there is one to spare.
+
+    An explicit `reward.cpu_cores` wins. Else, when the generators' share (plan_cores's, not written by the user)
+    holds 2 or more cores, its last one goes to the reward service. Else it shares the generators' cores (2 cores
+    here: the reward model scores a group while the generator waits for it and samples the next ones)."""
+    explicit = parse_cores(config.reward.cpu_cores, "reward.cpu_cores")
+    if explicit:
+        return explicit, generator_cores
+    if generator_cores and len(generator_cores) >= 2 and not config.generator.cpu_cores:
+        last = max(generator_cores)
+        return {last}, generator_cores - {last}
+    return generator_cores, generator_cores
+
+
 def cores_spec(cores: set[int] | None) -> str:
     return ",".join(map(str, sorted(cores))) if cores else ""
 
@@ -211,6 +230,8 @@ def string_override(value: str) -> str:
 
 def build_roles(config: TandemConfig, config_path: Path) -> list[Role]:
     generator_cores, learner_cores = plan_cores(config)
+    if config.reward_service:
+        reward_cores, generator_cores = plan_reward_cores(config, generator_cores)
     base = [sys.executable, "-m", "launch.cli"]
     roles = [Role("buffer-0", [*base, "buffer", str(config_path)], None)]
     roles.append(
@@ -220,6 +241,15 @@ def build_roles(config: TandemConfig, config_path: Path) -> list[Role]:
             learner_cores,
         )
     )
+    if config.reward_service:
+        reward_argv = [
+            *base,
+            "reward",
+            str(config_path),
+            "--reward.cpu_cores",
+            string_override(cores_spec(reward_cores)),
+        ]
+        roles.append(Role("reward-0", reward_argv, reward_cores))
     for index in range(config.generator.count):
         roles.append(
             Role(
@@ -299,7 +329,8 @@ def supervise(roles: list[Role], progress: RunProgress, interrupted: list[int], 
 
     A generator that exits 0 finished its work (out of prompts, or the run is over); so did a buffer that exits 0
     (the learner's final report came: it is saving its last checkpoint). A learner still running `learner_grace_s`
-    after the buffer exited is waiting for a buffer that is gone: the buffer is then the failed role."""
+    after the buffer exited is waiting for a buffer that is gone: the buffer is then the failed role. The reward
+    service never ends by itself: its exit, whatever the code, fails the run."""
     learner = next(role for role in roles if role.name.startswith("learner"))
     buffer_gone_at: float | None = None
     while not interrupted:
@@ -310,6 +341,8 @@ def supervise(roles: list[Role], progress: RunProgress, interrupted: list[int], 
                 continue
             if role is learner and code == 0:
                 return None
+            if role.name.startswith("reward"):
+                return role
             if role.name.startswith("buffer") and code == 0:
                 buffer_gone_at = buffer_gone_at or time.monotonic()
                 if time.monotonic() - buffer_gone_at < learner_grace_s:

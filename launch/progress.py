@@ -80,10 +80,30 @@ def reward_rise(records: list[dict[str, Any]], fraction: float = 0.2) -> tuple[f
     return sum(rewards[:k]) / k, sum(rewards[-k:]) / k
 
 
+def reward_sources(records: list[dict[str, Any]], run_dir: Path) -> list[str]:
+    """The summary's lines on where the reward came from, when a run has named components: each component's
+    (reward/<name>) first vs last 20% of steps, e.g. the verifier's `correct` beside `reward_model`, so that a
+    reward model that is being gamed shows; and the groups whose reward model fell back (every generator's last
+    `actor/reward_model_fallbacks`), when a reward model scored."""
+    names = sorted({k for r in records for k in r if k.startswith("reward/")} - {"reward/mean", "reward/std"})
+    lines = []
+    for key in names:
+        first, last = reward_rise([{"reward/mean": r[key]} for r in records if key in r])
+        lines.append(f"  {key}  first 20% of steps {first:.3f}  ->  last 20% {last:.3f}")
+    fallbacks = None
+    for path in sorted(run_dir.glob("generator-*.jsonl")):
+        generator = read_metrics(path)
+        if generator and "actor/reward_model_fallbacks" in generator[-1]:
+            fallbacks = (fallbacks or 0) + int(generator[-1]["actor/reward_model_fallbacks"])
+    if fallbacks is not None:
+        lines.append(f"  reward model fallbacks {fallbacks} groups (env.fallback_reward given)")
+    return lines
+
+
 def summarize(run_dir: Path, wall_s: float, first_step: int = 0) -> str:
     """The end-of-run summary: the steps and samples of this session (after `first_step`, the checkpoint a resume
-    started from) and, after a resume, of the whole run; reward first vs last steps of the run, samples dropped,
-    wall time, where TensorBoard is."""
+    started from) and, after a resume, of the whole run; reward first vs last steps of the run (and of each reward
+    component: `reward_sources`), samples dropped, wall time, where TensorBoard is."""
     metrics_path = run_dir / "metrics.jsonl"
     records = read_metrics(metrics_path) if metrics_path.exists() else []
     session = [r for r in records if int(r.get("step", 0)) > first_step]
@@ -101,6 +121,7 @@ def summarize(run_dir: Path, wall_s: float, first_step: int = 0) -> str:
         "",
         f"run finished: {len(session)} learner steps in {wall_s / 60:.1f} min{resumed}",
         f"  reward/mean  first 20% of steps {first:.3f}  ->  last 20% {last:.3f}  (change {last - first:+.3f})",
+        *reward_sources(records, run_dir),
         f"  samples trained {trained}{' this session' if first_step else ''}   dropped as stale {dropped}",
         f"  final policy_version {last_record.get('policy_version', '-')}",
         f"  metrics   {metrics_path}",
