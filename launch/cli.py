@@ -6,6 +6,9 @@ so `tandem --help` and config errors answer at once.
     tandem buffer CONFIG                          # one role alone (fleets launched separately)
     tandem generator CONFIG --generator.index 1
     tandem learner CONFIG                         # one rank per process; torchrun sets RANK/WORLD_SIZE
+    tandem sft CONFIG                             # supervised fine-tuning ([sft]) -> <run_dir>/model
+    tandem rm CONFIG                              # a reward model on preference pairs ([rm]) -> <run_dir>/model
+    tandem dpo CONFIG                             # DPO against a frozen reference ([dpo]) -> <run_dir>/model
     tandem reward CONFIG                          # the reward service of env.reward_model (reward.port)
     tandem ray CONFIG                             # the fleets on a Ray cluster
     tandem ray scale RUN --generators N           # ... add or retire generators of a running fleet
@@ -41,6 +44,9 @@ ROLES = {
     "learner": "learners.learner:run",
     "reward": "actors.reward_service:run",
     "ray": "launch.ray_launch:run",
+    "sft": "learners.offline:run_sft",
+    "rm": "learners.offline:run_rm",
+    "dpo": "learners.offline:run_dpo",
 }
 # command -> its own flags (each a store_true) -> help; every other `--section.key VALUE` is a config override.
 FLAGS = {
@@ -153,6 +159,9 @@ def _parser() -> argparse.ArgumentParser:
         ("buffer", "start the buffer service alone"),
         ("generator", "start one generator alone (--generator.index I)"),
         ("learner", "start one learner rank alone"),
+        ("sft", "supervised fine-tuning on chats ([sft]); the model goes to <run_dir>/model"),
+        ("rm", "train a reward model on preference pairs ([rm], Bradley-Terry); exported to <run_dir>/model"),
+        ("dpo", "DPO of the policy against a frozen reference on preference pairs ([dpo]); to <run_dir>/model"),
         ("reward", "start the reward service alone (scores env.reward_model for the generators)"),
         (
             "ray",

@@ -33,6 +33,9 @@ NEEDS = {
     "buffer": ("prompts", "keys"),
     "generator": ("model", "reward_model", "keys"),
     "learner": ("model", "keys"),
+    "sft": ("model", "stage_data"),
+    "rm": ("model", "stage_data"),
+    "dpo": ("model", "stage_data", "reference"),
     "reward": ("reward_model", "keys"),
 }
 # role -> (the client roles it connects as, whether it serves): which key files it loads (common.keys.check_keys).
@@ -109,6 +112,41 @@ def _reward_model_problem(config: TandemConfig, role: str) -> str | None:
     )
 
 
+def _stage_data_problem(config: TandemConfig, role: str) -> str | None:
+    """The offline stage's source and eval_source ([sft], [rm] or [dpo]): `arithmetic` (source only), or a .jsonl
+    or .parquet file or a `datasets` folder that exists here (its rows are read when the stage starts)."""
+    stage = getattr(config, role)
+    for key in ("source", "eval_source"):
+        value = getattr(stage, key)
+        if not value or (key == "source" and value == "arithmetic"):
+            continue
+        path = Path(value).expanduser()
+        if not path.exists():
+            also = " or `arithmetic` (the embedded task)" if key == "source" else ""
+            return (
+                f"{role}.{key}: '{value}' does not exist on this machine{_relative_hint(path)}: name a .jsonl or "
+                f".parquet file, or a `datasets` folder{also}"
+            )
+        if path.is_file() and path.suffix not in (".jsonl", ".parquet"):
+            return f"{role}.{key}: '{value}' must be a .jsonl or .parquet file, or a `datasets` folder"
+    return None
+
+
+def _reference_problem(config: TandemConfig, role: str) -> str | None:
+    """dpo.reference: empty (model.path is the reference), a built-in model, or a Hugging Face model directory."""
+    reference = config.dpo.reference
+    if not reference or reference in BUILT_IN_MODELS:
+        return None
+    path = Path(reference).expanduser()
+    if (path / "config.json").is_file():
+        return None
+    what = "is not a Hugging Face model directory (no config.json in it)" if path.exists() else "does not exist"
+    return (
+        f"dpo.reference: '{reference}' {what} on this machine{_relative_hint(path)}: name a model directory (the "
+        f"SFT model, <run_dir>/model), leave it empty for model.path, or use {EMBEDDED}"
+    )
+
+
 def _keys_problem(config: TandemConfig, role: str) -> str | None:
     folder = config.run.curve_keys_dir
     if folder is None:
@@ -131,6 +169,8 @@ CHECKS = {
     "model": _model_problem,
     "reward_model": _reward_model_problem,
     "keys": _keys_problem,
+    "stage_data": _stage_data_problem,
+    "reference": _reference_problem,
 }
 
 
