@@ -78,12 +78,9 @@ class RewardClient:
         """The groups whose scores came (or who fell back) since the last call; waits up to `wait_s` for a reply."""
         self._send_unsent(now)
         results = []
-        wait = wait_s
-        while self.waiting:
-            reply = self._receive(wait)
-            wait = 0.0
-            if reply is None:
-                break
+        wait = wait_s if self.waiting else 0.0
+        while self.client.socket is not None and (reply := self._receive(wait)) is not None:
+            wait = 0.0  # then whatever else has arrived; late replies are read (and counted) too
             result = self._match(*reply)
             if result is not None:
                 results.append(result)

@@ -141,6 +141,29 @@ def test_malformed_and_refused_messages_are_counted_and_the_service_stays_up(ser
     client.close()
 
 
+def test_a_slow_service_gives_the_fallback_and_its_late_reply_is_dropped_and_counted():
+    server = Server("127.0.0.1", free_port(), SocketSecurity(), name="slow-reward")
+    address = server.socket.getsockopt_string(zmq.LAST_ENDPOINT).removeprefix("tcp://")
+    client = RewardClient(address, SocketSecurity(), timeout_s=5.0, name="generator-0")
+    sent_at = time.monotonic()
+    client.submit("slow", PROMPT, ["7", "8"], sent_at)
+    request = None
+    while request is None and time.monotonic() < sent_at + 30:  # sent once the connection is up
+        client.collect(time.monotonic())
+        request = server.poll(timeout_ms=50)
+    assert isinstance(request.message, RewardRequest) and request.role == "generator"
+    [result] = client.collect(sent_at + 5.0)  # its deadline: the service has not answered
+    assert result.key == "slow" and result.scores is None and "no reply within" in result.error
+    server.reply(request, RewardReply(request_id=request.message.request_id, scores=[0.1, 0.2]))
+    deadline = time.monotonic() + 10
+    while client.late_replies == 0 and time.monotonic() < deadline:
+        assert client.collect(time.monotonic()) == []  # nothing is waiting: the reply is no result
+        time.sleep(0.02)
+    assert client.late_replies == 1 and client.fallbacks == 1
+    client.close()
+    server.close()
+
+
 FALLBACK = -7.0  # far from any score of the tiny RM (|s| < 1): a fallback is told apart from a score
 
 
