@@ -4,10 +4,11 @@
     scores = scorer.score_group(prompt_messages, completions)   # one float per completion, in order
     scores = scorer.score_chats([chat, chat, ...])              # each chat ends with the assistant turn scored
 
-What is scored: the chat (the prompt's messages, then the completion as an assistant turn) rendered by the RM's
-own tokenizer chat template, without a generation prompt: the prompt exactly as `common.tasks.render_prompt`
-renders it for generation, then the reply and its end of turn. This is the sequence `tandem rm` trains on (a
-preference pair's prompt + reply), so a score here is the score the trainer saw.
+What is scored: the chat (the prompt's messages, then the completion as an assistant turn) through the RM's own
+tokenizer chat template: the prompt's tokens exactly as `common.tasks.render_prompt` renders them for generation,
+then the tokens of the text the template appends for the reply (its content and end of turn). This is the
+sequence `tandem rm` trains on (learners.offline_data.tokenize_pair: a preference pair's prompt + reply), so a
+score here is the score the trainer saw.
 
 Score = the model's single logit at the last real token, from the model's own pooling: rows are right-padded
 with `pad_token_id` under an attention mask, and transformers' sequence-classification heads pool at the
@@ -33,6 +34,8 @@ import os
 import time
 from pathlib import Path
 from typing import Any
+
+from common.tasks import PromptRecord, render_prompt
 
 log = logging.getLogger("tandem.actors.reward_model")
 
@@ -125,17 +128,35 @@ class RewardModelScorer:
             raise ValueError(
                 f"env.reward_model: the tokenizer of '{self.model_dir}' has no chat template: the RM scores chats"
             )
-        probe = self.tokenizer.apply_chat_template(_PROBE_CHAT, tokenize=True, return_dict=False)
-        if int(probe[-1]) == self.pad_id:
+        probe = self.tokenize(_PROBE_CHAT)
+        self.truncated = 0  # the probe is not a scored chat
+        if probe[-1] == self.pad_id:
             raise ValueError(
                 f"env.reward_model: the chat template of '{self.model_dir}' ends a turn with the pad token "
                 f"(id {self.pad_id}), which the model's pooling skips: give the model a pad_token_id of its own"
             )
 
     def tokenize(self, chat: list[dict[str, str]]) -> list[int]:
-        """The ids of a whole chat through the chat template (no generation prompt), its last max_len tokens."""
-        ids = self.tokenizer.apply_chat_template(chat, add_generation_prompt=False, tokenize=True, return_dict=False)
-        ids = [int(i) for i in ids]
+        """The ids of a chat whose last message is the reply scored, its last max_len tokens: the prompt (the
+        messages before the reply) as `common.tasks.render_prompt` renders it for generation, then the text the
+        template appends to it when the whole chat is rendered (the reply and its end of turn), tokenized on its
+        own, as the generator's samples follow the prompt's tokens and as `tandem rm` tokenizes a pair. Raises
+        ValueError for a chat that does not end with an assistant turn, or a template that rewrites the prompt's
+        text when the reply is added (not prefix-stable)."""
+        if len(chat) < 2 or chat[-1].get("role") != "assistant":
+            raise ValueError("a scored chat is a prompt and then the reply: its last message must be the assistant's")
+        prompt = PromptRecord(0, list(chat[:-1]))
+        before = self.tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
+        whole = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=False)
+        if not whole.startswith(before):
+            raise ValueError(
+                f"the chat template of '{self.model_dir}' does not render prefix-stably: adding the reply rewrites "
+                "the prompt's text, so the reply's tokens cannot follow the prompt's"
+            )
+        reply = self.tokenizer.encode(whole[len(before) :], add_special_tokens=False)
+        return self._cut(render_prompt(self.tokenizer, prompt) + [int(i) for i in reply])
+
+    def _cut(self, ids: list[int]) -> list[int]:
         if len(ids) > self.max_len:
             self.truncated += 1
             ids = ids[-self.max_len :]

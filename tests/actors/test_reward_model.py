@@ -34,16 +34,24 @@ def test_batched_scores_equal_one_by_one_scores(rm_dir: Path):
     assert batched.scored == len(COMPLETIONS) and batched.truncated == 0
 
 
-def test_the_score_is_the_logit_at_the_last_token_of_the_rendered_chat(rm_dir: Path):
+def test_the_scored_tokens_are_the_ones_tandem_rm_trains_on(rm_dir: Path):
+    from learners.offline_data import tokenize_pair
+
+    scorer = RewardModelScorer(rm_dir, "float32", batch_size=8, max_len=512, normalize=False)
+    chosen, rejected = ({"role": "assistant", "content": text} for text in COMPLETIONS[:2])
+    pair = tokenize_pair(scorer.tokenizer, PROMPT, [chosen], [rejected], max_len=512)
+    assert scorer.tokenize([*PROMPT, chosen]) == pair.prompt_ids + pair.chosen_ids
+    assert scorer.tokenize([*PROMPT, rejected]) == pair.prompt_ids + pair.rejected_ids
+    with pytest.raises(ValueError, match="assistant"):
+        scorer.tokenize(PROMPT)
+
+
+def test_the_score_is_the_head_on_the_last_token(rm_dir: Path):
     import torch
 
     scorer = RewardModelScorer(rm_dir, "float32", batch_size=8, max_len=512, normalize=False)
     chat = [*PROMPT, {"role": "assistant", "content": COMPLETIONS[0]}]
-    ids = scorer.tokenizer.apply_chat_template(chat, tokenize=True, return_dict=False)
-    prompt_ids = scorer.tokenizer.apply_chat_template(
-        PROMPT, add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-    assert scorer.tokenize(chat) == list(ids) and list(ids[: len(prompt_ids)]) == list(prompt_ids)
+    ids = scorer.tokenize(chat)
     base = getattr(scorer.model, scorer.model.base_model_prefix)
     with torch.inference_mode():  # no padding, no pooling: the head on the last position's hidden state
         hidden = base(input_ids=torch.tensor([ids])).last_hidden_state[0, -1]
