@@ -210,6 +210,8 @@ def test_a_killed_reward_service_is_survived_counted_and_used_again_once_restart
         for group in new_groups(buffer, 6, 2):  # ZeroMQ reconnected by itself: scores again
             assert np.all(np.abs(group.reward_components["reward_model"]) < 1)
         assert generator.stop() == 0
+        assert reward.stop() == 0  # SIGTERM: it finishes the batch in hand and exits cleanly
+    assert "reward service stopped: " in reward.output()
     records = read_metrics(config.run.run_dir / "generator-0.jsonl")
     assert records[-1]["actor/reward_model_fallbacks"] == 2  # the two groups scored while the service was dead
     assert "reward_model falls back" in generator.output()
