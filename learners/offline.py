@@ -360,6 +360,9 @@ def _examples(
         log.warning("%s: %d held-out rows evaluated of %d (a multiple of the ranks)", name, kept, len(held_out))
     if not held_out:
         log.warning("%s: no held-out rows (held_out = 0 and no eval_source): no evaluation", name)
+    cut = sum(example.truncated for example in train + held_out)
+    if cut:
+        log.warning("%s: %d rows longer than model.max_model_len = %d were cut from the right", name, cut, max_len)
     return train, held_out[: len(held_out) // world * world]
 
 
