@@ -92,8 +92,13 @@ class GroupRewards:
             from actors.reward_model import RewardModelScorer
 
             reward = config.reward
-            model = RewardModelScorer(
-                Path(env.reward_model), reward.dtype, reward.batch_size, config.model.max_model_len, reward.normalize
+            model = RewardModelScorer(  # on the CPU: vLLM holds the GPU's memory
+                Path(env.reward_model),
+                reward.dtype,
+                reward.batch_size,
+                config.model.max_model_len,
+                reward.normalize,
+                device="cpu",
             )
             log.info("reward model in this process: %s", model.describe())
         elif env.reward_model:

@@ -75,7 +75,11 @@ class RewardModelScorer:
     the pad token id (the model's pooling would skip it).
     """
 
-    def __init__(self, model_dir: Path, dtype: str, batch_size: int, max_len: int, normalize: bool) -> None:
+    def __init__(
+        self, model_dir: Path, dtype: str, batch_size: int, max_len: int, normalize: bool, device: str = "auto"
+    ) -> None:
+        """`device`: "auto" = the first CUDA device when torch sees one (the reward service on a GPU node), else
+        the CPU; "cpu" always (a generator scoring in-process beside vLLM, which holds its GPU's memory)."""
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -96,8 +100,9 @@ class RewardModelScorer:
         self.max_len = max_len
         self.norm = RunningNorm() if normalize else None
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu")
         self.model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=getattr(torch, dtype))
-        self.model.eval()
+        self.model.to(self.device).eval()
         if self.model.config.num_labels != 1:
             raise ValueError(
                 f"env.reward_model: '{model_dir}' has {self.model.config.num_labels} labels; a reward model has one "
@@ -198,10 +203,16 @@ class RewardModelScorer:
             input_ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
             attention_mask[b, : len(row)] = 1
         with torch.inference_mode():
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, 1]
+            inputs = {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device)}
+            logits = self.model(**inputs).logits  # [B, 1]
         return [float(v) for v in logits[:, 0].float()]
 
     def describe(self) -> dict[str, Any]:
         """What was loaded, for the log line of the role that loads it."""
         parameters = sum(p.numel() for p in self.model.parameters())
-        return {"model": str(self.model_dir), "parameters": parameters, "dtype": str(self.model.dtype)}
+        return {
+            "model": str(self.model_dir),
+            "parameters": parameters,
+            "dtype": str(self.model.dtype),
+            "device": str(self.device),
+        }

@@ -764,7 +764,8 @@ class RewardConfig(_Section):
     )
     in_process: bool = Field(
         False,
-        description="Score inside each generator (its own copy of the model, no service): for small reward models.",
+        description="Score inside each generator (its own copy of the model, on the CPU, no service): for small "
+        "reward models. The service scores on the first CUDA device when its node has one.",
     )
     weight: float = Field(1.0, description="Weight of the `reward_model` component in the scalar reward.", ge=0)
     normalize: bool = Field(
