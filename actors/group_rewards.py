@@ -70,7 +70,9 @@ def combine(
 class GroupRewards:
     """Scores whole groups from every configured source (module docstring). One thread."""
 
-    def __init__(self, config: TandemConfig, function: RewardScorer | None, model: Any, client: RewardClient | None):
+    def __init__(
+        self, config: TandemConfig, function: RewardScorer | None, model: Any, client: RewardClient | None
+    ) -> None:
         # model: an actors.reward_model.RewardModelScorer (in-process), or None
         self.env, self.reward = config.env, config.reward
         self.function = function
@@ -107,7 +109,9 @@ class GroupRewards:
             log.info("reward model scored by the reward service at %s", config.reward.address)
         return cls(config, function, model, client)
 
-    def submit(self, key: Hashable, prompt: list[dict[str, str]], completions: list[str], metadata: dict, now: float):
+    def submit(
+        self, key: Hashable, prompt: list[dict[str, str]], completions: list[str], metadata: dict, now: float
+    ) -> None:
         """Score a group: the function now, the reward model now (in-process) or once the service answers."""
         function = [self.function.score(text, metadata) for text in completions] if self.function else None
         if self.client is not None:
@@ -119,7 +123,9 @@ class GroupRewards:
             model, error = self._score_here(key, prompt, completions)
         self.ready.append((key, self._combine(len(completions), function, model, error)))
 
-    def _score_here(self, key: Hashable, prompt: list[dict[str, str]], completions: list[str]):
+    def _score_here(
+        self, key: Hashable, prompt: list[dict[str, str]], completions: list[str]
+    ) -> tuple[list[float] | None, str]:
         try:
             return self.model.score_group(prompt, completions), ""
         except Exception as error:  # noqa: BLE001 - a group the model cannot score falls back; the generator goes on
