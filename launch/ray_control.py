@@ -139,9 +139,12 @@ def _parser() -> argparse.ArgumentParser:
     scale = sub.add_parser("scale", help="add or retire generators while the learner trains")
     scale.add_argument("run", help="run.name of the fleet")
     scale.add_argument("--generators", type=_count, required=True, help="generators to run from now on (>= 0)")
-    status = sub.add_parser("status", help="print the fleet's members, endpoints and restarts (exit 1: not running)")
+    status = sub.add_parser(
+        "status",
+        help="print the fleet's members (the reward service too), endpoints and restarts (exit 1: not running)",
+    )
     status.add_argument("run")
-    stop = sub.add_parser("stop", help="stop every role of the run (generators, learners, buffer)")
+    stop = sub.add_parser("stop", help="stop every role of the run (generators, learners, reward service, buffer)")
     stop.add_argument("run")
     for cmd in (scale, status, stop):
         cmd.add_argument(
@@ -202,10 +205,11 @@ def _outcome(outcome: dict[str, Any]) -> str:
 def _describe(run_name: str, reply: dict[str, Any]) -> str:
     if "generators" not in reply:  # an outcome
         return f"run {run_name}: {_outcome(reply)}"
-    members = [reply["buffer"], *reply["learners"], *reply["generators"], *reply["retiring"]]
+    members = [reply["buffer"], reply["reward"], *reply["learners"], *reply["generators"], *reply["retiring"]]
+    reward = f"   reward {reply['reward_address']}" if reply["reward_address"] else ""
     lines = [
         f"run {reply['run']}: running",
-        f"  buffer {reply['buffer_address']}   weights {reply['weights_address']}",
+        f"  buffer {reply['buffer_address']}   weights {reply['weights_address']}{reward}",
         f"  restarts {reply['restarts']}",
     ]
     lines += [

@@ -3,17 +3,21 @@ places, starts, watches, scales and stops the roles (each one a `RoleProcess` ac
 
     controller = ray.remote(FleetController).options(name="tandem:<run>:controller", lifetime="detached",
                                                      max_concurrency=8, namespace="tandem").remote(config, local)
-    ray.get(controller.start.remote())               # buffer -> learner rank(s) -> generators; returns status()
+    ray.get(controller.start.remote())               # buffer -> reward -> learner rank(s) -> generators; status()
     ray.get(controller.scale_generators.remote(5))    # add or retire generators while the learner trains
     ray.get(controller.wait.remote(1.0))              # None while the run goes on, then {"outcome", "code"}
-    ray.get(controller.stop.remote("interrupted"))    # generators, learners, buffer: SIGTERM, grace, SIGKILL
+    ray.get(controller.stop.remote("interrupted"))    # generators, learners, reward + buffer: SIGTERM, grace, SIGKILL
 
-Start order and endpoint discovery: the buffer's actor is placed and reserves a free port on its node; the
-learner ranks are placed (one placement group, PACK) and rank 0 reserves the weight publisher's port (and
-MASTER_PORT for DeepSpeed); those endpoints are written into `<run_dir>/config.json`, which every role reads;
-then the buffer starts (and is waited for until it listens), the learner ranks start with torchrun's environment
-(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), and the generators start (placement groups, SPREAD).
-Roles bind loopback on a local Ray started by `tandem ray`, their node's IP on a joined cluster.
+Start order and endpoint discovery: the buffer's actor is placed and reserves a free port on its node; so does
+the reward service's (`config.reward_service`: env.reward_model scored outside the generators; its own placement
+group of one `ray.reward_cpus`/`ray.reward_gpus` bundle); the learner ranks are placed (one placement group,
+PACK) and rank 0 reserves the weight publisher's port (and MASTER_PORT for DeepSpeed); those endpoints are
+written into `<run_dir>/config.json`, which every role reads (the generators' reward.address among them); then
+the buffer starts (and is waited for until it listens), the reward service starts, the learner ranks start with
+torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) while it loads its model, and once it
+listens (within REWARD_START_S) the generators start (placement groups, SPREAD): no group is scored with the
+fallback because the service was not up yet. Roles bind loopback on a local Ray started by `tandem ray`, their
+node's IP on a joined cluster.
 
 Supervision (a thread, every SUPERVISE_S, under the lock that scaling also takes; it calls no actor while all is
 well: each member's pending `wait_exit` ref resolves when its role exits or its actor dies):
@@ -26,13 +30,20 @@ well: each member's pending `wait_exit` ref resolves when its role exits or its 
   - the buffer exits 0               -> the run is over (the learner's final report came): the learner ranks are
                                         given `learner.stop_timeout_s` (+ margin) to save and exit 0, then code 1;
   - the buffer exits otherwise or dies -> the run ends, code 1;
+  - the reward service exits or dies -> restarted in the same slot (same node) on the SAME port, within
+    `ray.max_reward_restarts`: the generators' reward.address stays right, so nothing is re-announced; they
+    score with env.fallback_reward meanwhile (counted) and reconnect by themselves. Not waited for: a
+    replacement that cannot bind (its port taken meanwhile) exits, and that is one more restart. If its slot
+    was moved to another node (the node was lost) the address would change: the run ends, code 1, saying so;
+  - the learner restarts from a checkpoint -> the reward service keeps running (it holds no run state);
   - a generator exits 0              -> it ran out of prompts or heard the run is over: done, not replaced;
   - a generator exits otherwise, or its actor dies -> replaced in the same slot (same node) by a generator
     with a NEW index, within `ray.max_generator_restarts`. A new index, because the buffer tracks liveness
     per generator id: the dead one's leases are then re-issued after `buffer.heartbeat_timeout_s` instead of
     waiting for `buffer.lease_timeout_s`. The new generator fetches the newest weights before its first lease.
 Retired generators (scale down) get SIGTERM: they finish or return their leases, then their actors go. Every stop
-gives a role its grace (`launch.local.stop_grace_s`: the generators' drain timeout, the learner's stop timeout).
+gives a role its grace (`launch.local.stop_grace_s`: the generators' drain timeout, the learner's stop timeout);
+the reward service stops after the generators (which score through it while they drain), with the buffer.
 Counters go to `<run_dir>/ray.jsonl` (`ray/…`), the log to `<run_dir>/logs/controller-0.log`.
 """
 
@@ -51,9 +62,10 @@ from launch import ray_members as members
 from launch.local import stop_grace_s
 from launch.ray_members import Member, call, describe_code
 from launch.ray_placement import BundlePool, PlacementError, Slot
-from launch.ray_plan import Endpoints, bind_problem, fleet_config, learner_env, learner_processes
+from launch.ray_plan import Endpoints, bind_problem, distinct_port, fleet_config, learner_env, learner_processes
 
 SUPERVISE_S = 0.5
+REWARD_START_S = 600.0  # the reward service loads its model before it listens (a large one from a network disk)
 REPORT_EVERY = 20  # supervision passes between two `ray/…` records (and at every change of the fleet)
 LOOPBACK = "127.0.0.1"
 
@@ -82,11 +94,13 @@ class FleetController:
         self.config: TandemConfig = self.base
         self.config_text = ""
         self.buffer: Member | None = None
+        self.reward: Member | None = None  # the reward service, when config.reward_service
+        self.next_reward_index = 0
         self.learners: list[Member] = []
         self.generators: list[Member] = []
         self.retiring: list[Member] = []
         self.next_generator_index = 0
-        self.restarts = {"generator": 0, "learner": 0}
+        self.restarts = {"generator": 0, "learner": 0, "reward": 0}
         self.faults: Counter[str] = Counter()  # actors_died, stop_timeouts
         ray_config = self.base.ray
         timeout = ray_config.placement_timeout_s
@@ -106,6 +120,13 @@ class FleetController:
                 "SPREAD",
                 timeout,
             ),
+            "reward": BundlePool(
+                self.run_name,
+                "reward",
+                {"CPU": ray_config.reward_cpus, "GPU": ray_config.reward_gpus},
+                "PACK",
+                timeout,
+            ),
         }
         self.ticks = 0
         self.last_followed = 0.0
@@ -114,7 +135,8 @@ class FleetController:
 
     # ------------------------------------------------------------------------------------------ public API
     def start(self) -> dict[str, Any]:
-        """Place and start the buffer, the learner rank(s) and `generator.count` generators, then supervise.
+        """Place and start the buffer, the reward service (if any), the learner rank(s) and `generator.count`
+        generators, then supervise.
         Returns status(); if the fleet could not start, everything is stopped and status() has the outcome."""
         with self.lock:
             try:
@@ -129,7 +151,8 @@ class FleetController:
         return self.status()
 
     def status(self) -> dict[str, Any]:
-        """The fleet now: members (name, index, node IP, pid), endpoints, restart counts, and the outcome."""
+        """The fleet now: members (name, index, node IP, pid), endpoints, restart counts, and the outcome
+        (`reward` and `reward_address` are None when the run has no reward service)."""
         with self.lock:
             return {
                 "run": self.run_name,
@@ -137,7 +160,9 @@ class FleetController:
                 "outcome": self.outcome,
                 "buffer_address": self.config.generator.buffer_address,
                 "weights_address": self.config.generator.weights_address,
+                "reward_address": self.config.reward.address if self.base.reward_service else None,
                 "buffer": self.buffer.describe() if self.buffer else None,
+                "reward": self.reward.describe() if self.reward else None,
                 "learners": [m.describe() for m in self.learners],
                 "generators": [m.describe() for m in self.generators],
                 "retiring": [m.describe() for m in self.retiring],
@@ -189,12 +214,39 @@ class FleetController:
 
     # ------------------------------------------------------------------------------------------ start
     def _start_fleet(self) -> None:
+        endpoints, master_port = self._place_services()
+        self.config = fleet_config(self.base, endpoints)
+        self.config_text = self.config.model_dump_json(indent=2)
+        write_resolved(self.config, self.config.run.run_dir)
+        self.log.info(
+            "buffer %s, weights %s, reward service %s; %d learner process(es), %d generator(s)",
+            self.config.generator.buffer_address,
+            self.config.generator.weights_address,
+            self.config.reward.address if self.reward else "none",
+            len(self.learners),
+            self.base.generator.count,
+        )
+        self._start_buffer()
+        if self.reward:
+            members.start([self.reward], [["reward"]], [{}], self.config_text)
+        self._start_learners(master_port, resume=False)
+        if self.reward:
+            self._wait_reward_listening()
+        self._add_generators(self.base.generator.count)
+        self._report(force=True)
+
+    def _place_services(self) -> tuple[Endpoints, int]:
+        """Place the buffer, the reward service (if the run has one) and the learner ranks, and reserve the ports
+        the services bind on their nodes: (their endpoints, MASTER_PORT). Every reserved port differs from the
+        others (the config refuses a reward.port equal to buffer.port or learner.weights_port, whatever hosts)."""
         [self.buffer] = self._spawn("buffer", [0], self.pools["buffer"].acquire(1))
-        buffer_host = LOOPBACK if self.local_cluster else self.buffer.node["ip"]
+        if self.base.reward_service:
+            [self.reward] = self._spawn("reward", [self._new_reward_index()], self.pools["reward"].acquire(1))
         ranks = learner_processes(self.base)
         self.learners = self._spawn("learner", list(range(ranks)), self.pools["learner"].acquire(ranks))
-        weights_host = LOOPBACK if self.local_cluster else self.learners[0].node["ip"]
-        for host in {buffer_host, weights_host}:
+        buffer_host, weights_host = self._bind_host(self.buffer), self._bind_host(self.learners[0])
+        reward_host = self._bind_host(self.reward) if self.reward else ""
+        for host in {buffer_host, weights_host, reward_host} - {""}:
             problem = bind_problem(host, self.base)
             if problem:
                 raise RunEnded(f"failed to start: {problem}", 2)
@@ -203,20 +255,18 @@ class FleetController:
         weights_port, master_port = call(
             [rank0.reserve_port.remote(weights_host), rank0.reserve_port.remote(weights_host)]
         )
-        self.config = fleet_config(self.base, Endpoints(buffer_host, buffer_port, weights_host, weights_port))
-        self.config_text = self.config.model_dump_json(indent=2)
-        write_resolved(self.config, self.config.run.run_dir)
-        self.log.info(
-            "buffer %s, weights %s; %d learner process(es), %d generator(s)",
-            self.config.generator.buffer_address,
-            self.config.generator.weights_address,
-            ranks,
-            self.base.generator.count,
-        )
-        self._start_buffer()
-        self._start_learners(master_port, resume=False)
-        self._add_generators(self.base.generator.count)
-        self._report(force=True)
+        reward_port = 0
+        if self.reward:
+            reward_port = distinct_port(
+                lambda: call(self.reward.actor.reserve_port.remote(reward_host)),
+                taken={buffer_port, weights_port, master_port},
+            )
+        endpoints = Endpoints(buffer_host, buffer_port, weights_host, weights_port, reward_host, reward_port)
+        return endpoints, master_port
+
+    def _bind_host(self, member: Member) -> str:
+        """Where a service of `member` binds: loopback on the local Ray, its node's IP on a joined cluster."""
+        return LOOPBACK if self.local_cluster else member.node["ip"]
 
     def _start_buffer(self) -> None:
         """Start the buffer and wait until it listens (a port taken meanwhile shows up here as its exit)."""
@@ -224,6 +274,24 @@ class FleetController:
         code = call(self.buffer.actor.wait_listening.remote(self.config.buffer.port, members.CALL_TIMEOUT_S - 30))
         if code is not None:
             raise RunEnded(f"buffer-0 exited with code {code} at start: {self._failure(self.buffer)}", 1)
+
+    def _wait_reward_listening(self) -> None:
+        """Wait (up to REWARD_START_S: it loads its model first) until the reward service listens on reward.port;
+        RunEnded (code 1) with its failure line if it exits first, or if it is still not listening by then."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        port = self.config.reward.port
+        try:
+            code = ray.get(self.reward.actor.wait_listening.remote(port, REWARD_START_S), timeout=REWARD_START_S + 30)
+        except (TimeoutError, GetTimeoutError):
+            raise RunEnded(
+                f"{self.reward.name} did not listen on port {port} within {REWARD_START_S:.0f}s: "
+                f"{self._failure(self.reward)}",
+                1,
+            ) from None
+        if code is not None:
+            raise RunEnded(f"{self.reward.name} exited with code {code} at start: {self._failure(self.reward)}", 1)
 
     def _start_learners(self, master_port: int, resume: bool) -> None:
         nodes = [m.node["node_id"] for m in self.learners]
@@ -265,8 +333,14 @@ class FleetController:
             "buffer": ray_config.buffer_cpus,
             "learner": ray_config.learner_cpus,
             "generator": ray_config.generator_cpus,
+            "reward": ray_config.reward_cpus,
         }[role]
-        gpus = {"buffer": 0.0, "learner": ray_config.learner_gpus, "generator": ray_config.generator_gpus}[role]
+        gpus = {
+            "buffer": 0.0,
+            "learner": ray_config.learner_gpus,
+            "generator": ray_config.generator_gpus,
+            "reward": ray_config.reward_gpus,
+        }[role]
         return members.spawn(self.run_name, role, indices, slots, cpus, gpus, self.run_dir)
 
     # ------------------------------------------------------------------------------------------ supervision
@@ -285,8 +359,11 @@ class FleetController:
             time.sleep(SUPERVISE_S)
 
     def _supervise_once(self) -> None:
-        codes = members.exits([self.buffer, *self.learners, *self.generators], self.faults)
+        reward = [self.reward] if self.reward else []
+        codes = members.exits([self.buffer, *reward, *self.learners, *self.generators], self.faults)
         self._check_buffer(codes[self.buffer.name])
+        if self.reward and codes[self.reward.name] is not None:
+            self._restart_reward(codes[self.reward.name])
         for member in self.learners:
             if codes[member.name] not in (None, 0):
                 self._on_learner_failure(member, codes[member.name])
@@ -333,6 +410,47 @@ class FleetController:
             )
         self._remove(member, grace_s=0)
         self._add_generators(1)
+
+    def _restart_reward(self, code: Any) -> None:
+        """The reward service ended (any exit: the generators still score through it): start a new one (a new
+        index, its own log) in the same slot and on the same port, so that reward.address, which every
+        generator read from config.json, stays right. RunEnded past ray.max_reward_restarts, or when the slot now
+        lies on another node (Ray re-placed the bundle of a lost node): its address would change under the
+        generators. Its port is first waited for (a predecessor whose actor died may still be closing it), the
+        replacement itself is not: the generators fall back until it listens."""
+        old = self.reward
+        self.restarts["reward"] += 1
+        limit = self.base.ray.max_reward_restarts
+        why = f"{old.name} ended ({describe_code(code)})"
+        self.log.warning("%s; restarting it (%d/%d): %s", why, self.restarts["reward"], limit, self._failure(old))
+        if self.restarts["reward"] > limit:
+            raise RunEnded(f"{why} and ray.max_reward_restarts = {limit} restarts are used up", 1)
+        self._stop_members([old], grace_s=0, release=False)
+        [self.reward] = self._spawn("reward", [self._new_reward_index()], [old.slot])
+        if not self.local_cluster and self.reward.node["ip"] != old.node["ip"]:
+            raise RunEnded(
+                f"{why} and its slot moved from node {old.node['ip']} to {self.reward.node['ip']}: the generators "
+                f"reach the reward service at {self.config.reward.address}, which a new node cannot bind",
+                1,
+            )
+        host, port = self.config.reward.host, self.config.reward.port
+        if not call(self.reward.actor.wait_port_free.remote(host, port, stop_grace_s(self.base, "buffer"))):
+            self.log.warning(
+                "%s:%d is still taken; starting %s anyway (if it cannot bind, it exits)", host, port, self.reward.name
+            )
+        members.start([self.reward], [["reward"]], [{}], self.config_text)
+        self.log.info(
+            "%s started on %s (pid %s), port %d",
+            self.reward.name,
+            self.reward.node["ip"],
+            self.reward.pid,
+            self.config.reward.port,
+        )
+        self._report(force=True)
+
+    def _new_reward_index(self) -> int:
+        index, self.next_reward_index = self.next_reward_index, self.next_reward_index + 1
+        return index
 
     def _on_learner_failure(self, member: Member, code: Any) -> None:
         """End the run, or (within ray.max_learner_restarts) restart it in place from the latest checkpoint."""
@@ -403,7 +521,8 @@ class FleetController:
         self.retiring = [m for m in self.retiring if m not in stopping]
 
     def _end(self, outcome: str, code: int) -> None:
-        """Record the outcome and stop the fleet in order: generators, learners, buffer (see launch.local).
+        """Record the outcome and stop the fleet in order: generators, learners, then the reward service and the
+        buffer (see launch.local).
         `ended` is set last, whatever happens while stopping, so that `wait` returns only then."""
         level = self.log.info if code == 0 else self.log.error
         level("run %s ends: %s (code %d)", self.run_name, outcome, code)
@@ -415,9 +534,9 @@ class FleetController:
             learner_grace = stop_grace_s(self.base, "buffer" if self.learner_failed else "learner")
             self._stop_members(self.learners, learner_grace)
             self.learners = []
-            if self.buffer is not None:
-                self._stop_members([self.buffer], stop_grace_s(self.base, "buffer"))
-            self.buffer = None
+            services = [member for member in (self.reward, self.buffer) if member is not None]
+            self._stop_members(services, stop_grace_s(self.base, "buffer"))
+            self.reward = self.buffer = None
             for pool in self.pools.values():
                 pool.close()
             self._report(force=True)
@@ -437,6 +556,7 @@ class FleetController:
                     "ray/learner_processes": len(self.learners),
                     "ray/generator_restarts": self.restarts["generator"],
                     "ray/learner_restarts": self.restarts["learner"],
+                    "ray/reward_restarts": self.restarts["reward"],
                     "ray/actors_died": self.faults["actors_died"],
                     "ray/stop_timeouts": self.faults["stop_timeouts"],
                 },

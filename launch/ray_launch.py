@@ -1,4 +1,5 @@
-"""`tandem ray CONFIG`: the buffer, the learner rank(s) and the generators as Ray actors on a Ray cluster.
+"""`tandem ray CONFIG`: the buffer, the learner rank(s), the generators and (with env.reward_model, unless
+reward.in_process) the reward service as Ray actors on a Ray cluster.
 
     ray start --head                                        # once per cluster (docs/ray.md: the other nodes)
     RAY_ADDRESS=auto tandem ray gpu_cluster --run.name exp1 # a packaged config by name, or a TOML file
@@ -115,7 +116,7 @@ def fleet_problem(config: TandemConfig) -> str | None:
     import ray
 
     total = ray.cluster_resources()
-    problem = capacity_problem(resource_demand(config), total, config.generator.count)
+    problem = capacity_problem(resource_demand(config), total, config.generator.count, config.reward_service)
     if problem:
         return problem
     try:
@@ -163,9 +164,10 @@ def follow(controller: Any, config: TandemConfig, log: Any) -> dict[str, Any]:
             outcome = status["outcome"]
             if outcome is None:
                 log.info(
-                    "fleet up: buffer %s, weights %s, %d generator(s) on %s",
+                    "fleet up: buffer %s, weights %s, reward service %s, %d generator(s) on %s",
                     status["buffer_address"],
                     status["weights_address"],
+                    status["reward_address"] or "none",
                     len(status["generators"]),
                     sorted({g["node"] for g in status["generators"]}),
                 )

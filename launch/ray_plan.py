@@ -2,14 +2,16 @@
 
 Pure functions of the config (and of what the cluster reported), so they are tested without Ray:
 
-    demand = resource_demand(config)                 # {"CPU": 3.0, "GPU": 0.0} for buffer + learners + generators
-    problem = capacity_problem(demand, ray.cluster_resources(), generators=4)   # None, or what to change
-    config = fleet_config(config, Endpoints("10.0.0.5", 41234, "10.0.0.7", 41801))   # what every role reads
+    demand = resource_demand(config)       # {"CPU": 3.0, "GPU": 0.0}: buffer + learners + generators (+ reward)
+    problem = capacity_problem(demand, ray.cluster_resources(), generators=4, reward=config.reward_service)
+    config = fleet_config(config, Endpoints("10.0.0.5", 41234, "10.0.0.7", 41801, "10.0.0.9", 41990))
+    port = distinct_port(lambda: ray.get(actor.reserve_port.remote(host)), taken={41234, 41801})
     env = learner_env(rank=1, node_ids=["a", "a", "b"], master_addr="10.0.0.7", master_port=29500)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,39 +37,64 @@ def learner_processes(config: TandemConfig) -> int:
 
 
 def resource_demand(config: TandemConfig, generators: int | None = None) -> dict[str, float]:
-    """CPUs and GPUs the fleet reserves: the buffer, each learner process, each generator."""
+    """CPUs and GPUs the fleet reserves: the buffer, each learner process, each generator, and the reward service
+    when the run has one (`config.reward_service`: env.reward_model scored outside the generators)."""
     ray_config = config.ray
     count = config.generator.count if generators is None else generators
     ranks = learner_processes(config)
+    reward = 1 if config.reward_service else 0
     return {
-        "CPU": ray_config.buffer_cpus + ranks * ray_config.learner_cpus + count * ray_config.generator_cpus,
-        "GPU": ranks * ray_config.learner_gpus + count * ray_config.generator_gpus,
+        "CPU": ray_config.buffer_cpus
+        + ranks * ray_config.learner_cpus
+        + count * ray_config.generator_cpus
+        + reward * ray_config.reward_cpus,
+        "GPU": ranks * ray_config.learner_gpus + count * ray_config.generator_gpus + reward * ray_config.reward_gpus,
     }
 
 
-def capacity_problem(demand: dict[str, float], total: dict[str, Any], generators: int) -> str | None:
+def capacity_problem(
+    demand: dict[str, float], total: dict[str, Any], generators: int, reward: bool = False
+) -> str | None:
     """None when the cluster's resources (`ray.cluster_resources()`) can hold the demand at all, else a message
-    that says what to change. (Resources held by other jobs show up later, as a placement timeout.)"""
+    that says what to change (`reward`: the demand includes the reward service). (Resources held by other jobs
+    show up later, as a placement timeout.)"""
     for resource, wanted in demand.items():
         have = float(total.get(resource, 0.0))
         if wanted > have + 1e-9:
             knob = resource.lower() + "s"
+            fleet = f"{generators} generator(s)"
+            members = f"the learner, {fleet} and the reward service" if reward else f"the learner and {fleet}"
+            knobs = f"ray.learner_{knob}, ray.generator_{knob}" + (f", ray.reward_{knob}" if reward else "")
             return (
                 f"the Ray cluster has {have:g} {resource} in all, but this run reserves {wanted:g} for the "
-                f"buffer, the learner and {generators} generator(s): lower ray.buffer_{knob}, "
-                f"ray.learner_{knob}, ray.generator_{knob} or the generator count, or add nodes"
+                f"buffer, {members}: lower ray.buffer_{knob}, {knobs} or the generator count, or add nodes"
             )
     return None
 
 
+def distinct_port(reserve: Callable[[], int], taken: set[int], tries: int = 20) -> int:
+    """A port from `reserve()` (a port free on some node now) that is none of `taken`: the other services' ports,
+    which a second reservation may return again once they are released, and which the config refuses to share
+    (`reward.port` must differ from buffer.port and learner.weights_port, whatever their hosts). RuntimeError if
+    `tries` reservations all fell in `taken`."""
+    for _ in range(tries):
+        port = reserve()
+        if port not in taken:
+            return port
+    raise RuntimeError(f"{tries} port reservations all returned one of {sorted(taken)}: the node's ports are exhausted")
+
+
 @dataclass(frozen=True)
 class Endpoints:
-    """Where the two services bind, as found at start: the buffer's node and port, learner rank 0's publisher."""
+    """Where the services bind, as found at start: the buffer's node and port, learner rank 0's publisher, and the
+    reward service's node and port (reward_port 0: the run has no reward service)."""
 
     buffer_host: str
     buffer_port: int
     weights_host: str
     weights_port: int
+    reward_host: str = ""
+    reward_port: int = 0
 
     @property
     def buffer_address(self) -> str:
@@ -77,11 +104,17 @@ class Endpoints:
     def weights_address(self) -> str:
         return f"{self.weights_host}:{self.weights_port}"
 
+    @property
+    def reward_address(self) -> str:
+        return f"{self.reward_host}:{self.reward_port}"
+
 
 def fleet_config(config: TandemConfig, endpoints: Endpoints) -> TandemConfig:
     """The config every role of the fleet reads (written as `<run_dir>/config.json`): the discovered endpoints
-    filled in on both sides, the run root made absolute (roles run in other working directories, maybe other
-    machines), and no core pinning (Ray's reservations place the roles). Validated like any config."""
+    filled in on both sides (the reward service's too, when `endpoints.reward_port` is set: reward.host/port where
+    it binds, reward.address where the generators reach it), the run root made absolute (roles run in other
+    working directories, maybe other machines), and no core pinning (Ray's reservations place the roles).
+    Validated like any config."""
     data = config.model_dump(mode="json")
     data["run"]["root"] = str(Path(config.run.root).resolve())
     data["buffer"].update(host=endpoints.buffer_host, port=endpoints.buffer_port)
@@ -94,6 +127,10 @@ def fleet_config(config: TandemConfig, endpoints: Endpoints) -> TandemConfig:
     data["generator"].update(
         buffer_address=endpoints.buffer_address, weights_address=endpoints.weights_address, cpu_cores=""
     )
+    if endpoints.reward_port:
+        data["reward"].update(
+            host=endpoints.reward_host, port=endpoints.reward_port, address=endpoints.reward_address, cpu_cores=""
+        )
     return build_config(data)
 
 
@@ -124,6 +161,6 @@ def bind_problem(host: str, config: TandemConfig) -> str | None:
     if is_loopback(host) or config.run.curve_keys_dir is not None or config.run.insecure:
         return None
     return (
-        f"on a Ray cluster the buffer and the weight publisher bind their node's address ({host}): set "
-        "run.curve_keys_dir (CurveZMQ keys, present on every node) or run.insecure = true on a trusted network"
+        f"on a Ray cluster the buffer, the weight publisher and the reward service bind their node's address "
+        f"({host}): set run.curve_keys_dir (CurveZMQ keys, present on every node) or run.insecure = true on a trusted network"
     )

@@ -4,6 +4,7 @@
     actor = RoleActor.options(name="tandem:my-run:generator-3", num_cpus=1, ...).remote("generator-3", run_dir)
     node = ray.get(actor.node.remote())                    # {"ip": ..., "node_id": ...}: where Ray placed it
     port = ray.get(actor.reserve_port.remote(host))        # a port free on that node, for the role to bind
+    ray.get(actor.wait_port_free.remote(host, port, 15))   # or: a port a predecessor may still hold (a restart)
     ray.get(actor.start.remote(argv_tail, env, config_text))   # python -m launch.cli ROLE <run_dir>/config.json ...
     ray.get(actor.wait_listening.remote(port, 30))         # the role bound its port (or exited: its exit code)
     exited = actor.wait_exit.options(concurrency_group=WATCH).remote()   # resolves when the role exits
@@ -56,6 +57,18 @@ def ensure_file(path: Path, text: str) -> bool:
     return True
 
 
+def port_taken(host: str, port: int) -> bool:
+    """True when something on this machine listens on `host:port` (a bind with SO_REUSEADDR, as ZeroMQ binds,
+    fails); connections of a closed listener left in TIME_WAIT do not count."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def is_listening(pid: int, port: int) -> bool:
     """True when process `pid` has a TCP socket listening on `port` (psutil, a Ray dependency)."""
     import psutil
@@ -94,6 +107,17 @@ class RoleProcess:
         """A TCP port that is free on `host` now. The role binds it a moment later; if another process took it in
         between, the role exits with "address in use" and `wait_listening` reports that exit."""
         return free_port(host)
+
+    def wait_port_free(self, host: str, port: int, timeout_s: float) -> bool:
+        """Wait until nothing listens on `host:port` any more; False if something still does after `timeout_s`.
+        For a role restarted on its predecessor's port: a predecessor whose actor died got only SIGTERM (from
+        PR_SET_PDEATHSIG) and may still be closing its socket."""
+        deadline = time.time() + timeout_s
+        while port_taken(host, port):
+            if time.time() >= deadline:
+                return False
+            time.sleep(POLL_S)
+        return True
 
     def start(self, argv_tail: list[str], env: dict[str, str], config_text: str) -> int:
         """Write the run's resolved config on this node (if it is not there already, identical) and start

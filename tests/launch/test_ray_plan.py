@@ -16,6 +16,7 @@ from launch.ray_plan import (
     actor_name,
     bind_problem,
     capacity_problem,
+    distinct_port,
     fleet_config,
     learner_env,
     learner_processes,
@@ -71,6 +72,79 @@ def test_fleet_config_fills_both_ends_of_every_endpoint(tmp_path: Path, monkeypa
     assert fleet.learner.cpu_cores == fleet.generator.cpu_cores == ""  # Ray places; no pinning
     ipv6 = fleet_config(config, Endpoints("fd00::5", 1, "fd00::7", 2))
     assert ipv6.generator.buffer_address == "fd00::5:1"  # host = everything before the last ':'
+
+
+def test_demand_counts_the_reward_service_only_when_the_run_has_one() -> None:
+    served = load_config(None, {"env.reward_model": "/models/rm", "ray.reward_cpus": 2, "ray.reward_gpus": 1})
+    assert served.reward_service
+    assert resource_demand(served) == {"CPU": 1 + 1 + 1 + 2, "GPU": 1}  # buffer, learner, generator, reward
+    in_process = load_config(None, {"env.reward_model": "/models/rm", "reward.in_process": True, "ray.reward_cpus": 2})
+    assert resource_demand(in_process) == {"CPU": 3, "GPU": 0}  # scored inside the generators: no service
+    assert resource_demand(load_config(None, {"ray.reward_cpus": 2}))["CPU"] == 3  # no reward model at all
+    message = capacity_problem(resource_demand(served), {"CPU": 8.0, "GPU": 0.0}, generators=1, reward=True)
+    assert message is not None and "the reward service" in message and "ray.reward_gpus" in message
+    plain = capacity_problem({"CPU": 9.0}, {"CPU": 8.0}, generators=1)
+    assert plain is not None and "reward" not in plain and "the learner and 1 generator(s)" in plain
+
+
+def test_fleet_config_points_the_generators_at_the_reward_service(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = load_config(None, {"env.reward_model": "/models/rm", "run.insecure": True, "reward.cpu_cores": "1"})
+    fleet = fleet_config(config, Endpoints("10.0.0.5", 41234, "10.0.0.7", 41801, "10.0.0.9", 41990))
+    assert (fleet.reward.host, fleet.reward.port) == ("10.0.0.9", 41990)  # where it binds, on its node
+    assert fleet.reward.address == "10.0.0.9:41990"  # where every generator reaches it
+    assert fleet.reward.cpu_cores == ""  # Ray's reservation places it
+    loopback = fleet_config(config, Endpoints("127.0.0.1", 41234, "127.0.0.1", 41801, "127.0.0.1", 41990))
+    assert loopback.reward.address == "127.0.0.1:41990"
+    without = fleet_config(load_config(None), Endpoints("127.0.0.1", 41234, "127.0.0.1", 41801))
+    assert without.reward == load_config(None).reward  # no service: the section as written
+
+
+def test_distinct_port_skips_the_other_services_ports() -> None:
+    offered = iter([5555, 5556, 5555, 41990])
+    assert distinct_port(lambda: next(offered), taken={5555, 5556}) == 41990
+    with pytest.raises(RuntimeError, match="all returned one of"):
+        distinct_port(lambda: 5555, taken={5555}, tries=3)
+
+
+def test_a_port_with_a_listener_is_taken_until_it_closes() -> None:
+    import socket
+
+    from launch.ray_roles import port_taken
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    assert port_taken("127.0.0.1", port)
+    listener.close()
+    assert not port_taken("127.0.0.1", port)  # what a restarted reward service then binds
+
+
+def test_status_lists_the_reward_service() -> None:
+    from launch.ray_control import _describe
+
+    def member(name: str) -> dict:
+        return {"name": name, "index": 0, "node": "10.0.0.9", "node_id": "n", "pid": 7, "retiring": False}
+
+    reply = {
+        "run": "exp1",
+        "buffer_address": "10.0.0.5:41234",
+        "weights_address": "10.0.0.7:41801",
+        "reward_address": "10.0.0.9:41990",
+        "buffer": member("buffer-0"),
+        "reward": member("reward-1"),
+        "learners": [member("learner-0")],
+        "generators": [member("generator-0")],
+        "retiring": [],
+        "restarts": {"generator": 0, "learner": 0, "reward": 1},
+    }
+    text = _describe("exp1", reply)
+    assert "reward 10.0.0.9:41990" in text and "reward-1" in text
+    plain = _describe("exp1", {**reply, "reward_address": None, "reward": None})
+    assert "reward-1" not in plain and "reward 10." not in plain
 
 
 def test_learner_env_counts_local_ranks_per_node() -> None:
