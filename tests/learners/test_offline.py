@@ -62,6 +62,22 @@ def test_the_schedule_is_a_function_of_the_step_and_covers_each_epoch_once() -> 
         Schedule.of(0, 4, 1.0, 0, 7)
 
 
+def test_a_file_source_keeps_its_last_held_out_share_for_evaluation(tmp_path: Path) -> None:
+    from learners.offline_data import chat_rows
+    from learners.offline_stages import _split_file_rows
+
+    source = tmp_path / "chats.jsonl"
+    rows = [{"prompt": f"What is {i} + 1?", "completion": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(10)]
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = stage_config(tmp_path, "sft", sft__source=str(source), sft__held_out=0.2, sft__num_eval_examples=1)
+    train, held_out = _split_file_rows(chat_rows(str(source), config.sft), config.sft, None)
+    assert [chat[0]["content"] for chat in train] == [f"What is {i} + 1?" for i in range(8)]
+    assert [chat[0]["content"] for chat in held_out] == ["What is 8 + 1?"]  # rows 8 and 9, capped at 1
+    given = [[{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]] * 3
+    train, held_out = _split_file_rows(chat_rows(str(source), config.sft), config.sft, given)
+    assert len(train) == 10 and held_out == given[:1]  # eval_source: the whole source trains
+
+
 # ------------------------------------------------------------------------------------------------ end to end
 STAGE_KEYS = {
     "sft": ["sft/loss", "sft/tokens"],
