@@ -51,7 +51,7 @@ from learners.buffer_link import BufferLink, BufferRefused, LinkInterrupted
 from learners.checkpoint import CheckpointManager, LearnerState
 from learners.publisher import WeightsPublisher, open_weights_publisher
 from learners.ranks import launch_ranks, pin_cores
-from learners.session import Interrupt, any_rank, forget_steps_after, interrupted_exit, resume_state
+from learners.session import Interrupt, Saves, any_rank, forget_steps_after, resume_state
 
 KEEP_CHECKPOINTS = 2
 
@@ -110,7 +110,9 @@ def run(config: TandemConfig) -> int:
             final = state.step >= learner.total_steps  # a finished run resumed: end it again
             buffer.report_version(state.policy_version, state.step, resync=True, final=final)
             reporter = _reporter(config, state, log)
-        saved_step = state.step if learner.resume else -1
+        saves = Saves(
+            checkpoints, trainer, learner.save_every, learner.save_on_interrupt, state.step if learner.resume else -1
+        )
         while state.step < learner.total_steps:
             step_start = time.perf_counter()
             fetched = _fetch_unless_interrupted(buffer, state.step)
@@ -137,14 +139,10 @@ def run(config: TandemConfig) -> int:
                 timings["weights/publisher_bytes"] = float(getattr(publisher, "counters", {}).get("served_bytes", 0))
             if reporter is not None:
                 reporter.report(state.step, _record(stats, timings, state, batch.dropped_stale))
-            if learner.save_every and state.step % learner.save_every == 0:
-                checkpoints.save(trainer, state)
-                saved_step = state.step
-        if state.step > 0 and saved_step != state.step and (not stop.signum or learner.save_on_interrupt):
-            checkpoints.save(trainer, state)
-            saved_step = state.step
-        if stop.signum and state.step < learner.total_steps:
-            return interrupted_exit(stop, state.step, saved_step, checkpoints, learner.total_steps, log)
+            saves.after_step(state)
+        interrupted = saves.finish(state, stop, learner.total_steps, log)
+        if interrupted is not None:
+            return interrupted
         log.info(
             "done: %d steps, policy_version %d, %d samples trained",
             state.step,

@@ -10,7 +10,8 @@ and statistics of a micro-batch) is a small object of `learners.offline_stages`.
 
 They train with [learner]'s engine settings (lr, zero_stage, world_size, micro_batch_size, grad_clip,
 warmup_steps, weight_decay, gradient_checkpointing, save_every, resume, cpu_cores) and the RL learner's code:
-the DeepSpeed engine (`learners.engine`), checkpoints (`learners.checkpoint`), metrics (`learners.reporting`),
+the DeepSpeed engine (`learners.engine`), checkpoints (`learners.checkpoint`), metrics (`learners.reporting`;
+the stage's lines and summary.json in `learners.offline_report`),
 signals and resume (`learners.session`), ranks (`learners.ranks`).
 
 The loop, per step s (s = optimizer steps taken so far), on every rank:
@@ -42,7 +43,6 @@ torchrun stop the others.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import os
@@ -60,12 +60,11 @@ from common.config import TandemConfig, write_resolved
 from common.logs import setup_logging
 from common.run_dir import reuse_problem
 from learners.checkpoint import CheckpointManager, LearnerState
+from learners.offline_report import MODEL_DIR, eval_line, make_reporter, summary_line, write_summary
 from learners.ranks import launch_ranks, pin_cores
-from learners.session import Interrupt, any_rank, forget_steps_after, interrupted_exit, resume_state
+from learners.session import Interrupt, Saves, any_rank, forget_steps_after, resume_state
 
 KEEP_CHECKPOINTS = 2
-SUMMARY_FILE = "summary.json"
-MODEL_DIR = "model"
 
 
 def run_sft(config: TandemConfig) -> int:
@@ -284,43 +283,59 @@ def run_stage(config: TandemConfig, name: str) -> int:
         trainer.micro_batch_size,
     )
     stop = Interrupt(log)
-    reporter = _reporter(config, name, schedule.steps, state.step, log) if dist.rank == 0 else None
+    reporter = make_reporter(config, name, schedule.steps, state.step, log) if dist.rank == 0 else None
+    saves = Saves(
+        checkpoints, trainer, learner.save_every, learner.save_on_interrupt, state.step if learner.resume else -1
+    )
     try:
-        if state.step == 0 and held_out:
-            evaluation = trainer.evaluate(held_out)
-            if reporter is not None:
-                reporter.note(0, evaluation, f"held-out {_eval_line(name, evaluation)}")
-        saved_step = state.step if learner.resume else -1
-        while state.step < schedule.steps:
-            if any_rank(stop.requested()):  # every rank stops after the same step
-                break
-            start = time.perf_counter()
-            record = _train_one_step(trainer, schedule, train, state)
-            if held_out and _evaluates(state.step, schedule.steps, stage_cfg.eval_every):
-                eval_start = time.perf_counter()
-                record.update(trainer.evaluate(held_out))
-                record["perf/eval_s"] = time.perf_counter() - eval_start
-            record[f"{name}/epoch"] = schedule.epoch(state.step)
-            record["perf/step_s"] = time.perf_counter() - start
-            if reporter is not None:
-                reporter.report(state.step, record)
-            if learner.save_every and state.step % learner.save_every == 0:
-                checkpoints.save(trainer, state)
-                saved_step = state.step
-        if state.step > 0 and saved_step != state.step and (not stop.signum or learner.save_on_interrupt):
-            checkpoints.save(trainer, state)
-            saved_step = state.step
-        if stop.signum and state.step < schedule.steps:
-            return interrupted_exit(stop, state.step, saved_step, checkpoints, schedule.steps, log)
+        _train_steps(trainer, schedule, (train, held_out), state, stop, reporter, saves, stage_cfg.eval_every)
+        interrupted = saves.finish(state, stop, schedule.steps, log)
+        if interrupted is not None:
+            return interrupted
         trainer.export_final(run_dir / MODEL_DIR)
         if dist.rank == 0:
             summary = write_summary(run_dir, name, schedule.steps)
-            log.info("done: %d steps; %s; the model is in %s", state.step, _summary_line(summary), run_dir / MODEL_DIR)
+            log.info("done: %d steps; %s; the model is in %s", state.step, summary_line(summary), run_dir / MODEL_DIR)
     finally:
         stop.restore()
         if reporter is not None:
             reporter.close()
     return 0
+
+
+def _train_steps(
+    trainer: OfflineTrainer,
+    schedule: Schedule,
+    examples: tuple[list[Any], list[Any]],
+    state: LearnerState,
+    stop: Interrupt,
+    reporter: Any,
+    saves: Saves,
+    eval_every: int,
+) -> None:
+    """The steps from state.step to schedule.steps, or until a signal (every rank stops after the same step):
+    the held-out evaluation first on a fresh run, then per step its record (rank 0's `reporter`, None on the
+    others) with the evaluation when `_evaluates`, and the save_every checkpoints. Collective."""
+    train, held_out = examples
+    name = trainer.name
+    if state.step == 0 and held_out:
+        evaluation = trainer.evaluate(held_out)
+        if reporter is not None:
+            reporter.note(0, evaluation, f"held-out {eval_line(name, evaluation)}")
+    while state.step < schedule.steps:
+        if any_rank(stop.requested()):
+            break
+        start = time.perf_counter()
+        record = _train_one_step(trainer, schedule, train, state)
+        if held_out and _evaluates(state.step, schedule.steps, eval_every):
+            eval_start = time.perf_counter()
+            record.update(trainer.evaluate(held_out))
+            record["perf/eval_s"] = time.perf_counter() - eval_start
+        record[f"{name}/epoch"] = schedule.epoch(state.step)
+        record["perf/step_s"] = time.perf_counter() - start
+        if reporter is not None:
+            reporter.report(state.step, record)
+        saves.after_step(state)
 
 
 def _start_trainer(config: TandemConfig, name: str) -> OfflineTrainer:
@@ -390,54 +405,3 @@ def _train_one_step(
         "learner/samples_trained": state.samples_trained,
         "learner/tokens_trained": state.tokens_trained,
     }
-
-
-# ------------------------------------------------------------------------------------------------ reporting
-EVAL_KEYS = {"sft": ("loss",), "rm": ("loss", "accuracy", "margin"), "dpo": ("loss", "accuracy", "margin")}
-
-
-def _eval_line(name: str, values: dict[str, Any]) -> str:
-    return " ".join(f"{key} {values[f'eval/{name}/{key}']:.4f}" for key in EVAL_KEYS[name])
-
-
-def _reporter(config: TandemConfig, name: str, total_steps: int, first_step: int, log: logging.Logger) -> Any:
-    from learners.reporting import StepReporter
-
-    def info(values: dict[str, Any]) -> str:
-        text = " ".join(f"{key} {values[f'{name}/{key}']:.4f}" for key in EVAL_KEYS[name])
-        if f"eval/{name}/loss" in values:
-            text += f" | held-out {_eval_line(name, values)}"
-        return f"{text} {values['perf/train_tokens_per_s']:,.0f} tok/s"
-
-    return StepReporter(config.run.run_dir, total_steps, first_step, log, label=name, info=info)
-
-
-def write_summary(run_dir: Path, name: str, steps: int) -> dict[str, Any]:
-    """`<run_dir>/summary.json` from metrics.jsonl (so a resumed run's first evaluation counts too): the stage,
-    its steps, the first and the last evaluation ({"step": s, "eval/<stage>/...": ...}) and the model dir."""
-    from common.metrics import read_metrics
-
-    evaluations = [
-        {"step": record["step"], **{k: v for k, v in record.items() if k.startswith("eval/")}}
-        for record in read_metrics(run_dir / "metrics.jsonl")
-        if any(key.startswith("eval/") for key in record)
-    ]
-    summary = {
-        "stage": name,
-        "steps": steps,
-        "first_eval": evaluations[0] if evaluations else None,
-        "last_eval": evaluations[-1] if evaluations else None,
-        "model": str(run_dir / MODEL_DIR),
-    }
-    tmp = run_dir / (SUMMARY_FILE + ".tmp")
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    tmp.replace(run_dir / SUMMARY_FILE)
-    return summary
-
-
-def _summary_line(summary: dict[str, Any]) -> str:
-    first, last = summary["first_eval"], summary["last_eval"]
-    if not first:
-        return "no held-out evaluation"
-    keys = [key for key in last if key != "step"]
-    return ", ".join(f"{key} {first.get(key, float('nan')):.4f} -> {last[key]:.4f}" for key in keys)

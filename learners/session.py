@@ -4,9 +4,11 @@ stages (`learners.offline`): stop at a step boundary on a signal, resume from a 
     stop = Interrupt(log)                                   # SIGINT/SIGTERM recorded, not obeyed at once
     state = resume_state(checkpoints, trainer, resume, log) # LearnerState() or the newest complete checkpoint's
     forget_steps_after(run_dir / "metrics.jsonl", state.step, log)   # rank 0, on a resume
+    saves = Saves(checkpoints, trainer, save_every, save_on_interrupt, state.step if resume else -1)
     while ...:
         if any_rank(stop.requested()): break                # collective: every rank stops after the same step
-    return interrupted_exit(stop, step, saved_step, checkpoints, total_steps, log)   # 128 + the signal
+        ...; saves.after_step(state)                        # every learner.save_every steps
+    code = saves.finish(state, stop, total_steps, log)      # the last checkpoint; 128 + the signal, or None
 
 Interruption: the first SIGINT or SIGTERM is recorded (`signum`) and logged; the loop stops before its next step
 on every rank together (`any_rank`, one all-reduce of a flag), checkpoints unless learner.save_on_interrupt is
@@ -20,6 +22,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +98,35 @@ def forget_steps_after(metrics_path: Path, step: int, log: logging.Logger) -> No
             dropped,
             metrics_path,
         )
+
+
+@dataclass
+class Saves:
+    """The session's checkpoints: every `save_every` steps (0 = none on the way), and once at the end of the loop
+    for a step not saved yet, unless a signal stopped it and `save_on_interrupt` is false. `saved_step` is the
+    step the newest checkpoint holds (-1: none yet; a resumed session passes the step it resumed from)."""
+
+    checkpoints: CheckpointManager
+    trainer: Checkpointable
+    save_every: int
+    save_on_interrupt: bool
+    saved_step: int = -1
+
+    def after_step(self, state: LearnerState) -> None:
+        """Checkpoint `state` when its step is a multiple of save_every (collective)."""
+        if self.save_every and state.step % self.save_every == 0:
+            self.checkpoints.save(self.trainer, state)
+            self.saved_step = state.step
+
+    def finish(self, state: LearnerState, stop: Interrupt, total_steps: int, log: logging.Logger) -> int | None:
+        """After the loop: checkpoint the last step (see the class docstring; collective); 128 + the signal when
+        `stop` ended the loop before `total_steps` (`interrupted_exit`), else None (the session goes on to end)."""
+        if state.step > 0 and self.saved_step != state.step and (not stop.signum or self.save_on_interrupt):
+            self.checkpoints.save(self.trainer, state)
+            self.saved_step = state.step
+        if stop.signum and state.step < total_steps:
+            return interrupted_exit(stop, state.step, self.saved_step, self.checkpoints, total_steps, log)
+        return None
 
 
 def interrupted_exit(
