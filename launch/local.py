@@ -16,8 +16,9 @@ Ends when:
   - Ctrl-C / SIGTERM to launcher  -> everything is stopped (the learner saves a checkpoint after its step in flight),
                                      the command that resumes the run is printed, exit 130.
 Stopping SIGTERMs the generators and the learner at once, then the buffer and the reward service (generators
-return their leases to a live buffer, and their last groups are scored); each gets its grace (`stop_grace_s`: a generator's drain timeout, the learner's stop timeout, plus
-STOP_MARGIN_S) before its process group is SIGKILLed. No child outlives the launcher.
+return their leases to a live buffer, and their last groups are scored); each gets its grace (`stop_grace_s`: a
+generator's drain timeout, the learner's stop timeout, plus STOP_MARGIN_S) before its process group is SIGKILLed.
+No child outlives the launcher.
 """
 
 from __future__ import annotations

@@ -162,5 +162,6 @@ def bind_problem(host: str, config: TandemConfig) -> str | None:
         return None
     return (
         f"on a Ray cluster the buffer, the weight publisher and the reward service bind their node's address "
-        f"({host}): set run.curve_keys_dir (CurveZMQ keys, present on every node) or run.insecure = true on a trusted network"
+        f"({host}): set run.curve_keys_dir (CurveZMQ keys, present on every node) or run.insecure = true on a "
+        "trusted network"
     )
