@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.padding import pad_right
 from common.tasks import PromptRecord, render_prompt
 
 log = logging.getLogger("tandem.actors.reward_model")
@@ -196,14 +197,9 @@ class RewardModelScorer:
             raise ValueError("a chat rendered to no tokens: nothing to score")
         if any(row[-1] == self.pad_id for row in rows):
             raise ValueError(f"a chat ends with the pad token (id {self.pad_id}): the model's pooling would skip it")
-        width = max(len(row) for row in rows)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # [B, L] right-padded
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)  # [B, L] 1 on real tokens
-        for b, row in enumerate(rows):
-            input_ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
-            attention_mask[b, : len(row)] = 1
+        input_ids, real = pad_right(rows, self.pad_id)  # [B, L] right-padded, [B, L] True on real tokens
         with torch.inference_mode():
-            inputs = {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device)}
+            inputs = {"input_ids": input_ids.to(self.device), "attention_mask": real.long().to(self.device)}
             logits = self.model(**inputs).logits  # [B, 1]
         return [float(v) for v in logits[:, 0].float()]
 

@@ -28,10 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch import Tensor
-
 from common.config import RmConfig, SftConfig
+from common.padding import pad_right
 from common.tasks import PromptRecord, read_rows, render_prompt
 
 __all__ = [
@@ -182,19 +180,6 @@ def tokenize_pair(
         replies.append(_encode(tokenizer, _appended(rendered, whole, f"the {name} reply")))
     truncated = any(len(reply) > room for reply in replies)
     return PairExample(prompt_ids, replies[0][:room], replies[1][:room], truncated)
-
-
-def pad_right(rows: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Rows of different lengths as one right-padded batch: ids [B, L] long (pad_id after each row's end) and a
-    mask [B, L] bool (True on the rows' own positions), L = the longest row (0 for no rows or only empty rows).
-    Rows may hold bools (a loss mask, padded with pad_id 0)."""
-    width = max((len(row) for row in rows), default=0)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [B, L]
-    mask = torch.zeros((len(rows), width), dtype=torch.bool)  # [B, L]
-    for b, row in enumerate(rows):
-        ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
-        mask[b, : len(row)] = True
-    return ids, mask
 
 
 # --------------------------------------------------------------------------------------------- rows
