@@ -44,7 +44,8 @@ def open_eval_engine(
     `model.max_model_len` with room for a prompt, and what vLLM raises for a model it cannot load."""
     if max_tokens >= model.max_model_len:
         raise ValueError(
-            f"max_tokens = {max_tokens} leaves no room for a prompt in model.max_model_len = {model.max_model_len}"
+            f"max_tokens = {max_tokens} leaves no room for a prompt in model.max_model_len = {model.max_model_len}: "
+            "lower max_tokens (tandem eval --max-tokens) or raise model.max_model_len"
         )
     from actors.engine import VllmEngine, configure_cpu_environment
 
