@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.chat_tokens import reply_ids
 from common.padding import pad_right
 from common.tasks import PromptRecord, render_prompt
 
@@ -146,21 +147,14 @@ class RewardModelScorer:
         """The ids of a chat whose last message is the reply scored, its last max_len tokens: the prompt (the
         messages before the reply) as `common.tasks.render_prompt` renders it for generation, then the text the
         template appends to it when the whole chat is rendered (the reply and its end of turn), tokenized on its
-        own, as the generator's samples follow the prompt's tokens and as `tandem rm` tokenizes a pair. Raises
+        own (`common.chat_tokens.reply_ids`, which `tandem rm` tokenizes a pair's replies with). Raises
         ValueError for a chat that does not end with an assistant turn, or a template that rewrites the prompt's
         text when the reply is added (not prefix-stable)."""
         if len(chat) < 2 or chat[-1].get("role") != "assistant":
             raise ValueError("a scored chat is a prompt and then the reply: its last message must be the assistant's")
         prompt = PromptRecord(0, list(chat[:-1]))
-        before = self.tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
-        whole = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=False)
-        if not whole.startswith(before):
-            raise ValueError(
-                f"the chat template of '{self.model_dir}' does not render prefix-stably: adding the reply rewrites "
-                "the prompt's text, so the reply's tokens cannot follow the prompt's"
-            )
-        reply = self.tokenizer.encode(whole[len(before) :], add_special_tokens=False)
-        return self._cut(render_prompt(self.tokenizer, prompt) + [int(i) for i in reply])
+        reply = reply_ids(self.tokenizer, prompt.messages, list(chat[-1:]), f"the reply (model '{self.model_dir}')")
+        return self._cut(render_prompt(self.tokenizer, prompt) + reply)
 
     def _cut(self, ids: list[int]) -> list[int]:
         if len(ids) > self.max_len:

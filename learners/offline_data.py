@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from common.chat_tokens import appended_text, encode_text, render_text, reply_ids
 from common.config import RmConfig, SftConfig
 from common.padding import pad_right
 from common.tasks import PromptRecord, read_rows, render_prompt
@@ -86,29 +87,6 @@ class PreferenceRow:
 # ------------------------------------------------------------------------------------------- tokens
 
 
-def _render(tokenizer: Any, messages: list[Message], generation_prompt: bool) -> str:
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"{type(tokenizer).__name__} has no chat template: cannot render chats")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-
-
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of a piece of rendered text, special tokens written in it parsed as such, none added."""
-    return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
-
-
-def _appended(before: str, after: str, what: str) -> str:
-    """The text `after` adds to `before`; ValueError when `after` does not start with `before`."""
-    if after.startswith(before):
-        return after[len(before) :]
-    at = next((i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), min(len(before), len(after)))
-    raise ValueError(
-        f"the chat template does not render prefix-stably: {what} rewrites the text rendered before it (from "
-        f"character {at}: {before[at : at + 40]!r} became {after[at : at + 40]!r}), so the assistant's tokens cannot "
-        "be found; use a template that renders earlier turns unchanged (ChatML, e.g. SmolLM2's)"
-    )
-
-
 def _reply_mask(tokenizer: Any, reply: list[int]) -> list[bool]:
     """True through the reply's last eos token (content + end of turn); the template's separator after it is not
     trained. A reply without the eos token (a template that ends turns otherwise) is trained whole."""
@@ -136,14 +114,14 @@ def tokenize_chat(tokenizer: Any, messages: list[dict], max_len: int) -> ChatExa
         raise ValueError("the chat starts with an assistant turn: it needs a prompt (a user message) before it")
     ids = render_prompt(tokenizer, PromptRecord(0, chat[: turns[0]]))
     first_reply, mask = len(ids), [False] * len(ids)
-    rendered = _render(tokenizer, chat[: turns[0]], generation_prompt=True)
+    rendered = render_text(tokenizer, chat[: turns[0]], generation_prompt=True)
     for turn in turns:
         if turn != turns[0]:
-            prompt = _render(tokenizer, chat[:turn], generation_prompt=True)
-            between = _encode(tokenizer, _appended(rendered, prompt, f"rendering messages up to {turn}"))
+            prompt = render_text(tokenizer, chat[:turn], generation_prompt=True)
+            between = encode_text(tokenizer, appended_text(rendered, prompt, f"rendering messages up to {turn}"))
             ids, mask, rendered = ids + between, mask + [False] * len(between), prompt
-        replied = _render(tokenizer, chat[: turn + 1], generation_prompt=False)
-        reply = _encode(tokenizer, _appended(rendered, replied, f"assistant message {turn}"))
+        replied = render_text(tokenizer, chat[: turn + 1], generation_prompt=False)
+        reply = encode_text(tokenizer, appended_text(rendered, replied, f"assistant message {turn}"))
         ids, mask, rendered = ids + reply, mask + _reply_mask(tokenizer, reply), replied
     truncated = len(ids) > max_len
     ids, mask = ids[:max_len], mask[:max_len]
@@ -172,12 +150,10 @@ def tokenize_pair(
             f"the prompt is {len(prompt_ids)} tokens, max_len {max_len} leaves no room for the replies: raise "
             "max_len or shorten the prompt"
         )
-    rendered = _render(tokenizer, prompt, generation_prompt=True)
-    replies = []
-    for name, reply in (("chosen", chosen), ("rejected", rejected)):
-        reply = _checked_reply(reply, f"the {name} reply")
-        whole = _render(tokenizer, prompt + reply, generation_prompt=False)
-        replies.append(_encode(tokenizer, _appended(rendered, whole, f"the {name} reply")))
+    replies = [
+        reply_ids(tokenizer, prompt, _checked_reply(reply, f"the {name} reply"), f"the {name} reply")
+        for name, reply in (("chosen", chosen), ("rejected", rejected))
+    ]
     truncated = any(len(reply) > room for reply in replies)
     return PairExample(prompt_ids, replies[0][:room], replies[1][:room], truncated)
 

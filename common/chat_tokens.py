@@ -1,0 +1,52 @@
+"""A reply's tokens after its prompt, through the chat template: what the offline stages train on
+(`learners.offline_data`) and what the reward model scores (`actors.reward_model`) must be the same tokens, so both
+take them from here.
+
+    prompt_ids = render_prompt(tokenizer, PromptRecord(0, prompt))      # common.tasks: what the generator samples from
+    reply = reply_ids(tokenizer, prompt, [{"role": "assistant", "content": text}])
+    prompt_ids + reply                                                 # the chat as the template renders it whole
+
+The reply's ids are the text the template appends to the prompt's rendering (with the generation prompt) when the
+whole chat is rendered (without it), tokenized on its own, as a generator's samples follow the prompt's tokens
+(tokenizing the whole text at once can merge tokens across the boundary). That needs a template that renders
+prefix-stably (adding messages leaves the earlier text unchanged); one that does not is a ValueError saying where.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Message = dict[str, str]
+
+
+def render_text(tokenizer: Any, messages: list[Message], generation_prompt: bool) -> str:
+    """`messages` through the tokenizer's chat template, as text; ValueError when it has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{type(tokenizer).__name__} has no chat template: cannot render chats")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a piece of rendered text, special tokens written in it parsed as such, none added."""
+    return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+
+
+def appended_text(before: str, after: str, what: str) -> str:
+    """The text `after` adds to `before`; ValueError (naming `what` and where the texts part) when `after` does not
+    start with `before`."""
+    if after.startswith(before):
+        return after[len(before) :]
+    at = next((i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), min(len(before), len(after)))
+    raise ValueError(
+        f"the chat template does not render prefix-stably: {what} rewrites the text rendered before it (from "
+        f"character {at}: {before[at : at + 40]!r} became {after[at : at + 40]!r}), so the assistant's tokens cannot "
+        "be found; use a template that renders earlier turns unchanged (ChatML, e.g. SmolLM2's)"
+    )
+
+
+def reply_ids(tokenizer: Any, prompt: list[Message], reply: list[Message], what: str = "the reply") -> list[int]:
+    """The ids the template appends to `prompt` for `reply` (module docstring): its content, end of turn and
+    whatever the template writes after it. ValueError for a template that is missing or not prefix-stable."""
+    before = render_text(tokenizer, prompt, generation_prompt=True)
+    whole = render_text(tokenizer, prompt + reply, generation_prompt=False)
+    return encode_text(tokenizer, appended_text(before, whole, what))
