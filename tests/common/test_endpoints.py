@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from common.config import OPENAI_ENDPOINT, ConfigError, TandemConfig, load_config, write_resolved
+from common.config import MAX_PORT_OFFSET, OPENAI_ENDPOINT, ConfigError, TandemConfig, load_config, write_resolved
 from common.sockets import Client, Server, SocketSecurity
 from common.types import Ok, VersionReport
 from launch.cli import main as tandem
@@ -152,6 +152,8 @@ def test_a_written_address_that_reaches_nothing_is_one_line_naming_the_key(
 
 
 def test_port_base_is_bounded_so_every_derived_port_exists() -> None:
+    highest = 65535 - MAX_PORT_OFFSET  # reward.port = base + 4, the largest offset
     with pytest.raises(ConfigError, match="run.port_base"):
-        load_config(None, {"run.port_base": 65535})
-    assert load_config(None, {"run.port_base": 65532}).weights.broadcast_port == 65534
+        load_config(None, {"run.port_base": highest + 1})
+    config = load_config(None, {"run.port_base": highest})
+    assert config.reward.port == 65535 and config.weights.broadcast_port == highest + 2
