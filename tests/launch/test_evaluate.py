@@ -77,6 +77,20 @@ def test_models_that_cannot_be_evaluated_are_refused_saying_what_to_pass(tmp_pat
 # --------------------------------------------------------------------------------------- arguments
 
 
+def test_each_model_runs_in_its_saved_dtype_unless_a_config_says(tmp_path: Path) -> None:
+    """A float32 fine-tune cast to bfloat16 loses its updates (launch.evaluate._model_settings): without --config
+    every model keeps the dtype its config.json records; --config's model.dtype wins for all."""
+    fp32 = _hf_dir(tmp_path / "fp32", {**HF_CONFIG, "dtype": "float32"})
+    bf16 = _hf_dir(tmp_path / "bf16", {**HF_CONFIG, "torch_dtype": "bfloat16"})
+    unknown = _hf_dir(tmp_path / "fp16", {**HF_CONFIG, "dtype": "float16"})  # not a Tandem dtype: the default
+    own = plan([str(fp32), str(bf16), str(unknown), "--sets", "arithmetic"])
+    assert [evaluate._model_settings(own, d).dtype for d in own.models.values()] == ["float32", "bfloat16", "bfloat16"]
+    config = tmp_path / "run.toml"
+    config.write_text('[model]\ndtype = "bfloat16"\n')
+    given = plan([str(fp32), "--sets", "arithmetic", "--config", str(config)])
+    assert evaluate._model_settings(given, given.models[str(fp32)]).dtype == "bfloat16"
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
