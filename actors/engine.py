@@ -396,4 +396,7 @@ def _finished_sample(request_id: str, completion: Any, start_version: int) -> Fi
     versions = np.full(len(tokens), start_version, dtype=np.int32)
     for span in completion.weight_versions or []:
         versions[span.start : span.end] = int(span.version)
-    return FinishedSample(request_id, tokens, logprobs, versions, str(completion.finish_reason), start_version)
+    # The sample's version is that of its first token (the oldest: versions only rise). Weights that land after the
+    # request was added but before its first step made every token, so the version at `add` would be too old.
+    first = int(versions[0]) if len(versions) else start_version
+    return FinishedSample(request_id, tokens, logprobs, versions, str(completion.finish_reason), first)

@@ -42,7 +42,7 @@ class FinishedSample:
     behaviour_logprobs: np.ndarray  # float32 [T]
     token_versions: np.ndarray  # int32 [T]
     finish_reason: str  # "stop" (end of sequence) or "length" (max_tokens)
-    start_version: int  # policy_version of the weights when the request was added
+    start_version: int  # policy_version of the weights that made its first token (at `add`, for an empty one)
 
 
 class Engine(Protocol):
