@@ -878,6 +878,75 @@ class DpoConfig(RmConfig):
         return self
 
 
+MAX_EVAL_SAMPLES = 64  # completions per prompt in one eval lease at eval.temperature (common.types.EvalGrant)
+MAX_EVAL_PROMPTS = 1000  # prompts per eval set: one set is one eval lease, answered by one EvalResult message
+
+
+def _check_eval_set(name: str) -> str:
+    from common.eval_sets import check_set_name  # no torch, no tokenizer: checks a name and a path
+
+    check_set_name(name)
+    return name
+
+
+class EvalConfig(_Section):
+    """Evaluation during training (`tandem run`): held-out and transfer sets sampled by the generators with the
+    current policy every `every` versions, outside training (eval leases are not admitted, not staleness-bounded
+    and never buffered; see buffers.evaluation). The learner never waits for it. Rows `eval/<set>/<metric>` go to
+    `<run_dir>/eval.jsonl` and TensorBoard (`tb/eval`), keyed by the policy version that produced them. Off while
+    `sets` is empty."""
+
+    sets: list[Annotated[str, AfterValidator(_check_eval_set)]] = Field(
+        [],
+        description="Eval sets (common.eval_sets): `arithmetic` (held-out level 1), `arithmetic-d2` (held-out level "
+        "2), `arithmetic-reworded` (level 1, another instruction) or `file:PATH` (a .jsonl/.parquet/datasets folder "
+        "of prompts, scored by eval.reward_fn). Empty = no evaluation.",
+    )
+    every: int = Field(
+        10, description="Evaluate every N policy versions (versions 0, N, 2N, ... as the learner reaches them).", ge=1
+    )
+    at_end: bool = Field(
+        True,
+        description="Also evaluate the final version: the buffer tells the generators the run is over only after "
+        "it, and the learner keeps its weights published for it (at most eval.final_timeout_s).",
+    )
+    final_timeout_s: float = Field(
+        600.0, description="How long the end of a run waits for its final evaluation.", gt=0, le=MAX_TIMEOUT_S
+    )
+    greedy: bool = Field(True, description="One greedy completion per prompt (rows `eval/<set>/greedy/<metric>`).")
+    samples: int = Field(
+        4,
+        description="Completions per prompt at eval.temperature (rows `eval/<set>/<metric>`: pass@1, and pass@k "
+        "with k = samples, by the unbiased estimator); 0 = greedy only.",
+        ge=0,
+        le=MAX_EVAL_SAMPLES,
+    )
+    temperature: float = Field(1.0, description="Sampling temperature of the eval samples.", gt=0, le=10)
+    max_tokens: int = Field(
+        0, description="Token limit of an eval completion; 0 = generator.max_tokens.", ge=0, le=131072
+    )
+    max_prompts: int = Field(
+        50, description="Prompts per set, at most (the first ones of the set).", ge=1, le=MAX_EVAL_PROMPTS
+    )
+    reward_fn: str = Field(
+        "",
+        description="Reward function of the eval sets (`module:function`, as env.reward_fn); empty = env.reward_fn.",
+        pattern=r"^$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.sets)
+
+    @model_validator(mode="after")
+    def _something_to_sample(self) -> EvalConfig:
+        if self.sets and not self.greedy and not self.samples:
+            raise ValueError("samples: 0 with greedy = false samples nothing: set eval.samples >= 1 or greedy = true")
+        if len(set(self.sets)) != len(self.sets):
+            raise ValueError(f"sets: {self.sets} names a set twice")
+        return self
+
+
 class RayConfig(_Section):
     """`tandem ray`: where the fleets run on a Ray cluster and what each role instance reserves there."""
 
@@ -945,6 +1014,12 @@ class TandemConfig(_Section):
     sft: SftConfig = SftConfig()
     rm: RmConfig = RmConfig()
     dpo: DpoConfig = DpoConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @property
+    def eval_max_tokens(self) -> int:
+        """The token limit of an eval completion: eval.max_tokens, else generator.max_tokens."""
+        return self.eval.max_tokens or self.generator.max_tokens
 
     @property
     def reward_service(self) -> bool:
@@ -1051,6 +1126,18 @@ class TandemConfig(_Section):
                 f"generator.max_tokens: must be < model.max_model_len = {self.model.max_model_len} "
                 f"(got {self.generator.max_tokens}); the prompt needs room in the context too"
             )
+        if self.eval.enabled:
+            if self.env.environment:
+                problems.append(
+                    "eval.sets: evaluation is single-turn; with env.environment set, leave eval.sets empty"
+                )
+            if not (self.eval.reward_fn or self.env.reward_fn):
+                problems.append("eval.reward_fn: empty, and so is env.reward_fn: the eval sets need a reward function")
+            if self.eval.max_tokens >= self.model.max_model_len:
+                problems.append(
+                    f"eval.max_tokens: must be < model.max_model_len = {self.model.max_model_len} "
+                    f"(got {self.eval.max_tokens})"
+                )
         if self.ray.max_learner_restarts and not self.learner.save_every:
             problems.append(
                 "ray.max_learner_restarts: needs learner.save_every > 0 (a restarted learner resumes "
