@@ -20,6 +20,7 @@ No torch and no tokenizer here: a config can name sets, and a launcher check the
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,17 @@ def check_set_name(name: str) -> None:
             raise ValueError(f"evaluation set {name!r}: {str(path)!r} does not exist")
         return
     raise ValueError(f"unknown evaluation set {name!r}; the sets: {', '.join(SETS)}")
+
+
+def set_label(name: str) -> str:
+    """The name a set's metrics go under (`eval/<label>/<metric>`): a built-in set's own name; for `file:PATH`, the
+    file's stem (`file:data/test.jsonl` -> `test`, a `datasets` folder's name), with anything but letters, digits,
+    '_', '-' and '.' replaced by '_', so that a key holds no '/' or ':' (TensorBoard groups series by '/')."""
+    if not name.startswith(FILE_PREFIX):
+        return name
+    path = Path(name[len(FILE_PREFIX) :].rstrip("/"))
+    stem = path.stem if path.suffix else path.name
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", stem) or "file"
 
 
 def eval_set(
