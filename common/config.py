@@ -942,8 +942,13 @@ class EvalConfig(_Section):
     def _something_to_sample(self) -> EvalConfig:
         if self.sets and not self.greedy and not self.samples:
             raise ValueError("samples: 0 with greedy = false samples nothing: set eval.samples >= 1 or greedy = true")
-        if len(set(self.sets)) != len(self.sets):
-            raise ValueError(f"sets: {self.sets} names a set twice")
+        from common.eval_sets import set_label
+
+        labels = [set_label(name) for name in self.sets]
+        if len(set(labels)) != len(labels):
+            raise ValueError(
+                f"sets: {self.sets} gives two sets one metrics name ({labels}: eval/<name>/...); rename a file"
+            )
         return self
 
 
