@@ -3,10 +3,11 @@
     from common.eval_metrics import Completion, score_completion, set_metrics
     scored = [[score_completion(c, record.metadata, reward_fn) for c in completions] for ...]   # per prompt
     metrics = set_metrics(scored)     # {"strict_accuracy": ..., "pass@1": ..., "pass@k": ..., "k": 4, ...}
+    row = result_metrics(eval_result, greedy=True, samples=4)   # {"greedy/strict_accuracy": ..., "pass@k": ...}
 
 Pure functions, no engine and no torch: `tandem eval` (launch/evaluate.py) computes its table with them, and
-evaluation during training (issue 16) can aggregate eval results with the same code, so both report the same
-metrics under the same keys (`eval/<set>/<key>` there).
+evaluation during training (issue 16: `result_metrics` of an EvalResult, in buffers.evaluation) aggregates with
+the same code, so both report the same metrics under the same keys (`eval/<set>/<key>` there).
 
 What counts as right (arithmetic, or any set whose prompts carry `metadata["answer"]`):
   strict   the answer after the last `####` marker is the expected one (what the prompt asks the model to write)
@@ -187,4 +188,50 @@ def set_metrics(groups: Sequence[Sequence[ScoredCompletion]], k: int | None = No
         metrics["rm_score"] = _mean([s.rm_score for s in flat])  # type: ignore[misc]
     metrics["prompts"] = len(groups)
     metrics["samples"] = len(flat)
+    return metrics
+
+
+def _verdict(value: int) -> bool | None:
+    """An EvalResult verdict (`common.types.VERDICTS`: -1 not defined, 0 wrong, 1 right) as score_completion's."""
+    return None if value < 0 else bool(value)
+
+
+def result_metrics(result: Any, greedy: bool, samples: int) -> dict[str, Any]:
+    """The metrics of one `common.types.EvalResult` (evaluation during training): the same `set_metrics` as
+    `tandem eval`, over completions rebuilt from the result's columns. Completion p * m + j belongs to prompt p
+    (m = greedy + samples, the greedy one first), as the result's docstring lays them out.
+
+    Keys: `greedy/<metric>` for the greedy completions (k = 1) when `greedy`, and `<metric>` for the `samples`
+    completions at temperature (pass@k with k = samples) when samples >= 1 (see `set_metrics` for each metric).
+    The texts are not sent, so a rebuilt completion has none: every metric is computed from the verdicts, the
+    rewards, the token counts and the truncation flags. Raises ValueError when the result does not hold
+    len(prompt_ids) x m completions, or when both modes are off."""
+    m = int(greedy) + samples
+    prompts = len(result.prompt_ids)
+    total = len(result.rewards)
+    if m < 1 or samples < 0:
+        raise ValueError(f"result_metrics: greedy {greedy} and samples {samples} sample nothing")
+    if total != prompts * m:
+        raise ValueError(f"result_metrics: {total} completions, expected {prompts} prompts x {m} = {prompts * m}")
+    components = {name: values.tolist() for name, values in result.reward_components.items()}
+    rewards, tokens = result.rewards.tolist(), result.num_tokens.tolist()
+    truncated, strict = result.truncated.tolist(), result.strict.tolist()
+    lenient, passed = result.lenient.tolist(), result.passed.tolist()
+    scored = [
+        ScoredCompletion(
+            Completion("", int(tokens[i]), TRUNCATED if truncated[i] else "stop"),
+            float(rewards[i]),
+            {name: float(values[i]) for name, values in components.items()},
+            _verdict(strict[i]),
+            _verdict(lenient[i]),
+            _verdict(passed[i]),
+        )
+        for i in range(total)
+    ]
+    groups = [scored[p * m : (p + 1) * m] for p in range(prompts)]
+    metrics: dict[str, Any] = {}
+    if greedy:
+        metrics.update({f"greedy/{key}": value for key, value in set_metrics([g[:1] for g in groups]).items()})
+    if samples:
+        metrics.update(set_metrics([g[int(greedy) :] for g in groups]))
     return metrics
