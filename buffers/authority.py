@@ -34,6 +34,7 @@ from collections.abc import Mapping
 
 from common.types import (
     BatchRequest,
+    EvalResult,
     Heartbeat,
     LeaseRequest,
     LeaseReturn,
@@ -49,6 +50,7 @@ PERMITTED: dict[type, frozenset[str]] = {
     RolloutGroup: frozenset({"generator"}),
     Heartbeat: frozenset({"generator"}),
     LeaseReturn: frozenset({"generator"}),
+    EvalResult: frozenset({"generator"}),  # an eval lease's result (buffers.evaluation)
     BatchRequest: frozenset({"learner"}),
     VersionReport: frozenset({"learner"}),
     StatsRequest: ANY_ROLE | {""},  # counters only: also a client without a role (loopback only)

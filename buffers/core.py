@@ -8,6 +8,13 @@
 Once the learner's final report came (VersionReport.final), lease requests and heartbeats are answered
 `RunOver`, and `run_over(now)` says when every live generator has heard it (`buffers.run_end`).
 
+Evaluation (`state.evaluation`, when eval.sets is set: `buffers.evaluation`): a lease request is answered with an
+`EvalGrant` ahead of admission control whenever the scheduler has a round for that generator; an `EvalResult` is
+answered `EvalAck`. Eval leases never count in `_admitted`, are not staleness-checked and never reach the replay
+buffer or the ledger. With eval.at_end, `RunOver` waits for the final round (every set done, or
+eval.final_timeout_s after the final report): meanwhile lease requests get eval grants, or a refusal ('stale'
+with the final version for a generator on older weights, else 'full'), never training prompts.
+
 Failure modes: a well-formed message the buffer cannot accept (unknown lease, rank >= world_size, a version
 from the future, a role that may not send it, a state change out of order: see `buffers.authority`) raises
 `RequestRejected(kind, reason)` before anything is committed; the caller answers it with an ErrorReply and
@@ -40,6 +47,7 @@ from common.types import (
     BatchNotReady,
     BatchRequest,
     BufferStats,
+    EvalResult,
     GroupAck,
     Heartbeat,
     LeaseGrant,
@@ -104,6 +112,7 @@ class BufferCore:
             BatchRequest: self._batch_request,
             VersionReport: self._version_report,
             StatsRequest: self._stats,
+            EvalResult: self._eval_result,
         }
 
     def handle(self, message: Any, reply_to: Any, sender: str, now: float, role: str | None = None) -> list[Reply]:
@@ -124,8 +133,19 @@ class BufferCore:
         self._check(lease_request_problem(request, self.state.newest_version))
         dispenser = self.state.dispenser
         dispenser.seen(request.generator_id, now)
-        if self.end.over:
+        if self.end.over and not self._final_eval_waiting(now):
             return [(reply_to, self.end.tell(request.generator_id))]
+        evaluation = self.state.evaluation
+        if evaluation is not None:
+            grant = evaluation.grant(request.generator_id, request.policy_version, now)
+            if grant is not None:
+                self.state.record_eval(now)
+                return [(reply_to, grant)]
+            if self.end.over:  # the final round is still waited for: no more training prompts
+                stale = evaluation.stale_for_final(request.policy_version)
+                if stale is not None:
+                    return [(reply_to, LeaseRefused("stale", stale, RETRY_STALE_S))]
+                return [(reply_to, LeaseRefused("full", request.policy_version, RETRY_FULL_S))]
         if dispenser.finished:
             return [(reply_to, LeaseRefused("exhausted", 0, RETRY_EXHAUSTED_S))]
         admission = admit(
@@ -189,7 +209,7 @@ class BufferCore:
         owners = {i: leases[i].generator_id for i in heartbeat.lease_ids if i in leases}
         self._check(heartbeat_lease_problem(heartbeat, owners))
         self.state.dispenser.seen(heartbeat.generator_id, now)
-        if self.end.over:
+        if self.end.over and not self._final_eval_waiting(now):
             return [(reply_to, self.end.tell(heartbeat.generator_id))]
         return [(reply_to, Ok(self.state.learner_version))]
 
@@ -206,6 +226,27 @@ class BufferCore:
             self.state.requeue(returned.lease_id, back, now)
             log.info("generator %d returned %d prompts of lease %d", returned.generator_id, len(back), lease.lease_id)
         return [(reply_to, Ok(self.state.learner_version))]
+
+    def _eval_result(self, result: EvalResult, reply_to: Any, sender: str, now: float) -> list[Reply]:
+        """Checked against its eval lease (`buffers.evaluation`): accepted (a row for eval.jsonl), duplicate, or
+        rejected with the reason (counted `rejected_eval_<kind>`; the set is due again)."""
+        evaluation = self.state.evaluation
+        if evaluation is None:
+            raise RequestRejected(
+                "eval_off", "this buffer runs no evaluation (eval.sets is empty): send no eval_result"
+            )
+        lease = evaluation.leases.get(result.lease_id)
+        if lease is not None and lease.generator_id == result.generator_id:
+            self.state.dispenser.seen(result.generator_id, now)
+        ack = evaluation.receive(result, now, self.state.learner_version, self.state.newest_version)
+        self.state.record_eval(now)
+        if ack.status == "rejected":
+            log.warning("rejected eval result of lease %d from %s: %s", result.lease_id, sender, ack.reason)
+        return [(reply_to, ack)]
+
+    def _final_eval_waiting(self, now: float) -> bool:
+        """The run's end waits for the final evaluation round (`buffers.evaluation.EvalScheduler.final_waiting`)."""
+        return self.state.evaluation is not None and self.state.evaluation.final_waiting(now)
 
     # ------------------------------------------------------------------------------------------ learners
     def _batch_request(self, request: BatchRequest, reply_to: Any, sender: str, now: float) -> list[Reply]:
@@ -288,10 +329,15 @@ class BufferCore:
                 "resumed from an older checkpoint" if report.step < state.learner_version else "continuing",
             )
         state.report_version(report.step, report.policy_version, report.resync)
+        evaluation = state.evaluation
+        if evaluation is not None and evaluation.report_version(report.policy_version, report.final, now):
+            state.record_eval(now)
         if report.final:
             self.end.close(report.step)
         elif report.resync:
             self.end.reopen()
+            if evaluation is not None and evaluation.reopen():
+                state.record_eval(now)
         return [(reply_to, Ok(self.state.learner_version))]
 
     def _stats(self, request: StatsRequest, reply_to: Any, sender: str, now: float) -> list[Reply]:
@@ -299,8 +345,11 @@ class BufferCore:
 
     # ------------------------------------------------------------------------------------------ housekeeping
     def tick(self, now: float) -> list[Reply]:
-        """Expire overdue leases (re-issuing their prompts), answer timed-out batch requests, compact the journal."""
+        """Expire overdue leases (re-issuing their prompts) and eval leases (their set is due again), give up on a
+        final evaluation past eval.final_timeout_s, answer timed-out batch requests, compact the journal."""
         dispenser = self.state.dispenser
+        if self.state.evaluation is not None:  # before `forget`, which drops dead generators that hold no lease
+            self._tick_eval(now, dispenser.dead_generators(now))
         due = dispenser.due(now)
         if due:
             dead = set(dispenser.dead_generators(now))
@@ -320,9 +369,18 @@ class BufferCore:
             self.state.compact(now)
         return replies
 
+    def _tick_eval(self, now: float, dead: list[int]) -> None:
+        evaluation = self.state.evaluation
+        expired = evaluation.expire(now, dead)
+        gave_up = evaluation.check_final_timeout(now)
+        forgot = evaluation.forget(now)
+        if expired or gave_up or forgot:
+            self.state.record_eval(now)
+
     def run_over(self, now: float) -> bool:
-        """The learner reported its last step and every live generator has been told (`buffers.run_end`)."""
-        return self.end.everyone_told(self.state.dispenser, now)
+        """The learner reported its last step, the final evaluation (if any) is done or timed out, and every live
+        generator has been told (`buffers.run_end`)."""
+        return not self._final_eval_waiting(now) and self.end.everyone_told(self.state.dispenser, now)
 
     def counters(self) -> dict[str, int]:
         """The ledger (samples and groups), event counts, and rejections by kind (wire-level and semantic)."""
@@ -330,6 +388,8 @@ class BufferCore:
         counts = state.ledger.snapshot(state.replay.samples, len(state.replay), state.dispenser.outstanding)
         for kind, count in self.wire_rejections.items():
             counts[f"rejected_{kind}"] = counts.get(f"rejected_{kind}", 0) + int(count)
+        if state.evaluation is not None:
+            counts.update(state.evaluation.counters())
         return counts
 
     def metrics(self) -> dict[str, float]:

@@ -12,6 +12,12 @@ requests and heartbeats are answered `RunOver`, and the buffer exits 0 when ever
 holds no lease (at most `buffer.heartbeat_timeout_s` later; `buffers.run_end`). The journal, metrics and log are
 flushed and closed. Imports no torch:
 prompts travel as chats, generators render them.
+
+With eval.sets set, the buffer also loads the eval sets at start (an unknown set or an unreadable file stops it
+there) and runs the evaluation rounds (`buffers.evaluation`): each accepted eval result is one record of
+`<run_dir>/eval.jsonl` and TensorBoard `tb/eval`, at step = the result's policy_version, on the clock of
+buffer.jsonl. A row is written right after its result is accepted, not journaled: a crash in between loses that
+row (its round still counts as done).
 """
 
 from __future__ import annotations
@@ -23,13 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from buffers.core import BufferCore, RequestRejected
+from buffers.evaluation import EvalScheduler
 from buffers.journal import Journal
 from buffers.state import BufferSettings, BufferState
 from common.config import ConfigError, EnvConfig, TandemConfig
 from common.logs import setup_logging
 from common.metrics import MetricsSink
 from common.sockets import Server, SocketSecurity
-from common.types import max_group_bytes
+from common.types import MAX_NAME_CHARS, MAX_REWARD_COMPONENTS, max_group_bytes
 
 POLL_MS = 20
 HOUSEKEEPING_EVERY_S = 0.1
@@ -50,6 +57,17 @@ def journal_path(run_dir: Path) -> Path:
     return Path(run_dir) / "buffer" / "journal.bin"
 
 
+def max_eval_result_bytes(config: TandemConfig) -> int:
+    """The most an EvalResult of this run's evaluation can hold: eval.max_prompts x (greedy + samples) completions
+    of 12 bytes (reward, tokens, the flags and verdicts) and every reward component at its widest, the prompt ids
+    and the components' names (0 without evaluation)."""
+    if not config.eval.enabled:
+        return 0
+    completions = config.eval.max_prompts * (int(config.eval.greedy) + config.eval.samples)
+    per_completion = 12 + 4 * MAX_REWARD_COMPONENTS
+    return completions * per_completion + 9 * config.eval.max_prompts + 4 * MAX_NAME_CHARS * MAX_REWARD_COMPONENTS
+
+
 def socket_security(config: TandemConfig) -> SocketSecurity:
     """The run's socket security, with a message limit of twice the largest group the buffer accepts plus 1 MiB
     (`common.types.max_group_bytes`; within run.max_message_mb): nothing the buffer takes is larger, so a peer
@@ -68,7 +86,7 @@ def socket_security(config: TandemConfig) -> SocketSecurity:
             f"of the largest groups the buffer accepts ({share / (1 << 20):.1f} MiB: groups_per_step / world_size x "
             "algo.group_size x model.max_model_len tokens); raise it, or lower those"
         )
-    group_limit = 2 * largest + (1 << 20)
+    group_limit = max(2 * largest, max_eval_result_bytes(config)) + (1 << 20)
     return dataclasses.replace(security, max_message_bytes=min(security.max_message_bytes, group_limit))
 
 
@@ -80,7 +98,12 @@ def run(config: TandemConfig) -> int:
     stop = _stop_on_signals()
     prompts = load_prompt_records(config.env, config.run.seed)
     journal = Journal(journal_path(run_dir)) if config.buffer.persist else None
-    state = BufferState(BufferSettings.from_config(config), prompts, journal)
+    evaluation = None
+    if config.eval.enabled:
+        retain_s = max(config.buffer.lease_timeout_s, config.buffer.heartbeat_timeout_s)
+        evaluation = EvalScheduler.load(config.eval, config.eval_max_tokens, config.buffer.lease_timeout_s, retain_s)
+        log.info("evaluation: %s every %d versions", ", ".join(config.eval.sets), config.eval.every)
+    state = BufferState(BufferSettings.from_config(config), prompts, journal, evaluation)
     restored = state.restore(time.time())
     if restored:
         log.info(
@@ -94,6 +117,9 @@ def run(config: TandemConfig) -> int:
     server = Server(config.buffer.host, config.buffer.port, socket_security(config), name="buffer")
     core = BufferCore(state, wire_rejections=server.rejected)
     sink = MetricsSink(run_dir, "buffer", simulation=config.run.simulate)
+    eval_sink = None
+    if evaluation is not None:  # one clock with buffer.jsonl
+        eval_sink = MetricsSink(run_dir, "eval", start_time=sink.start_time, simulation=config.run.simulate)
     log.info(
         "buffer on %s:%d: %d prompts, capacity %d samples, η = %d, B = %d, messages up to %.2f MB",
         config.buffer.host,
@@ -110,6 +136,7 @@ def run(config: TandemConfig) -> int:
             request = server.poll(timeout_ms=POLL_MS)
             if request is not None:
                 _answer(server, core, request)
+                _write_eval_rows(evaluation, eval_sink)
             if time.monotonic() >= next_housekeeping:
                 for reply_to, message in core.tick(time.time()):
                     server.reply(reply_to, message)
@@ -124,6 +151,9 @@ def run(config: TandemConfig) -> int:
         sink.log(state.learner_version, core.metrics())
         state.save_counters()
         sink.close()
+        if eval_sink is not None:
+            _write_eval_rows(evaluation, eval_sink)
+            eval_sink.close()
         server.close()
         if journal is not None:
             journal.close()
@@ -141,6 +171,14 @@ def _answer(server: Server, core: BufferCore, request: Any) -> None:
         return
     for reply_to, message in replies:
         server.reply(reply_to, message)
+
+
+def _write_eval_rows(evaluation: EvalScheduler | None, eval_sink: MetricsSink | None) -> None:
+    """The rows of the eval results accepted since the last call, each at step = its policy_version."""
+    if evaluation is None or eval_sink is None:
+        return
+    for version, row in evaluation.take_rows():
+        eval_sink.log(version, row)
 
 
 def _stop_on_signals() -> list[str]:

@@ -8,7 +8,8 @@
 
 Live operations and journal replay go through the same `_apply_*` methods, so a restarted buffer holds
 exactly what the killed one had committed: its groups, their use counts, the leases, the cursor, the
-drawn-but-undelivered batches and the ledger. Decisions (which groups to evict, drop or draw; which prompts
+drawn-but-undelivered batches, the ledger, and the evaluation's rounds and eval leases (an `eval` record holds the
+whole `buffers.evaluation.EvalScheduler` snapshot, written after each change to it: `record_eval`). Decisions (which groups to evict, drop or draw; which prompts
 to lease; which leases expire) are made once, live, and recorded; replay applies the recorded outcome.
 Counters that are not flows of groups (duplicates, rejections) are restored from the last `counters` event
 (written every few seconds), so after a crash they may lag by those seconds; the ledger identity still holds.
@@ -24,6 +25,7 @@ from typing import Any
 from buffers.accounting import Ledger
 from buffers.batches import BatchBook, DrawnBatch
 from buffers.checks import GroupLimits
+from buffers.evaluation import EvalScheduler
 from buffers.journal import Journal
 from buffers.leases import Lease, PromptDispenser, PromptRecordLike
 from buffers.replay import ReplayBuffer
@@ -87,9 +89,17 @@ class BufferSettings:
 class BufferState:
     """Dispenser + replay buffer + batch book + ledger + the learner's version, changed only by events."""
 
-    def __init__(self, settings: BufferSettings, prompts: Sequence[PromptRecordLike], journal: Journal | None) -> None:
+    def __init__(
+        self,
+        settings: BufferSettings,
+        prompts: Sequence[PromptRecordLike],
+        journal: Journal | None,
+        evaluation: EvalScheduler | None = None,
+    ) -> None:
+        """`evaluation`: the eval rounds and leases (None: eval.sets is empty, and nothing here evaluates)."""
         self.settings = settings
         self.journal = journal
+        self.evaluation = evaluation
         self.dispenser = PromptDispenser(
             prompts, settings.seed, settings.epochs, settings.lease_timeout_s, settings.heartbeat_timeout_s
         )
@@ -122,6 +132,7 @@ class BufferState:
             "counters": self._apply_counters,
             "leases": self._apply_leases,
             "pending_draw": self._apply_pending_draw,
+            "eval": self._apply_eval,
         }
 
     # ------------------------------------------------------------------------------------------ events
@@ -155,6 +166,10 @@ class BufferState:
             guard.replay(record)
         self._held.clear()
         self.dispenser.refresh_generators(now)
+        if self.evaluation is not None:  # an eval lease's holder gets a fresh heartbeat window too
+            for lease in self.evaluation.leases.values():
+                if lease.state == "active":
+                    self.dispenser.seen(lease.generator_id, now)
         self.dispenser.forget(now)
         if guard.skipped:
             log.error(
@@ -213,6 +228,11 @@ class BufferState:
         meta = {"step": step, "policy_version": policy_version}
         self.commit("version", {**meta, "resync": True} if resync else meta)
 
+    def record_eval(self, now: float) -> None:
+        """Journal the evaluation's state after a live change to it (its snapshot: replay restores it)."""
+        if self.journal is not None and self.evaluation is not None:
+            self.journal.append("eval", {"snapshot": self.evaluation.snapshot(), "t": now})
+
     def save_counters(self) -> None:
         """Record the ledger if it changed (so counters that are not group flows survive a restart)."""
         counts = dict(self.ledger.counts)
@@ -228,7 +248,7 @@ class BufferState:
     def live_records(self, now: float) -> Iterator[tuple[str, dict[str, Any], list]]:
         """The events that rebuild the current state from nothing: version, leases, the groups still buffered
         or held by a drawn batch (undelivered, or the last completed one, kept for a retry), those batches,
-        and the ledger last (it overwrites every counter)."""
+        the evaluation's state, and the ledger last (it overwrites every counter)."""
         yield (
             "version",
             {
@@ -262,6 +282,8 @@ class BufferState:
                 },
                 [],
             )
+        if self.evaluation is not None:
+            yield "eval", {"snapshot": self.evaluation.snapshot(), "t": now}, []
         yield "counters", {"counts": dict(self.ledger.counts), "next_seq": self.next_seq}, []
 
     # ------------------------------------------------------------------------------------------ appliers
@@ -346,3 +368,7 @@ class BufferState:
             self.book.completed = batch
         else:
             self.book.add(batch)
+
+    def _apply_eval(self, meta: dict[str, Any], _: Any) -> None:
+        if self.evaluation is not None:  # a journal of a run that evaluated, resumed with eval.sets empty: ignored
+            self.evaluation.restore(meta["snapshot"], meta["t"])
