@@ -15,6 +15,7 @@ so `tandem --help` and config errors answer at once.
     tandem ray status RUN | tandem ray stop RUN
     tandem prepare-model [--check]                # build the embedded SmolLM2 model in the cache
     tandem eval MODEL [MODEL ...] [--sets ...]    # offline vLLM evaluation of models/checkpoints (launch.evaluate)
+    tandem plot RUN_DIR [--out FILE.png]          # a run's eval curves vs version and wall time (launch.plot)
     tandem config CONFIG                          # print the resolved config as JSON, after checking the paths
                                                   # a run needs here (--no-path-checks: a config for elsewhere)
     tandem keys DIR                               # CurveZMQ keys: the server's and one per role (run.curve_keys_dir)
@@ -187,6 +188,8 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_argument("dir", type=Path, help="directory to create (or an empty one); existing keys are never replaced")
     # `tandem eval ...` is parsed by launch.evaluate (its own flags, no config overrides); listed here for --help.
     sub.add_parser("eval", help="evaluate models or checkpoints with vLLM: accuracy, pass@k, reward (tandem eval -h)")
+    # `tandem plot ...` likewise (launch.plot).
+    sub.add_parser("plot", help="plot a run's eval curves against policy version and wall time (tandem plot -h)")
     prep = sub.add_parser("prepare-model", help="prepare the embedded SmolLM2-135M-Instruct model in the cache")
     for flag, flag_help in FLAGS["prepare-model"].items():
         prep.add_argument(flag, action="store_true", help=flag_help)
@@ -203,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         from launch.evaluate import main as evaluate
 
         return evaluate(argv[1:])
+    if argv[:1] == ["plot"]:
+        from launch.plot import main as plot
+
+        return plot(argv[1:])
     args, overrides = _parser().parse_known_args(argv)
     misspelled = _misspelled_flag(args.command, overrides)
     if misspelled is not None:
