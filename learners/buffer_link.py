@@ -6,6 +6,8 @@
     batch, wait_s = link.fetch_batch(step)          # blocks until the buffer has it (long-poll, retries)
     link.report_version(policy_version, step)       # rank 0, after each publish
     link.report_version(policy_version, step, final=True)   # rank 0, the last step: the run is over
+    pending = link.final_eval_pending()             # rank 0, after it: eval sets of the final round not done (None:
+                                                    # no answer)
 
 Interruption: once `interrupted()` is true, `fetch_batch` raises `LinkInterrupted` before its next request, and
 any request raises it instead of its next retry (a first attempt still goes out), so a stopping learner never
@@ -33,7 +35,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from common.sockets import Client, PeerUnavailable, SocketSecurity, backoff_delays
-from common.types import Batch, BatchNotReady, BatchRequest, ErrorReply, Ok, VersionReport
+from common.types import Batch, BatchNotReady, BatchRequest, BufferStats, ErrorReply, Ok, StatsRequest, VersionReport
 
 log = logging.getLogger("tandem.learner.buffer")
 
@@ -174,6 +176,19 @@ class BufferLink:
             raise RuntimeError(f"the buffer answered a version_report with {type(reply).WIRE_NAME}")
         self.announced = (policy_version, step)
         return reply.learner_version
+
+    def final_eval_pending(self, timeout_s: float = 2.0) -> int | None:
+        """The buffer's `eval_final_pending` counter (eval sets of the final round without a result: 0 once done or
+        timed out, and in a buffer that does not evaluate), from one StatsRequest; None when the buffer does not
+        answer within `timeout_s` or refuses (counted `stats_unanswered`): it exited, or is away. Never retries."""
+        try:
+            reply, _ = self.client.request(StatsRequest(), timeout_s=timeout_s)
+        except PeerUnavailable:
+            reply = None
+        if not isinstance(reply, BufferStats):
+            self.counters["stats_unanswered"] += 1
+            return None
+        return int(reply.counters.get("eval_final_pending", 0))
 
     def close(self) -> None:
         self.client.close()

@@ -13,6 +13,10 @@ The loop, per step s (s = optimizer steps taken so far = the policy_version the 
                (`final` at learner.total_steps: the buffer ends the run, telling the generators to exit)
     metrics    rank 0: one record per step (metrics.jsonl, TensorBoard), progress bar, a log line
     checkpoint every save_every steps, at the end, and on SIGINT/SIGTERM (learners.checkpoint)
+After the last step, with eval.sets and eval.at_end, rank 0 keeps its weights published until the buffer says the
+final evaluation round is done (its counter eval_final_pending is 0, polled every FINAL_EVAL_POLL_S), the buffer
+stops answering, eval.final_timeout_s passed, or a signal came: the generators evaluate the final version with
+them. The training itself never waits for evaluation.
 
 Interruption: SIGINT or SIGTERM is recorded, not obeyed at once. The loop stops before its next batch (a wait for
 the buffer is cut short: `learners.buffer_link.LinkInterrupted`), every rank at the same step (one all-reduce of a
@@ -54,6 +58,7 @@ from learners.ranks import launch_ranks, pin_cores
 from learners.session import Interrupt, Saves, any_rank, forget_steps_after, resume_state
 
 KEEP_CHECKPOINTS = 2
+FINAL_EVAL_POLL_S = 1.0
 
 
 class StepTrainer(Protocol):
@@ -149,6 +154,8 @@ def run(config: TandemConfig) -> int:
             state.policy_version,
             state.samples_trained,
         )
+        if dist.rank == 0 and config.eval.enabled and config.eval.at_end:
+            _wait_for_final_eval(buffer, config.eval.final_timeout_s, stop.requested, log)
     except LinkInterrupted as interruption:  # rank 0's first announcement, while the buffer was away
         log.warning("%s at step %d: stopping", interruption, state.step)
         return 128 + stop.signum
@@ -182,6 +189,31 @@ def _report_version(buffer: BufferLink, state: LearnerState, final: bool, log: l
         buffer.report_version(state.policy_version, state.step, final=final)
     except LinkInterrupted as interruption:
         log.warning("%s: the version of step %d is not reported", interruption, state.step)
+
+
+def _wait_for_final_eval(
+    buffer: BufferLink, timeout_s: float, interrupted: Callable[[], bool], log: logging.Logger
+) -> None:
+    """Keep the publisher up (return later) until the buffer's final evaluation round is done, the buffer no
+    longer answers, `timeout_s` passed or the learner is interrupted; logs which of them ended the wait."""
+    start = time.monotonic()
+    log.info("waiting for the final evaluation (at most %.0fs; the weights stay published)", timeout_s)
+    while True:
+        pending = buffer.final_eval_pending()
+        waited = time.monotonic() - start
+        if pending == 0:
+            log.info("final evaluation done after %.1fs", waited)
+            return
+        if pending is None:
+            log.info("the buffer no longer answers (it ended the run): not waiting for the final evaluation")
+            return
+        if waited >= timeout_s or interrupted():
+            why = "interrupted" if interrupted() else f"eval.final_timeout_s = {timeout_s:.0f}s passed"
+            log.warning("final evaluation: %d sets still pending, %s: stopping anyway", pending, why)
+            return
+        deadline = time.monotonic() + min(FINAL_EVAL_POLL_S, max(0.0, timeout_s - waited))
+        while time.monotonic() < deadline and not interrupted():
+            time.sleep(0.05)
 
 
 def _start_trainer(config: TandemConfig) -> tuple[StepTrainer, Any]:
