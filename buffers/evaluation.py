@@ -107,10 +107,11 @@ class EvalLease:
         return cls(lease_id, generator, name, version, deadline, list(prompts), greedy, samples, state, ended_at)
 
 
-def load_sets(config: EvalConfig) -> dict[str, list[PromptRecordLike]]:
-    """The prompts of every set of eval.sets (at most eval.max_prompts each), in config order. Raises what
-    `common.eval_sets.eval_set` raises for an unknown set or an unreadable file (the buffer does not start)."""
-    return {name: eval_set(name, limit=config.max_prompts).records for name in config.sets}
+def load_sets(config: EvalConfig, shots: int = 0) -> dict[str, list[PromptRecordLike]]:
+    """The prompts of every set of eval.sets (at most eval.max_prompts each, arithmetic ones with the run's
+    env.shots worked examples), in config order. Raises what `common.eval_sets.eval_set` raises for an unknown set
+    or an unreadable file (the buffer does not start)."""
+    return {name: eval_set(name, limit=config.max_prompts, shots=shots).records for name in config.sets}
 
 
 class EvalScheduler:
@@ -147,10 +148,15 @@ class EvalScheduler:
 
     @classmethod
     def load(
-        cls, config: EvalConfig, max_tokens: int, lease_timeout_s: float, retain_s: float | None = None
+        cls,
+        config: EvalConfig,
+        max_tokens: int,
+        lease_timeout_s: float,
+        retain_s: float | None = None,
+        shots: int = 0,
     ) -> EvalScheduler:
-        """A scheduler over the sets of `config` (`load_sets`)."""
-        return cls(config, load_sets(config), max_tokens, lease_timeout_s, retain_s)
+        """A scheduler over the sets of `config` (`load_sets`, with `shots` worked examples: env.shots)."""
+        return cls(config, load_sets(config, shots), max_tokens, lease_timeout_s, retain_s)
 
     # ------------------------------------------------------------------------------------------ rounds
     def report_version(self, policy_version: int, final: bool, now: float) -> bool:

@@ -49,7 +49,9 @@ def load_prompt_records(env: EnvConfig, seed: int) -> list[Any]:
     from common import tasks
 
     if env.kind == "arithmetic":
-        return tasks.arithmetic_prompts(env.num_prompts, seed=seed, difficulty=env.difficulty, split=env.split)
+        return tasks.arithmetic_prompts(
+            env.num_prompts, seed=seed, difficulty=env.difficulty, split=env.split, shots=env.shots
+        )
     return tasks.load_prompts(env.source)
 
 
@@ -101,7 +103,9 @@ def run(config: TandemConfig) -> int:
     evaluation = None
     if config.eval.enabled:
         retain_s = max(config.buffer.lease_timeout_s, config.buffer.heartbeat_timeout_s)
-        evaluation = EvalScheduler.load(config.eval, config.eval_max_tokens, config.buffer.lease_timeout_s, retain_s)
+        evaluation = EvalScheduler.load(
+            config.eval, config.eval_max_tokens, config.buffer.lease_timeout_s, retain_s, shots=config.env.shots
+        )
         log.info("evaluation: %s every %d versions", ", ".join(config.eval.sets), config.eval.every)
     state = BufferState(BufferSettings.from_config(config), prompts, journal, evaluation)
     restored = state.restore(time.time())
@@ -195,4 +199,7 @@ def _stop_on_signals() -> list[str]:
 
 def _summary(counters: dict[str, int]) -> str:
     keys = ("arrived", "trained", "dropped_stale", "evicted", "rejected", "buffered", "duplicates", "leases_issued")
+    if "eval_issued" in counters:  # evaluating: its accounting line too
+        keys += ("eval_issued", "eval_done", "eval_requeued", "eval_outstanding", "eval_results_accepted")
+        keys += ("eval_superseded", "eval_final_timed_out")
     return ", ".join(f"{key} {counters.get(key, 0)}" for key in keys)

@@ -359,6 +359,14 @@ class EnvConfig(_Section):
         "which evaluation and `tandem eval` use, so that they measure prompts the model never trained on; `all` "
         "draws from every one.",
     )
+    shots: int = Field(
+        0,
+        description="kind=arithmetic: worked examples before each question, as earlier turns of the chat (`2 + 3 = 5` "
+        "then `#### 5`, common.tasks.WORKED_EXAMPLES): they show the model the answer format the instruction asks "
+        "for. The eval sets ask with the same number (so evaluation asks as training asked).",
+        ge=0,
+        le=3,
+    )
     reward_fn: str = Field(
         "common.tasks:arithmetic_reward",
         description="Reward function `module:function(completion, metadata) -> float | dict[str, float]`; empty = "
@@ -1133,9 +1141,7 @@ class TandemConfig(_Section):
             )
         if self.eval.enabled:
             if self.env.environment:
-                problems.append(
-                    "eval.sets: evaluation is single-turn; with env.environment set, leave eval.sets empty"
-                )
+                problems.append("eval.sets: evaluation is single-turn; with env.environment set, leave eval.sets empty")
             if not (self.eval.reward_fn or self.env.reward_fn):
                 problems.append("eval.reward_fn: empty, and so is env.reward_fn: the eval sets need a reward function")
             if self.eval.max_tokens >= self.model.max_model_len:

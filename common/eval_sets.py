@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.tasks import ANSWER_MARKER, PromptRecord, arithmetic_prompts, load_prompts
+from common.tasks import ANSWER_MARKER, PromptRecord, arithmetic_messages, arithmetic_prompts, load_prompts
 
 EVAL_SEED = 0
 MAX_SET_PROMPTS = 200  # the default cap on prompts per set
@@ -44,11 +44,11 @@ class EvalSet:
     records: list[PromptRecord]
 
 
-def _distinct_held_out(difficulty: int, limit: int) -> list[PromptRecord]:
+def _distinct_held_out(difficulty: int, limit: int, shots: int) -> list[PromptRecord]:
     """The first `limit` distinct held-out expressions of a level, renumbered 0.. (the stream is prefix-stable, so
-    a smaller limit gives a prefix of a larger one)."""
+    a smaller limit gives a prefix of a larger one), each with `shots` worked examples before it."""
     drawn = arithmetic_prompts(
-        max(_MIN_DRAWN, limit * _DRAWN_PER_PROMPT), seed=EVAL_SEED, difficulty=difficulty, split="held_out"
+        max(_MIN_DRAWN, limit * _DRAWN_PER_PROMPT), seed=EVAL_SEED, difficulty=difficulty, split="held_out", shots=shots
     )
     seen: dict[str, PromptRecord] = {}
     for record in drawn:
@@ -60,18 +60,22 @@ def _distinct_held_out(difficulty: int, limit: int) -> list[PromptRecord]:
     return list(seen.values())
 
 
-def _reworded(record: PromptRecord) -> PromptRecord:
-    expression = record.metadata["expression"]
-    message = {"role": "user", "content": f"Calculate {expression}. {REWORDED_INSTRUCTION}"}
-    return PromptRecord(record.prompt_id, [message], dict(record.metadata))
+def _reworded(record: PromptRecord, shots: int) -> PromptRecord:
+    """The question (and its worked examples) asked with REWORDED_INSTRUCTION instead of the task's own."""
+    ask = "Calculate {expression}. " + REWORDED_INSTRUCTION
+    messages = arithmetic_messages(str(record.metadata["expression"]), shots=shots, ask=ask)
+    return PromptRecord(record.prompt_id, messages, dict(record.metadata))
 
 
-_BUILTIN: dict[str, tuple[str, Callable[[int], list[PromptRecord]]]] = {
-    "arithmetic": ("held-out level-1 arithmetic", lambda limit: _distinct_held_out(1, limit)),
-    "arithmetic-d2": ("held-out level-2 arithmetic (transfer)", lambda limit: _distinct_held_out(2, limit)),
+_BUILTIN: dict[str, tuple[str, Callable[[int, int], list[PromptRecord]]]] = {
+    "arithmetic": ("held-out level-1 arithmetic", lambda limit, shots: _distinct_held_out(1, limit, shots)),
+    "arithmetic-d2": (
+        "held-out level-2 arithmetic (transfer)",
+        lambda limit, shots: _distinct_held_out(2, limit, shots),
+    ),
     "arithmetic-reworded": (
         "held-out level-1 arithmetic, reworded instruction (transfer)",
-        lambda limit: [_reworded(r) for r in _distinct_held_out(1, limit)],
+        lambda limit, shots: [_reworded(r, shots) for r in _distinct_held_out(1, limit, 0)],
     ),
 }
 SETS = (*_BUILTIN, f"{FILE_PREFIX}PATH")
@@ -113,17 +117,24 @@ def set_label(name: str) -> str:
 
 
 def eval_set(
-    name: str, *, limit: int = MAX_SET_PROMPTS, prompt_key: str = "prompt", messages_key: str = "messages"
+    name: str,
+    *,
+    limit: int = MAX_SET_PROMPTS,
+    shots: int = 0,
+    prompt_key: str = "prompt",
+    messages_key: str = "messages",
 ) -> EvalSet:
-    """The set `name` (see the module docstring) with at most `limit` prompts (>= 1). A file set keeps its first
-    `limit` rows (`prompt_key` / `messages_key` as in `common.tasks.load_prompts`). Raises ValueError for an
-    unknown name or a bad limit, and what `load_prompts` raises for a bad file."""
+    """The set `name` (see the module docstring) with at most `limit` prompts (>= 1). An arithmetic set puts
+    `shots` worked examples before each question (`common.tasks.arithmetic_messages`; pass the run's env.shots, so
+    that it asks as training asked). A file set keeps its first `limit` rows (`prompt_key` / `messages_key` as in
+    `common.tasks.load_prompts`). Raises ValueError for an unknown name or a bad limit, and what `load_prompts`
+    raises for a bad file."""
     if limit < 1:
         raise ValueError(f"an evaluation set needs at least 1 prompt, got limit {limit}")
     check_set_name(name)
     if name in _BUILTIN:
         description, build = _BUILTIN[name]
-        return EvalSet(name, description, build(limit))
+        return EvalSet(name, description, build(limit, shots))
     source = name[len(FILE_PREFIX) :]
     records = load_prompts(source, prompt_key=prompt_key, messages_key=messages_key, limit=limit)
     return EvalSet(name, f"prompts of {source}", records)

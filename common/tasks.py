@@ -201,10 +201,34 @@ def _in_split(expression: str, split: str) -> bool:
     return split == "all" or is_held_out(expression) == (split == "held_out")
 
 
-def arithmetic_prompts(num_prompts: int, *, seed: int, difficulty: int, split: str = "all") -> list[PromptRecord]:
+# Worked examples that `shots` > 0 puts before the question, as earlier turns of the chat: each shows the format the
+# instruction asks for. All are train-split expressions (checked by tests/common), so no held-out answer is shown.
+WORKED_EXAMPLES = (("2 + 3", 5), ("6 + 1", 7), ("5 + 4", 9))
+MAX_SHOTS = len(WORKED_EXAMPLES)
+
+
+def arithmetic_messages(
+    expression: str, *, shots: int = 0, ask: str = "What is {expression}? " + ARITHMETIC_INSTRUCTION
+) -> list[dict[str, str]]:
+    """The chat of one question: `shots` worked examples (a user question and the assistant's `a + b = c` then
+    `#### c`, from WORKED_EXAMPLES), then the question `ask` formatted with the expression. Raises ValueError for
+    shots outside 0..MAX_SHOTS."""
+    if not 0 <= shots <= MAX_SHOTS:
+        raise ValueError(f"shots must be in 0..{MAX_SHOTS} (the worked examples there are), got {shots}")
+    messages = []
+    for example, answer in WORKED_EXAMPLES[:shots]:
+        messages.append({"role": "user", "content": ask.format(expression=example)})
+        messages.append({"role": "assistant", "content": f"{example} = {answer}\n{ANSWER_MARKER} {answer}"})
+    return [*messages, {"role": "user", "content": ask.format(expression=expression)}]
+
+
+def arithmetic_prompts(
+    num_prompts: int, *, seed: int, difficulty: int, split: str = "all", shots: int = 0
+) -> list[PromptRecord]:
     """`num_prompts` arithmetic questions of one difficulty level (see `_LEVELS` for the levels, 1..5).
 
-    Each user message reads `What is <expression>? Put the final answer after '####'.`; metadata holds
+    Each user message reads `What is <expression>? Put the final answer after '####'.`; with `shots` > 0, that many
+    worked examples come first (`arithmetic_messages`: earlier turns that show the format). Metadata holds
     `answer` (int), `expression` (str) and `difficulty` (int). Reproducible: the same (seed, difficulty, split)
     gives the same records, and a shorter list is a prefix of a longer one. prompt_id = index in the list.
 
@@ -232,7 +256,7 @@ def arithmetic_prompts(num_prompts: int, *, seed: int, difficulty: int, split: s
         records.append(
             PromptRecord(
                 prompt_id=len(records),
-                messages=[{"role": "user", "content": f"What is {expression}? {ARITHMETIC_INSTRUCTION}"}],
+                messages=arithmetic_messages(expression, shots=shots),
                 metadata={
                     "answer": evaluate_expression(expression),
                     "expression": expression,
