@@ -291,11 +291,25 @@ class VllmEngine(TokenizerTexts):
         self.last_load_path = ""  # "in_place" or "layerwise" (see WeightLoader)
         log.info("vLLM engine up in %.1fs (%s, max_num_seqs=%d)", time.monotonic() - started, model_path, max_num_seqs)
 
-    def add(self, request_id: str, prompt_tokens: list[int], max_tokens: int | None = None) -> None:
+    def add(
+        self,
+        request_id: str,
+        prompt_tokens: list[int],
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+    ) -> None:
+        """`max_tokens` / `temperature` other than the configured ones sample with a copy of the sampling
+        parameters; temperature 0 is vLLM's greedy decoding (top-p, top-k and min-p off, as vLLM sets them for
+        a greedy request it builds itself)."""
         params = self.params
         if max_tokens is not None and max_tokens != params.max_tokens:
             params = params.clone()
             params.max_tokens = max_tokens
+        if temperature is not None and temperature != params.temperature:
+            params = params.clone() if params is self.params else params
+            params.temperature = temperature
+            if temperature == 0.0:
+                params.top_p, params.top_k, params.min_p = 1.0, 0, 0.0
         self.engine.add_request(request_id, {"prompt_token_ids": prompt_tokens}, params)
         self._start_versions[request_id] = self.policy_version
 

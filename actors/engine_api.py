@@ -2,6 +2,7 @@
 
     engine.add(request_id, prompt_tokens)           # any time: joins the running batch at the next step
     engine.add(request_id, prompt_tokens, max_tokens=16)    # a turn of a multi-turn episode: its own budget
+    engine.add(request_id, prompt_tokens, temperature=0.0)  # an eval request: greedy (0), or its own temperature
     while engine.num_unfinished():
         for sample in engine.step():                # one engine step; the samples that finished in it
             ...                                     # sample.token_versions says which weights made each token
@@ -67,9 +68,16 @@ class Engine(Protocol):
         did not sample itself, then `messages`, then the generation prompt (see `actors.chat_turns`)."""
         ...
 
-    def add(self, request_id: str, prompt_tokens: list[int], max_tokens: int | None = None) -> None:
-        """Queue one sample of at most `max_tokens` tokens (None = the engine's configured `max_tokens`); it joins
-        the running batch at the next step."""
+    def add(
+        self,
+        request_id: str,
+        prompt_tokens: list[int],
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+    ) -> None:
+        """Queue one sample of at most `max_tokens` tokens (None = the engine's configured `max_tokens`) at
+        `temperature` (None = the engine's configured one; 0 = greedy decoding, top-p off); it joins the running
+        batch at the next step. `behaviour_logprobs` are under the distribution the request was sampled from."""
         ...
 
     def num_unfinished(self) -> int:

@@ -9,16 +9,24 @@ One loop, one thread, each pass in this order (`run` below):
   2. heartbeat every `HEARTBEAT_S` (the buffer re-issues the leases of a silent generator). Once the learner has
      reached `learner.total_steps` the buffer answers heartbeats and lease requests `RunOver`: the generator
      stops sampling at once (nothing will train it), delivers the groups it built, returns the rest, exits 0.
-  3. push built groups (the outbox keeps them, bounded, while the buffer is away; reconnect with back-off).
+  3. push built groups (the outbox keeps them, bounded, while the buffer is away; reconnect with back-off), then
+     the finished eval result, if any (`actors.evaluation`: kept until acknowledged or past its grant's deadline).
   4. weights: poll the publisher; load a newer version when no sample runs (default: stop adding requests and
-     let in-flight ones finish under the old version first) or at once between steps (`inflight_weight_update`).
+     let in-flight ones finish under the old version first, eval requests included) or at once between steps
+     (`inflight_weight_update`: running eval requests are aborted first and the eval lease redone after the load,
+     so an eval result never mixes versions; after a few redos of one lease the load waits for it instead).
   5. lease prompts whenever fewer than `prompts_in_flight` are held (ahead of need), unless the outbox is full.
      Refusals: "stale" -> fetch weights >= min_version first; "full" -> wait `retry_after_s`, poll weights;
-     "exhausted" -> finish in-flight work and exit 0.
-  6. add leased prompts to the engine (n requests each, stamped with the current policy version); with a multi-turn
-     environment (`env.environment`), open n episodes each instead (`actors.episodes`): their environment calls
-     run off this loop, and this phase also takes in finished calls and adds the episodes' next turns.
-  7. one engine step; finished groups are scored (`actors.group_rewards`: the reward function, and the learned
+     "exhausted" -> finish in-flight work and exit 0. An `EvalGrant` instead of prompts (an evaluation is due):
+     the eval lease is taken (at most one at a time) and training prompts are asked for again at once.
+  6. add the eval lease's requests, ahead of the leased prompts (each prompt's greedy request, temperature 0, then
+     `samples` at the eval temperature, all with the current policy version, once it is the grant's or newer);
+     then add leased prompts to the engine (n requests each, stamped with the current policy version); with a
+     multi-turn environment (`env.environment`), open n episodes each instead (`actors.episodes`): their
+     environment calls run off this loop, and this phase also takes in finished calls and adds the episodes' next
+     turns. Neither is added while a default-mode weights load waits for the engine to drain.
+  7. one engine step; finished eval samples go to the eval lease (scored once all are in, with one version each
+     token, else redone); finished groups are scored (`actors.group_rewards`: the reward function, and the learned
      reward model in this process or in the reward service, whose answers this phase also collects) and built
      into `RolloutGroup`s for the outbox (multi-turn: each finished turn goes to its episode, and a group is built
      once its n episodes have ended). A group waiting for the reward service stays in flight (it holds its lease).
@@ -26,7 +34,10 @@ One loop, one thread, each pass in this order (`run` below):
      version sampled with as the step (the learner's step counts the same thing, so the curves line up; several
      reports of one version share a step) and the report's number as `actor/report`.
 A generator that starts (or restarts) asks the publisher for the newest weights before its first lease.
-On exit it returns the prompts it did not finish (`LeaseReturn`) so the buffer re-issues them at once.
+On exit it returns the prompts it did not finish (`LeaseReturn`) so the buffer re-issues them at once. An
+unfinished eval lease is dropped on drain, `RunOver` and exit (the buffer expires it and grants its set again).
+Multi-turn generators get no eval grants (the config refuses eval sets with an environment); one that comes is
+logged and ignored.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ from typing import Any
 from actors.engine_api import Engine, SamplingSettings
 from actors.env_runner import EnvRunner
 from actors.episodes import EpisodeDriver, EpisodeLimits
+from actors.evaluation import Evaluator, is_eval_request
 from actors.group_rewards import GroupRewards
 from actors.groups import LeaseBook, PendingGroup, build_group, sample_request_id
 from actors.outbox import BufferLink, Outbox
@@ -49,7 +61,16 @@ from common.envs import EnvironmentFactory, environment_factory
 from common.logs import setup_logging
 from common.metrics import MetricsSink
 from common.sockets import SocketSecurity
-from common.types import ErrorReply, Heartbeat, LeaseGrant, LeaseRefused, LeaseRequest, LeaseReturn, RunOver
+from common.types import (
+    ErrorReply,
+    EvalGrant,
+    Heartbeat,
+    LeaseGrant,
+    LeaseRefused,
+    LeaseRequest,
+    LeaseReturn,
+    RunOver,
+)
 
 HEARTBEAT_S = 2.0  # well under the buffer's heartbeat_timeout_s
 REPORT_S = 5.0
@@ -79,6 +100,7 @@ def run(config: TandemConfig) -> int:
                 actor.begin_drain(now, stop.received)
             actor.heartbeat(now)
             actor.outbox.flush(actor.link)
+            actor.deliver_eval()
             actor.update_weights(now)
             actor.lease_prompts(now)
             actor.submit_prompts()
@@ -157,6 +179,7 @@ class Generator:
             runner = EnvRunner(config.env.env_workers)
             limits = EpisodeLimits.from_config(config)
             self.episodes = EpisodeDriver(engine, environments, limits, runner, config.algo.group_size)
+        self.evaluation = Evaluator.from_config(config, engine)  # None: no eval sets, or multi-turn
         self.metrics = MetricsSink(config.run.run_dir, f"generator-{gen.index}", simulation=config.run.simulate)
         self.pending_update: WeightsUpdate | None = None
         self.draining = False
@@ -182,6 +205,8 @@ class Generator:
         )
         self.draining = True
         self.drain_deadline = now + timeout
+        if self.evaluation is not None:
+            self.evaluation.drop(why)
 
     def done(self) -> bool:
         """The run is over; exhausted or draining, with nothing left to generate or push; or the drain deadline
@@ -192,13 +217,16 @@ class Generator:
             running = bool(self.book.running) or bool(self.scoring)
             running = running or (self.episodes is not None and self.episodes.active())
             return time.monotonic() >= self.drain_deadline or (not running and len(self.outbox) == 0)
-        return self.exhausted and self.book.in_flight() == 0 and len(self.outbox) == 0
+        evaluating = self.evaluation is not None and self.evaluation.busy  # bounded by its grant's deadline
+        return self.exhausted and self.book.in_flight() == 0 and len(self.outbox) == 0 and not evaluating
 
     def return_unfinished_leases(self) -> None:
         """Give back what was not delivered, so the buffer re-issues it now rather than at the lease timeout:
         prompts still generating, and groups built but never acknowledged (the drain deadline can pass while the
         outbox still holds some). A group that reaches the buffer after all is de-duplicated there."""
         self.engine.abort(self.book.running_request_ids())
+        if self.evaluation is not None:
+            self.evaluation.drop("the generator exits")
         if self.episodes is not None:
             self.engine.abort(self.episodes.request_ids())
         self.outbox.flush(self.link)  # a last attempt for what is already built
@@ -241,13 +269,18 @@ class Generator:
         if self.pending_update is None:
             self.pending_update = self.weights.poll(now, self.engine.policy_version)
         inflight = self.config.generator.inflight_weight_update
-        if self.pending_update is not None and (inflight or self.engine.num_unfinished() == 0):
+        held = self.evaluation is not None and self.evaluation.holds_weights()
+        if self.pending_update is not None and ((inflight and not held) or self.engine.num_unfinished() == 0):
             update, self.pending_update = self.pending_update, None
             self._load(update)
 
     def _load(self, update: WeightsUpdate) -> None:
+        """Load between engine steps. Eval requests still running (inflight mode) are aborted first and their
+        lease sampled again after the load (`Evaluator.before_load`)."""
         started = time.monotonic()
         previous = self.engine.policy_version
+        if self.evaluation is not None:
+            self.evaluation.before_load()
         self.engine.load_weights(update, inflight=self.config.generator.inflight_weight_update)
         self.stats.weight_load_s = time.monotonic() - started
         self.next_lease = 0.0  # admission may have opened with the new version
@@ -269,7 +302,9 @@ class Generator:
         if now < self.next_lease or not self.link.ready(now) or self.outbox.full():
             return
         reply = self.link.call(LeaseRequest(self.index, wanted, self.engine.policy_version))
-        if isinstance(reply, LeaseGrant) and reply.prompts:
+        if isinstance(reply, EvalGrant):
+            self._on_eval_grant(now, reply)
+        elif isinstance(reply, LeaseGrant) and reply.prompts:
             self.book.add_grant(reply)
             self.stats.lease_waits.append(time.monotonic() - self.stats.wanting_since)
             self.stats.wanting_since = None
@@ -281,6 +316,26 @@ class Generator:
             reason = reply.reason if isinstance(reply, ErrorReply) else "empty grant"
             log.warning("lease request not granted: %s", reason)
             self.next_lease = now + LEASE_RETRY_S
+
+    def _on_eval_grant(self, now: float, grant: EvalGrant) -> None:
+        """Take the eval lease (its requests go in ahead of the queued prompts, at the next `submit_prompts`) and
+        ask for training prompts again at once: the grant came instead of them."""
+        self.next_lease = now
+        if self.evaluation is None:
+            log.warning(
+                "eval grant %d (set %s) ignored: this generator does not evaluate (no eval.sets in its config, or "
+                "multi-turn); the buffer expires the lease",
+                grant.lease_id,
+                grant.set_name,
+            )
+            return
+        if self.evaluation.accept(grant) and self.engine.policy_version < grant.min_version:
+            self.weights.want(grant.min_version)
+
+    def deliver_eval(self) -> None:
+        """Send the finished eval result (kept while the buffer is away); drop eval work past its deadline."""
+        if self.evaluation is not None:
+            self.evaluation.deliver(self.link)
 
     def _on_run_over(self, reply: RunOver) -> None:
         if not self.run_over:
@@ -304,9 +359,12 @@ class Generator:
             self.next_lease = now + refusal.retry_after_s
 
     def submit_prompts(self) -> None:
-        """Leased prompts -> engine requests, unless draining or waiting to load weights (default mode)."""
+        """The eval lease's requests, then leased prompts -> engine requests, unless draining or waiting to load
+        weights (default mode)."""
         if self.draining or (self.pending_update is not None and not self.config.generator.inflight_weight_update):
             return
+        if self.evaluation is not None:
+            self.evaluation.submit()
         max_len = self.config.model.max_model_len
         while (item := self.book.take_queued()) is not None:
             lease_id, prompt = item
@@ -344,7 +402,10 @@ class Generator:
             self.stats.idle_s += time.monotonic() - now
             return
         for sample in self.engine.step():
-            self.stats.tokens += len(sample.completion_tokens)
+            self.stats.tokens += len(sample.completion_tokens)  # eval tokens too: the engine's throughput
+            if self.evaluation is not None and is_eval_request(sample.request_id):
+                self.evaluation.on_sample(sample)
+                continue
             if self.episodes is not None:
                 self.episodes.on_turn(sample)
                 continue
@@ -397,6 +458,8 @@ class Generator:
         )
         if self.episodes is not None:
             values.update(self.episodes.metrics())
+        if self.evaluation is not None:
+            values.update(self.evaluation.metrics())
         values["actor/report"] = self.stats.reports
         self.metrics.log(self.engine.policy_version, values)
         self.stats.reports += 1

@@ -63,7 +63,14 @@ class SimEngine:
         text = "".join(f"\n{m['role']}: {m['content']}" for m in messages) + "\nassistant: "
         return ([] if ended else [SIM_END_OF_TURN]) + list(text.encode())
 
-    def add(self, request_id: str, prompt_tokens: list[int], max_tokens: int | None = None) -> None:
+    def add(
+        self,
+        request_id: str,
+        prompt_tokens: list[int],
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+    ) -> None:
+        """`temperature` is accepted and ignored: the tokens are random whatever it is."""
         length = self.sim_tokens if max_tokens is None else max(1, min(self.sim_tokens, max_tokens))
         self.waiting.append(_SimSequence(request_id, self.policy_version, length))
 
