@@ -59,3 +59,5 @@ def test_the_final_round_is_leased_answered_written_and_then_the_run_ends(tmp_pa
     assert (buffer.run_dir / "tb" / "eval").is_dir()
     buffer_records = (buffer.run_dir / "buffer.jsonl").read_text().splitlines()
     assert json.loads(buffer_records[-1])["buffer/eval_results_accepted"] == 1
+    last_line = (buffer.run_dir / "logs" / "buffer-0.log").read_text().splitlines()[-1]
+    assert "buffer stopped" in last_line and f"eval_done {SET_PROMPTS}" in last_line, last_line
