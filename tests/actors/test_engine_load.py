@@ -6,41 +6,39 @@ Greedy decoding (temperature 0) of a few prompts, compared token for token and l
 run the same kernels on the same bf16 weights in the same batches, so nothing but a different weight (or a stale
 repacked layer) can change a bit. Three loads (the new weights, the old ones back, the new ones again) also check
 that the reused scratch weights and rebuilt oneDNN layers carry nothing from one load into the next.
+
+The fresh engine runs in a process of its own (tests/actors/greedy_engine.py), started first: starting a vLLM engine
+is mostly one core importing and warming up, so the two engines start side by side rather than one after the other.
+Its samples reach this process as JSON, which carries every float32 log-prob exactly. Both engines are set up as
+before (vLLM's own CPU binding): the same threads, the same split of a batch's work.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.actors.greedy_engine import engine as _engine
+from tests.actors.greedy_engine import greedy as _greedy
+
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
-PROMPTS = [[1, 17, 300, 42, 9, 1024], [1, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2000, 3000, 4000]]
-MAX_TOKENS = 8
 
-
-def _engine(model_dir: Path):
-    from actors.engine import VllmEngine, configure_cpu_environment
-    from actors.engine_api import SamplingSettings
-    from common.config import GeneratorConfig, ModelConfig
-
-    configure_cpu_environment(GeneratorConfig(kv_cache_gib=1.0))
-    settings = SamplingSettings(temperature=0.0, top_p=1.0, max_tokens=MAX_TOKENS, seed=0)
-    return VllmEngine(model_dir, ModelConfig(path=str(model_dir), max_model_len=256), settings, 8, True)
-
-
-def _greedy(engine) -> list[tuple[list[int], list[float]]]:
-    for i, prompt in enumerate(PROMPTS):
-        engine.add(f"{engine.policy_version}:{i}:0", prompt)
-    finished = {}
-    while engine.num_unfinished():
-        for sample in engine.step():
-            finished[sample.request_id] = sample
-    ordered = [finished[f"{engine.policy_version}:{i}:0"] for i in range(len(PROMPTS))]
-    return [(s.completion_tokens.tolist(), s.behaviour_logprobs.tolist()) for s in ordered]
+def _start_fresh_engine(model_dir: Path, out: Path) -> subprocess.Popen:
+    """`python -m tests.actors.greedy_engine MODEL_DIR OUT`, from the checkout's root (where `tests` imports);
+    its output goes to OUT.log (files, not pipes: a full pipe would stall the engine until the test reads it)."""
+    root = Path(__file__).resolve().parents[2]
+    argv = [sys.executable, "-m", "tests.actors.greedy_engine", str(model_dir), str(out)]
+    with open(f"{out}.log", "w") as log:
+        return subprocess.Popen(argv, cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _update(model_dir: Path, version: int):
@@ -62,23 +60,28 @@ def test_in_place_loads_sample_exactly_as_a_fresh_engine_on_the_new_weights(tiny
     from common.model_prep import make_tiny_model
 
     new_dir = make_tiny_model(tmp_path / "seed1", seed=1)
-    engine = _engine(tiny_model_dir)
+    fresh_out = tmp_path / "fresh.json"
+    fresh_engine = _start_fresh_engine(new_dir, fresh_out)
     try:
-        before = _greedy(engine)
-        engine.load_weights(_update(new_dir, 1), inflight=False)
-        assert engine.last_load_path == "in_place" and engine.policy_version == 1
-        after_first = _greedy(engine)
-        engine.load_weights(_update(tiny_model_dir, 2), inflight=False)
-        back = _greedy(engine)
-        engine.load_weights(_update(new_dir, 3), inflight=False)
-        after_third = _greedy(engine)
+        engine = _engine(tiny_model_dir)
+        try:
+            before = _greedy(engine)
+            engine.load_weights(_update(new_dir, 1), inflight=False)
+            assert engine.last_load_path == "in_place" and engine.policy_version == 1
+            after_first = _greedy(engine)
+            engine.load_weights(_update(tiny_model_dir, 2), inflight=False)
+            back = _greedy(engine)
+            engine.load_weights(_update(new_dir, 3), inflight=False)
+            after_third = _greedy(engine)
+        finally:
+            engine.shutdown()
+        fresh_engine.wait(timeout=300)
     finally:
-        engine.shutdown()
-    fresh_engine = _engine(new_dir)
-    try:
-        fresh = _greedy(fresh_engine)
-    finally:
-        fresh_engine.shutdown()
+        if fresh_engine.poll() is None:
+            os.killpg(fresh_engine.pid, signal.SIGKILL)  # its group: vLLM's engine process with it
+            fresh_engine.wait()
+    assert fresh_engine.returncode == 0, Path(f"{fresh_out}.log").read_text()[-3000:]
+    fresh = [(tokens, logprobs) for tokens, logprobs in json.loads(fresh_out.read_text())]
     assert [t for t, _ in before] != [t for t, _ in fresh], "the two models must sample differently to tell them apart"
     assert back == before  # the old weights back: the old engine's samples, bit for bit
     for loaded in (after_first, after_third):
