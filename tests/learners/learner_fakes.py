@@ -90,10 +90,12 @@ class SyntheticBuffer(ServerThread):
 
     The groups of step s are stamped with version s (staleness 0 when drawn at step s) and fed when a rank first
     asks for step s, unless s >= `gate` (`set_gate`): the core then holds the request and answers BatchNotReady at
-    its timeout, as a buffer without enough groups does. With `stale_at` = s, one extra group of version 0 goes in
-    first at step s: the core drops it as too stale (η = MAX_STALENESS), so `Batch.dropped_stale` counts its
-    samples from then on. Everything else (shares by rank, held requests, the step a VersionReport allows, the
-    rejections) is the core's. Records every BatchRequest and VersionReport. Started on construction.
+    its timeout, as a buffer without enough groups does (`set_gate(..., serve_held=True)`: a request held for a step
+    the gate now opens is answered at once, its groups fed then, as a buffer serves a held request once enough
+    groups arrive, instead of at its timeout, the learner's hold_s of 5 s). With `stale_at` = s, one extra group of
+    version 0 goes in first at step s: the core drops it as too stale (η = MAX_STALENESS), so `Batch.dropped_stale`
+    counts its samples from then on. Everything else (shares by rank, held requests, the step a VersionReport
+    allows, the rejections) is the core's. Records every BatchRequest and VersionReport. Started on construction.
     """
 
     name = "fake-buffer"
@@ -119,14 +121,19 @@ class SyntheticBuffer(ServerThread):
         self.core = BufferCore(BufferState(settings, fake_prompts(1 << 12), journal=None))
         self.group_size, self.gate, self.stale_at = group_size, gate, stale_at
         self.fed: set[int] = set()  # steps whose groups are in the core
+        self.gated: dict[int, int] = {}  # step -> num_groups of a held request the gate kept from being fed
+        self.serve_held = False
         self.requests: list[BatchRequest] = []
         self.reports: list[VersionReport] = []
         self.start()
 
-    def set_gate(self, step: int | None) -> None:
-        """Feed no groups for steps >= `step` from now on (None: feed every step)."""
+    def set_gate(self, step: int | None, serve_held: bool = False) -> None:
+        """Feed no groups for steps >= `step` from now on (None: feed every step). `serve_held`: feed the steps
+        this opens that a held request asks for now (else that request is answered BatchNotReady at its timeout)."""
         with self.lock:
-            self.gate = step
+            self.gate, self.serve_held = step, serve_held
+            if not serve_held:
+                self.gated.clear()
 
     def answer(self, server: Server, request: Any) -> list[tuple[Any, Any, list[Any]]]:
         message, replies = request.message, []
@@ -134,6 +141,8 @@ class SyntheticBuffer(ServerThread):
             self.requests.append(message)
             if self.gate is None or message.step < self.gate:
                 replies = self._feed(message.step, message.num_groups)
+            else:
+                self.gated[message.step] = message.num_groups
         elif isinstance(message, VersionReport):
             self.reports.append(message)
         try:
@@ -143,7 +152,12 @@ class SyntheticBuffer(ServerThread):
         return [(reply_to, reply, []) for reply_to, reply in replies]
 
     def housekeeping(self) -> list[tuple[Any, Any, list[Any]]]:
-        return [(reply_to, reply, []) for reply_to, reply in self.core.tick(time.time())]
+        replies = []
+        if self.serve_held:
+            for step in [s for s in self.gated if self.gate is None or s < self.gate]:
+                replies += self._feed(step, self.gated.pop(step))  # answers the request the core holds for it
+        replies += self.core.tick(time.time())
+        return [(reply_to, reply, []) for reply_to, reply in replies]
 
     def _feed(self, step: int, num_groups: int) -> list[tuple[Any, Any]]:
         """Lease and push the groups of `step` (once); the replies that pushing made due to held requests."""

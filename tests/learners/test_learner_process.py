@@ -80,7 +80,7 @@ def test_learner_trains_publishes_checkpoints_survives_sigkill_and_resumes(tiny_
             header, initial = fetch_weights(generator, -1)  # version 0 = the initial weights, served at once
             assert header.policy_version == 0
             assert received_bytes(initial) == safetensors_bytes(tiny_model_dir / "model.safetensors")
-            buffer.set_gate(2)
+            buffer.set_gate(2, serve_held=True)  # the held request for step 0 is answered at once
             learner.wait_until(
                 lambda: (checkpoints / "step-000002").is_dir() and any(r.step == 2 for r in buffer.requests),
                 120,
@@ -90,7 +90,8 @@ def test_learner_trains_publishes_checkpoints_survives_sigkill_and_resumes(tiny_
             assert header.policy_version == 2
             assert received_bytes(v2) == safetensors_bytes(checkpoints / "step-000002" / "hf" / "model.safetensors")
             assert sum(v2[n].tobytes() != initial[n].tobytes() for n in v2) == len(v2)  # every tensor trained
-            buffer.set_gate(3)  # step 3 is trained and recorded, not checkpointed (save_every 2), when it dies
+            # step 3 is trained and recorded, not checkpointed (save_every 2), when it dies
+            buffer.set_gate(3, serve_held=True)
             learner.wait_until(lambda: any(r.step == 3 for r in buffer.requests), 120, "step 3's batch request")
             learner.kill()
             assert learner.poll() == -9
@@ -108,7 +109,7 @@ def test_learner_trains_publishes_checkpoints_survives_sigkill_and_resumes(tiny_
             assert header.policy_version == 4
             assert received_bytes(v4) == safetensors_bytes(checkpoints / "step-000004" / "hf" / "model.safetensors")
             assert fetch_weights(generator, 4)[0] == WeightsNotNewer(latest_version=4)
-            buffer.set_gate(None)
+            buffer.set_gate(None, serve_held=True)
             assert learner.wait(120) == 0, learner.tail()
         assert [(r.policy_version, r.step) for r in buffer.reports[before[1] :]] == [(2, 2), (3, 3), (4, 4), (5, 5)]
         assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000004", "step-000005"]  # keep 2
