@@ -7,7 +7,8 @@ deleted module into a wheel) and nothing of the tree itself reaches the installe
 added to sys.path, but the `.pth` hooks inside it do not run, so the editable install of the checkout stays out.
 From a temporary directory, with the checkout nowhere on sys.path, `tandem --help`, `tandem config demo`,
 `tandem demo` (simulated: real processes and sockets, stand-ins for vLLM and DeepSpeed) and
-`tandem prepare-model --check` (transformers and vLLM load the embedded model) must work.
+`tandem prepare-model --check` (transformers and vLLM load the embedded model) must work. The model check is
+started with the module (a fixture) and runs while the other tests do.
 
     flock /tmp/tandem-heavy.lock .venv/bin/python -m pytest tests/launch/test_wheel.py -q   # ~45 s on 2 cores
 """
@@ -18,10 +19,12 @@ import ast
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,6 +49,14 @@ class Installed:
         return subprocess.run(
             argv, check=False, cwd=self.cwd, env=self.env, capture_output=True, text=True, timeout=timeout_s
         )
+
+    def start(self, *args: str, out: Path) -> subprocess.Popen:
+        """`tandem ARGS` started (not waited for), stdout to `out`, stderr to `out`.err, in a session of its own."""
+        with open(out, "w") as stdout, open(f"{out}.err", "w") as stderr:
+            argv = [str(self.venv / "bin" / "tandem"), *args]
+            return subprocess.Popen(
+                argv, cwd=self.cwd, env=self.env, stdout=stdout, stderr=stderr, text=True, start_new_session=True
+            )
 
     def tandem(self, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
         result = self.run([str(self.venv / "bin" / "tandem"), *args], timeout_s)
@@ -92,6 +103,20 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     deps = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
     (Path(site) / "tandem-test-deps.pth").write_text("".join(f"{path}\n" for path in deps))
     return Installed(wheel, venv, cwd)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def model_check(installed: Installed) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """`tandem prepare-model --check`, started as soon as the wheel is installed and waited for by its test: it runs
+    while the module's other tests do (most of it is vLLM starting, one core importing; `tandem demo` simulates)."""
+    out = installed.cwd.parent / "prepare-model.out"
+    process = installed.start("prepare-model", "--check", out=out)
+    try:
+        yield process, out
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)  # its group: the vLLM check's processes with it
+            process.wait()
 
 
 def test_the_wheel_holds_every_module_and_the_packaged_configs(installed: Installed) -> None:
@@ -152,8 +177,13 @@ def test_demo_runs_its_roles_from_the_wheel(installed: Installed, ports: tuple[i
 
 
 @pytest.mark.vllm
-def test_prepare_model_check_loads_the_model_with_transformers_and_vllm(installed: Installed) -> None:
-    output = installed.tandem("prepare-model", "--check", timeout_s=400).stdout.strip().splitlines()
+def test_prepare_model_check_loads_the_model_with_transformers_and_vllm(
+    model_check: tuple[subprocess.Popen, Path],
+) -> None:
+    process, out = model_check
+    code = process.wait(timeout=400)
+    assert code == 0, f"tandem prepare-model --check exited {code}:\n{Path(f'{out}.err').read_text()[-3000:]}"
+    output = out.read_text().strip().splitlines()
     assert (Path(output[0]) / "config.json").is_file()
     texts = ast.literal_eval(output[-1])  # {'transformers': text, 'vllm': text}
     assert set(texts) == {"transformers", "vllm"} and all(text.strip() for text in texts.values())
