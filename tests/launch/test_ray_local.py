@@ -3,12 +3,16 @@
 - a SIGKILLed driver leaves the cluster and the run going: `tandem ray status RUN` answers, `tandem ray stop RUN`
   stops the fleet and the local cluster, and afterwards `status` says in one line how the run ended;
 - a driver that ends (here: its run refused) shuts its local cluster down, and `status` says so in one line.
+
+The refused run is started with the module (a fixture) and looked at by its test: it runs while the killed-driver
+test does (each has a local cluster of its own, under its own run name; most of either is Ray starting processes).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +29,28 @@ def shut_down_leftover(name: str) -> None:
     if record is not None and record.running:
         record.shut_down({"outcome": "stopped by the test's clean-up", "code": 1})
     LocalCluster.path(name).unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def refused(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, RayLaunch]]:
+    """(run name, launch) of a run its local cluster cannot hold (64 CPUs per generator), started at once."""
+    name = f"local-end-{os.getpid()}"
+    launch = RayLaunch(
+        tmp_path_factory.mktemp("refused"),
+        name,
+        "",
+        None,
+        SIM_CONFIG,
+        "--ray.generator_cpus",
+        "64",
+        "--ray.dashboard",
+        "false",
+    )
+    try:
+        yield name, launch
+    finally:
+        launch.close()
+        shut_down_leftover(name)
 
 
 def test_local_cluster_outlives_a_killed_driver(tmp_path: Path) -> None:
@@ -58,17 +84,12 @@ def test_local_cluster_outlives_a_killed_driver(tmp_path: Path) -> None:
         shut_down_leftover(name)
 
 
-def test_local_cluster_ends_with_its_driver(tmp_path: Path) -> None:
-    name = f"local-end-{os.getpid()}"
-    refused = RayLaunch(tmp_path, name, "", None, SIM_CONFIG, "--ray.generator_cpus", "64", "--ray.dashboard", "false")
-    try:
-        assert refused.wait_exit(timeout_s=120) == 2, refused.tail()
-        record = LocalCluster.load(name)
-        assert record is not None and not record.running, record  # shut down before the driver exited
-        assert not session_processes(record.head_pid), session_processes(record.head_pid)
-        over = control("status", name)
-        assert over.returncode == 1 and over.stderr.count("\n") == 1, over.stderr
-        assert f"run {name} is over: refused: the Ray cluster has" in over.stderr, over.stderr
-    finally:
-        refused.close()
-        shut_down_leftover(name)
+def test_local_cluster_ends_with_its_driver(refused: tuple[str, RayLaunch]) -> None:
+    name, launch = refused
+    assert launch.wait_exit(timeout_s=120) == 2, launch.tail()
+    record = LocalCluster.load(name)
+    assert record is not None and not record.running, record  # shut down before the driver exited
+    assert not session_processes(record.head_pid), session_processes(record.head_pid)
+    over = control("status", name)
+    assert over.returncode == 1 and over.stderr.count("\n") == 1, over.stderr
+    assert f"run {name} is over: refused: the Ray cluster has" in over.stderr, over.stderr
