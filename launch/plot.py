@@ -5,9 +5,11 @@
 
 It reads `<run_dir>/eval.jsonl` (the buffer's eval rows: one per set and version, `eval/<set>/<metric>`) and
 `<run_dir>/metrics.jsonl` (the learner's steps), and draws two panels: each set's metrics against the policy
-version that produced them, and against the run's clock (seconds since the run started, the `time` both files
-share), with the training `reward/mean` beside them on a second axis for reference (the reward of the training
-batches, at the learner step that consumed them). A metric is a key after `eval/<set>/`: `strict_accuracy`,
+version that produced them, with the training `reward/mean` on a second axis for reference (the reward of the
+training batches, at the learner step that made that version), and against wall time (the rows' `time`: seconds
+since the buffer started, the clock of buffer.jsonl). The learner's records count seconds since the learner
+started, a clock a few seconds behind the buffer's that the files do not relate, so the reward is drawn on the
+version panel only. A metric is a key after `eval/<set>/`: `strict_accuracy`,
 `lenient_accuracy`, `pass@1`, `pass@k`, `mean_reward`, `reward/<component>`, `mean_tokens`, `truncated_share`, or
 any of them after `greedy/`.
 
@@ -97,7 +99,8 @@ def plot_run(run_dir: Path, out: Path, metrics: list[str]) -> Path:
         ) from error
     simulated = any(record.get("simulation") for record in steps)
     figure, (by_version, by_time) = plt.subplots(1, 2, figsize=(14, 5), constrained_layout=True)
-    for axis, x_key, x_label in ((by_version, "version", "policy version"), (by_time, "time", "wall time (s)")):
+    panels = ((by_version, "version", "policy version"), (by_time, "time", "seconds since the buffer started"))
+    for axis, x_key, x_label in panels:
         for color, (label, points) in enumerate(series.items()):
             for style, metric in enumerate(metrics):
                 xy = [(_x(p, x_key), p.metrics.get(metric)) for p in points]
@@ -114,7 +117,7 @@ def plot_run(run_dir: Path, out: Path, metrics: list[str]) -> Path:
         axis.set_xlabel(x_label)
         axis.set_ylabel("eval")
         axis.grid(alpha=0.3)
-        reference = [(r.get("step" if x_key == "version" else "time"), r.get(REFERENCE_KEY)) for r in steps]
+        reference = [(r.get("step"), r.get(REFERENCE_KEY)) for r in steps] if x_key == "version" else []
         reference = [(x, y) for x, y in reference if _number(x) and _number(y)]
         if reference:
             twin = axis.twinx()

@@ -131,7 +131,8 @@ GREEDY = "greedy/"
 @dataclass(frozen=True)
 class EvalPoint:
     """One eval set's figures at one policy version: `metrics` are the keys after `eval/<label>/` (`strict_accuracy`,
-    `pass@k`, `greedy/strict_accuracy`, `reward/correct`, ...); `time` is seconds on the run's clock."""
+    `pass@k`, `greedy/strict_accuracy`, `reward/correct`, ...); `time` is the row's: seconds since the buffer
+    started (the clock of buffer.jsonl)."""
 
     label: str
     version: int
