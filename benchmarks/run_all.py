@@ -37,6 +37,7 @@ BENCHMARKS = (
     "demo_runs",
     "ray_overhead",
     "env_latency",
+    "eval_overhead",
 )
 OPTIONAL = frozenset({"ray_overhead", "env_latency"})  # run when present
 HERE = Path(__file__).resolve().parent
