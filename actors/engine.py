@@ -42,7 +42,7 @@ import numpy as np
 
 from actors.chat_turns import TokenizerTexts
 from actors.cuda_weights import DeviceWeightsUpdate, export_buckets, ipc_table
-from actors.engine_api import FinishedSample, SamplingSettings
+from actors.engine_api import TRAINING_PRIORITY, FinishedSample, SamplingSettings
 from actors.weights import SharedMemoryStaging, WeightsUpdate
 from common.config import GeneratorConfig, ModelConfig, parse_cores
 
@@ -270,6 +270,9 @@ class VllmEngine(TokenizerTexts):
             enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size,
             disable_log_stats=True,
+            # Lower `priority` first: evaluation requests (EVAL_PRIORITY) take only the slots training leaves free.
+            # With every request at one priority this is first-come first-served, as vLLM's default policy.
+            scheduling_policy="priority",
         )
         started = time.monotonic()
         self.engine = LLMEngine.from_engine_args(args)
@@ -297,10 +300,11 @@ class VllmEngine(TokenizerTexts):
         prompt_tokens: list[int],
         max_tokens: int | None = None,
         temperature: float | None = None,
+        priority: int = TRAINING_PRIORITY,
     ) -> None:
         """`max_tokens` / `temperature` other than the configured ones sample with a copy of the sampling
         parameters; temperature 0 is vLLM's greedy decoding (top-p, top-k and min-p off, as vLLM sets them for
-        a greedy request it builds itself)."""
+        a greedy request it builds itself). `priority` goes to vLLM's priority scheduler (lower first)."""
         params = self.params
         if max_tokens is not None and max_tokens != params.max_tokens:
             params = params.clone()
@@ -310,7 +314,7 @@ class VllmEngine(TokenizerTexts):
             params.temperature = temperature
             if temperature == 0.0:
                 params.top_p, params.top_k, params.min_p = 1.0, 0, 0.0
-        self.engine.add_request(request_id, {"prompt_token_ids": prompt_tokens}, params)
+        self.engine.add_request(request_id, {"prompt_token_ids": prompt_tokens}, params, priority=priority)
         self._start_versions[request_id] = self.policy_version
 
     def num_unfinished(self) -> int:

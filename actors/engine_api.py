@@ -22,6 +22,9 @@ import numpy as np
 from actors.weights import WeightsUpdate
 from common.types import PromptItem
 
+TRAINING_PRIORITY = 0  # `Engine.add(priority=...)`: training samples first ...
+EVAL_PRIORITY = 1  # ... evaluation (actors.evaluation) in the batch slots they leave free
+
 
 @dataclass(frozen=True)
 class SamplingSettings:
@@ -74,10 +77,13 @@ class Engine(Protocol):
         prompt_tokens: list[int],
         max_tokens: int | None = None,
         temperature: float | None = None,
+        priority: int = TRAINING_PRIORITY,
     ) -> None:
         """Queue one sample of at most `max_tokens` tokens (None = the engine's configured `max_tokens`) at
         `temperature` (None = the engine's configured one; 0 = greedy decoding, top-p off); it joins the running
-        batch at the next step. `behaviour_logprobs` are under the distribution the request was sampled from."""
+        batch at the next step. `behaviour_logprobs` are under the distribution the request was sampled from.
+        `priority`: a free batch slot goes to the waiting request of the lowest value first (arrival order among
+        equals); evaluation asks with EVAL_PRIORITY, so it only takes the slots training leaves free."""
         ...
 
     def num_unfinished(self) -> int:

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from actors.engine_api import Engine, FinishedSample
+from actors.engine_api import EVAL_PRIORITY, Engine, FinishedSample
 from actors.outbox import BufferLink
 from common.config import TandemConfig
 from common.eval_metrics import (
@@ -213,7 +213,9 @@ class Evaluator:
                     lease.samples[index] = _empty_sample(request_id, version)
                     continue
                 temperature = GREEDY if grant.greedy and j == 0 else grant.temperature
-                self.engine.add(request_id, tokens, max_tokens=grant.max_tokens, temperature=temperature)
+                self.engine.add(
+                    request_id, tokens, max_tokens=grant.max_tokens, temperature=temperature, priority=EVAL_PRIORITY
+                )
                 added += 1
         if added == 0:  # every prompt too long: nothing to wait for
             self._finish()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from actors.engine_api import FinishedSample
+from actors.engine_api import TRAINING_PRIORITY, FinishedSample
 from actors.weights import WeightsUpdate
 from common.types import PromptItem
 
@@ -32,6 +32,7 @@ class _SimSequence:
     request_id: str
     start_version: int
     length: int  # tokens it finishes after
+    priority: int = TRAINING_PRIORITY
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -46,7 +47,7 @@ class SimEngine:
         self.max_num_seqs = max_num_seqs
         self.rng = np.random.default_rng(seed)
         self.policy_version = 0
-        self.waiting: deque[_SimSequence] = deque()
+        self.waiting: deque[_SimSequence] = deque()  # in arrival order; a free slot takes the lowest priority first
         self.running: dict[str, _SimSequence] = {}
         log.info("SIMULATION engine: %d random tokens a sample, %.4fs a step (no model)", sim_tokens, sim_token_s)
 
@@ -69,17 +70,20 @@ class SimEngine:
         prompt_tokens: list[int],
         max_tokens: int | None = None,
         temperature: float | None = None,
+        priority: int = TRAINING_PRIORITY,
     ) -> None:
-        """`temperature` is accepted and ignored: the tokens are random whatever it is."""
+        """`temperature` is accepted and ignored: the tokens are random whatever it is. `priority` orders the
+        waiting requests as vLLM's priority scheduler does (lower first, arrival order among equals)."""
         length = self.sim_tokens if max_tokens is None else max(1, min(self.sim_tokens, max_tokens))
-        self.waiting.append(_SimSequence(request_id, self.policy_version, length))
+        self.waiting.append(_SimSequence(request_id, self.policy_version, length, priority))
 
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
     def step(self) -> list[FinishedSample]:
         while self.waiting and len(self.running) < self.max_num_seqs:
-            sequence = self.waiting.popleft()
+            sequence = min(self.waiting, key=lambda s: s.priority)  # the first of the lowest priority
+            self.waiting.remove(sequence)
             self.running[sequence.request_id] = sequence
         if not self.running:
             return []

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from actors.engine_api import FinishedSample
+from actors.engine_api import EVAL_PRIORITY, TRAINING_PRIORITY, FinishedSample
 from actors.evaluation import Evaluator, is_eval_request
 from actors.generator import Generator
 from actors.group_rewards import GroupRewards
@@ -95,14 +95,17 @@ class TextEngine(SimEngine):
         prompt_tokens: list[int],
         max_tokens: int | None = None,
         temperature: float | None = None,
+        priority: int = TRAINING_PRIORITY,
     ) -> None:
-        super().add(request_id, prompt_tokens, max_tokens, temperature)
+        super().add(request_id, prompt_tokens, max_tokens, temperature, priority)
         answer = bytes(prompt_tokens).decode().rsplit("=", 1)[-1]
         key = bytes(prompt_tokens)
         if temperature not in (None, 0.0):
             self._sample_counts[key] += 1
         self._texts[request_id] = scripted_text(answer, temperature, self._sample_counts[key] - 1)
-        record = SimpleNamespace(request_id=request_id, temperature=temperature, max_tokens=max_tokens)
+        record = SimpleNamespace(
+            request_id=request_id, temperature=temperature, max_tokens=max_tokens, priority=priority
+        )
         record.version = self.policy_version
         self.adds.append(record)
 
@@ -309,6 +312,9 @@ def test_eval_grant_is_sampled_greedy_first_scored_and_sent_as_one_result(tmp_pa
     assert asked == [(t, MAX_TOKENS, 0) for _ in ANSWERS for t in [0.0] + [TEMPERATURE] * SAMPLES]
     training = [a for a in engine.adds if not is_eval_request(a.request_id)]
     assert [(a.temperature, a.max_tokens) for a in training] == [(None, None)] * 4  # the engine's own settings
+    # evaluation only takes the batch slots training leaves free (the engine's priority scheduling)
+    assert {a.priority for a in engine.eval_adds()} == {EVAL_PRIORITY}
+    assert {a.priority for a in training} == {TRAINING_PRIORITY}
     assert {a.request_id for a in engine.eval_adds()}.isdisjoint(a.request_id for a in training)
 
     (result,) = link.of(EvalResult)

@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 
+from actors.engine_api import EVAL_PRIORITY, TRAINING_PRIORITY
 from actors.sim_engine import SimEngine
 from actors.weights import WeightsUpdate
 from launch.testing import pack_weights
@@ -80,3 +81,15 @@ def test_abort_drops_requests():
     engine.step()
     engine.abort(["run", "wait", "unknown"])
     assert engine.num_unfinished() == 0 and engine.step() == []
+
+
+def test_a_free_slot_goes_to_the_lowest_priority_first_in_arrival_order():
+    """As vLLM's priority scheduler: evaluation (EVAL_PRIORITY) queued before training still waits for it."""
+    engine = SimEngine(sim_tokens=1, sim_token_s=0.0, max_num_seqs=2, seed=0)
+    for i in range(3):
+        engine.add(f"eval-{i}", [1], priority=EVAL_PRIORITY)
+    engine.add("train-0", [1])
+    engine.add("train-1", [1], priority=TRAINING_PRIORITY)
+    order = [[s.request_id for s in engine.step()] for _ in range(3)]
+    assert order == [["train-0", "train-1"], ["eval-0", "eval-1"], ["eval-2"]]
+    assert engine.num_unfinished() == 0
