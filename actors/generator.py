@@ -19,8 +19,9 @@ One loop, one thread, each pass in this order (`run` below):
      Refusals: "stale" -> fetch weights >= min_version first; "full" -> wait `retry_after_s`, poll weights;
      "exhausted" -> finish in-flight work and exit 0. An `EvalGrant` instead of prompts (an evaluation is due):
      the eval lease is taken (at most one at a time) and training prompts are asked for again at once.
-  6. add the eval lease's requests, ahead of the leased prompts (each prompt's greedy request, temperature 0, then
-     `samples` at the eval temperature, all with the current policy version, once it is the grant's or newer);
+  6. add the eval lease's requests before the leased prompts (each prompt's greedy request, temperature 0, then
+     `samples` at the eval temperature, all with the current policy version, once it is the grant's or newer; at
+     `EVAL_PRIORITY`, so the engine runs them in the batch slots training requests leave free);
      then add leased prompts to the engine (n requests each, stamped with the current policy version); with a
      multi-turn environment (`env.environment`), open n episodes each instead (`actors.episodes`): their
      environment calls run off this loop, and this phase also takes in finished calls and adds the episodes' next
@@ -318,7 +319,7 @@ class Generator:
             self.next_lease = now + LEASE_RETRY_S
 
     def _on_eval_grant(self, now: float, grant: EvalGrant) -> None:
-        """Take the eval lease (its requests go in ahead of the queued prompts, at the next `submit_prompts`) and
+        """Take the eval lease (its requests are added before the queued prompts, at the next `submit_prompts`) and
         ask for training prompts again at once: the grant came instead of them."""
         self.next_lease = now
         if self.evaluation is None:
