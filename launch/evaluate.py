@@ -223,7 +223,7 @@ def plan(argv: list[str]) -> EvalPlan:
         raise EvalUsageError(f"env.reward_fn: {error}") from None
     models = {spec: resolve_eval_model(spec) for spec in args.models}
     try:
-        sets = [eval_set(name, limit=args.prompts) for name in names]
+        sets = [eval_set(name, limit=args.prompts, shots=config.env.shots) for name in names]  # asked as trained
     except (ValueError, OSError, ImportError) as error:
         raise EvalUsageError(f"--sets: {error}") from None
     return EvalPlan(

@@ -91,6 +91,15 @@ def test_each_model_runs_in_its_saved_dtype_unless_a_config_says(tmp_path: Path)
     assert evaluate._model_settings(given, given.models[str(fp32)]).dtype == "bfloat16"
 
 
+def test_a_config_with_env_shots_asks_the_sets_as_its_run_trained(tmp_path: Path) -> None:
+    model = _hf_dir(tmp_path / "model", {**HF_CONFIG, "dtype": "float32"})
+    config = tmp_path / "run.toml"
+    config.write_text("[env]\nshots = 1\n")
+    given = plan([str(model), "--sets", "arithmetic,arithmetic-reworded", "--config", str(config)])
+    assert all(len(record.messages) == 3 for s in given.sets for record in s.records)  # example, reply, question
+    assert all(len(record.messages) == 1 for s in plan([str(model)]).sets for record in s.records)  # no config
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
