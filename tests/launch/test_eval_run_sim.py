@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from common.eval_metrics import METRIC_KEYS
 from common.metrics import read_metrics
 from launch.testing import RoleUnderTest, run_config
 from tests.launch.ray_runs import buffer_counters
@@ -24,18 +25,7 @@ STEPS, EVERY = 7, 3
 ROUNDS = (0, 3, 6, 7)  # versions 0, EVERY, 2 EVERY and the final one
 SETS = {"arithmetic": "arithmetic", "arithmetic-reworded": "arithmetic-reworded"}  # set -> label
 PROMPTS, SAMPLES = 4, 2
-ROW_METRICS = (
-    "strict_accuracy",
-    "lenient_accuracy",
-    "pass@1",
-    "pass@k",
-    "k",
-    "mean_reward",
-    "mean_tokens",
-    "truncated_share",
-    "prompts",
-    "samples",
-)
+ROW_METRICS = METRIC_KEYS  # every row holds the metrics tandem eval reports (common.eval_metrics)
 RUN_TIMEOUT_S = 120
 
 
