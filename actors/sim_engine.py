@@ -3,7 +3,10 @@
 Every step produces one random token for every running sequence and takes `sim_token_s` of wall time however many
 sequences run (continuous batching: a step's cost does not grow with the batch); a sample finishes after
 `sim_tokens` tokens (or the request's own `max_tokens`, if fewer). Weights are received for real by the generator
-(same transport, same bytes) and "loaded" by taking their version: there is no model to load them into. Prompts
+(same transport, same bytes) and "loaded" by taking their version: there is no model to load them into. With
+`lora_rank` > 0 (learner.lora.sync = "adapter") it takes adapter-only updates as vLLM does (actors/engine.py): a
+request keeps the version it was added with to its end, inflight or not, and the kind of update is checked
+(`check_update_kind`: a full update raises `WeightsRejected`, as an adapter does without `lora_rank`). Prompts
 and multi-turn observations are "tokenized" as their UTF-8 bytes.
 Everything around it (leases, sockets, buffer, versions, staleness) stays real; this is what fleet-scale tests use.
 """
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from actors.engine_api import TRAINING_PRIORITY, FinishedSample
-from actors.weights import WeightsUpdate
+from actors.weights import WeightsUpdate, check_update_kind
 from common.types import PromptItem
 
 log = logging.getLogger("tandem.actors.sim_engine")
@@ -41,8 +44,9 @@ class _SimSequence:
 class SimEngine:
     """SIMULATION: a continuously batching engine that generates random tokens (see the module docstring)."""
 
-    def __init__(self, sim_tokens: int, sim_token_s: float, max_num_seqs: int, seed: int) -> None:
+    def __init__(self, sim_tokens: int, sim_token_s: float, max_num_seqs: int, seed: int, lora_rank: int = 0) -> None:
         self.sim_tokens = sim_tokens
+        self.lora_rank = lora_rank  # > 0: adapter-only updates (a request samples with the adapter it was added with)
         self.sim_token_s = sim_token_s
         self.max_num_seqs = max_num_seqs
         self.rng = np.random.default_rng(seed)
@@ -94,7 +98,7 @@ class SimEngine:
         for sequence, token, logprob in zip(list(self.running.values()), tokens, logprobs):
             sequence.tokens.append(int(token))
             sequence.logprobs.append(float(logprob))
-            sequence.versions.append(self.policy_version)
+            sequence.versions.append(sequence.start_version if self.lora_rank else self.policy_version)
             if len(sequence.tokens) >= sequence.length:
                 del self.running[sequence.request_id]
                 finished.append(
@@ -118,6 +122,7 @@ class SimEngine:
     def load_weights(self, update: WeightsUpdate, inflight: bool) -> None:
         if self.num_unfinished() and not inflight:
             raise RuntimeError(f"load_weights(inflight=False) with {self.num_unfinished()} samples running")
+        check_update_kind(update.header, self.lora_rank)
         self.policy_version = update.policy_version
 
     def shutdown(self) -> None:

@@ -71,6 +71,30 @@ class WeightsTransportError(RuntimeError):
     """The publisher's reply cannot be used (refused request, malformed frames, unsupported transport)."""
 
 
+class WeightsRejected(ValueError):
+    """An engine refused a well-formed update before changing anything: a full update to an engine serving
+    adapters or the reverse, an adapter of a higher rank than the engine serves, or an adapter vLLM cannot load
+    (its modules are not the model's). The generator counts it (`WeightsPoller.reject`) and keeps its weights."""
+
+
+def check_update_kind(header: WeightsHeader, max_lora_rank: int) -> None:
+    """Raise `WeightsRejected` unless `header` is the kind of update an engine started with `max_lora_rank`
+    serves: full weights (lora_rank 0) when it is 0, else an adapter of rank 1 to `max_lora_rank`."""
+    version, rank = header.policy_version, header.lora_rank
+    if max_lora_rank == 0 and rank > 0:
+        raise WeightsRejected(
+            f"weights v{version} is an adapter-only update (rank {rank}) and this engine loads full weights: "
+            'the learner and the generators must share learner.lora.sync = "adapter"'
+        )
+    if max_lora_rank > 0 and rank == 0:
+        raise WeightsRejected(
+            f"weights v{version} is a full-weights update and this engine serves LoRA adapters only: the learner "
+            'and the generators must share learner.lora.sync = "adapter"'
+        )
+    if rank > max_lora_rank:
+        raise WeightsRejected(f"weights v{version}: adapter rank {rank} is over this engine's {max_lora_rank}")
+
+
 @dataclass
 class WeightsUpdate:
     """A received weights update: header + bucket frames (layout: `common.weights`). `received_at` is the
@@ -298,6 +322,11 @@ class WeightsPoller:
             self._rollback = False
             return result
         return None
+
+    def reject(self, update: WeightsUpdate, error: WeightsRejected) -> None:
+        """The engine refused `update` (`WeightsRejected`): counted as "rejected_update", logged, and asked for
+        again after the back-off (the generator samples on with the weights it has)."""
+        self._retry_later("rejected_update", f"v{update.policy_version} not loaded: {error}")
 
     def _retry_later(self, kind: str, reason: str) -> None:
         self.failures[kind] += 1

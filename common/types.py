@@ -421,6 +421,10 @@ def _default(value: Any, low: int = 0, high: int = MAX_COUNT) -> Any:
 
 
 MAX_ADDRESS_CHARS = 300  # host:port, or "host:<generator id>" for a host copy
+MAX_LORA_RANK = 4096  # an adapter's rank (vLLM 0.32 serves up to 512: actors.engine refuses more at start)
+MAX_LORA_ALPHA = 1e6  # the adapter's scale is lora_alpha / lora_rank
+MAX_LORA_MODULES = 64  # target module names of an adapter (Llama has 7 projections)
+MAX_MODULE_NAME_CHARS = 100
 
 
 @message("weights_request")
@@ -450,7 +454,8 @@ class WeightsRequest:
 class WeightsHeader:
     """Learner -> generator: the header of a weights update. `transport` says how the payload travels: 'zmq' (the
     buckets follow this header as raw frames), 'relay' (chunks pulled from `parent`, checked against
-    `chunk_digests`), 'broadcast' (over the static group)."""
+    `chunk_digests`), 'broadcast' (over the static group). `lora_rank` > 0: an adapter-only update (the LoRA matrices,
+    `common.weights.check_adapter`); 0: the full weights."""
 
     policy_version: int = version()
     tensors: list[TensorSpec]
@@ -464,10 +469,17 @@ class WeightsHeader:
     chunk_digests: list[str] = field(default_factory=list)
     parent: str = ""
     depth: int = _default(0)
+    # An adapter-only update (learner.lora.sync = "adapter"): `lora_rank` > 0, the tensors are the LoRA A/B matrices
+    # of the modules named in `lora_target_modules` (peft's names without "base_model.model.", e.g.
+    # "model.layers.0.self_attn.q_proj.lora_A.weight"), scaled by lora_alpha / lora_rank. 0 = full weights.
+    lora_rank: int = _default(0, 0, MAX_LORA_RANK)
+    lora_alpha: float = 0.0
+    lora_target_modules: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         if len(self.parent) > MAX_ADDRESS_CHARS:
             raise ContractError(f"weights_header.parent: longer than {MAX_ADDRESS_CHARS} characters")
+        self._validate_adapter()
         if any(len(d) != 64 for d in self.chunk_digests):
             raise ContractError("weights_header.chunk_digests: each must be a sha256 hex digest (64 characters)")
         for spec in self.tensors:
@@ -475,6 +487,25 @@ class WeightsHeader:
                 raise ContractError(f"weights_header.{spec.name}: bucket {spec.bucket} out of range")
             if spec.offset < 0 or spec.offset + spec.nbytes > self.bucket_sizes[spec.bucket]:
                 raise ContractError(f"weights_header.{spec.name}: bytes outside its bucket")
+
+    def _validate_adapter(self) -> None:
+        if self.lora_rank == 0:
+            if self.lora_alpha != 0.0 or self.lora_target_modules:
+                raise ContractError("weights_header: lora_alpha / lora_target_modules set on a full update (rank 0)")
+            return
+        if not 0 < self.lora_alpha <= MAX_LORA_ALPHA:
+            raise ContractError(f"weights_header.lora_alpha: {self.lora_alpha} is outside (0, {MAX_LORA_ALPHA}]")
+        modules = self.lora_target_modules
+        if not 1 <= len(modules) <= MAX_LORA_MODULES:
+            raise ContractError(f"weights_header.lora_target_modules: {len(modules)} names (1 to {MAX_LORA_MODULES})")
+        if len(set(modules)) != len(modules):
+            raise ContractError("weights_header.lora_target_modules: a name is repeated")
+        for name in modules:
+            if len(name) > MAX_MODULE_NAME_CHARS or not name.isidentifier() or not name.isascii():
+                raise ContractError(
+                    f"weights_header.lora_target_modules: {name[:40]!r} is not a module name (an ASCII identifier "
+                    f"of at most {MAX_MODULE_NAME_CHARS} characters, e.g. 'q_proj')"
+                )
 
 
 @message("weights_not_newer")

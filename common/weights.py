@@ -20,6 +20,11 @@ Layout (one update = one `WeightsHeader` + `len(bucket_sizes)` raw frames):
   * `bucket_sizes[i]` = bytes of frame i (the end of its last tensor; no trailing padding).
 `launch.testing.pack_weights` / `unpack_weights` build and read a whole update from numpy arrays (fakes, tests).
 
+Adapter-only updates (learner.lora.sync = "adapter"): the same layout, with the tensors the LoRA A/B matrices
+only and the header's `lora_rank` > 0, `lora_alpha`, `lora_target_modules`; `check_layout` then also checks the
+names and shapes (`check_adapter`). The transports carry the bytes unchanged; the generator's engine writes them
+as a peft adapter directory that vLLM loads as a LoRA adapter (actors/engine.py).
+
 Request/reply (what the generator's receiver expects of the publisher): `WeightsRequest(generator_id, have_version)`
 is answered with `WeightsHeader` (transport "zmq") + the buckets as payload frames when the publisher's version is
 newer than `have_version`, else with `WeightsNotNewer(latest_version)`. The publisher may instead hold a request
@@ -38,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -108,7 +114,8 @@ def check_frames(header: WeightsHeader, buckets: Sequence[Any]) -> list[memoryvi
     Checked, because the header comes from a peer: a version within [0, MAX_POLICY_VERSION]; the frame count and
     every frame's size; per tensor a non-empty unique name, a dtype of `STORAGE_DTYPES`, at most `MAX_NDIM`
     non-negative dims whose product times the item size is `nbytes`, a bucket index in range and an `ALIGN`-ed
-    offset with its bytes inside that bucket; and no two tensors sharing a byte.
+    offset with its bytes inside that bucket; no two tensors sharing a byte; for an adapter update (`lora_rank`
+    > 0) the rules of `check_adapter`.
     """
     views = [_byte_view(b) for b in buckets]
     if len(views) != len(header.bucket_sizes):
@@ -129,6 +136,49 @@ def check_layout(header: WeightsHeader) -> None:
     for spec in header.tensors:
         _check_spec(spec, header.bucket_sizes, names)
     _check_disjoint(header.tensors)
+    if header.lora_rank:
+        check_adapter(header)
+
+
+ADAPTER_DTYPES = ("float32", "bfloat16", "float16")
+MAX_ADAPTER_NAME_CHARS = 300
+_ADAPTER_NAME = re.compile(
+    r"((?:[A-Za-z_][A-Za-z0-9_]*|[0-9]+)(?:\.(?:[A-Za-z_][A-Za-z0-9_]*|[0-9]+))*)\.lora_([AB])\.weight"
+)
+
+
+def check_adapter(header: WeightsHeader) -> None:
+    """An adapter-only update (`lora_rank` > 0) holds exactly the LoRA matrices of the contract, else
+    `WeightsLayoutError`: every name is `<module path>.lora_A.weight` or `.lora_B.weight` (peft's names without
+    "base_model.model.", e.g. "model.layers.0.self_attn.q_proj.lora_A.weight"), the path's last part one of
+    `lora_target_modules`; a floating dtype of `ADAPTER_DTYPES`; A is [rank, in] and B [out, rank]; and each
+    module has both. (Whether the modules exist in the model is the engine's check, when it loads the adapter.)"""
+    rank, targets = header.lora_rank, set(header.lora_target_modules)
+    halves: dict[str, set[str]] = {}
+    for spec in header.tensors:
+        label = repr(spec.name[:80])
+        match = _ADAPTER_NAME.fullmatch(spec.name) if len(spec.name) <= MAX_ADAPTER_NAME_CHARS else None
+        if match is None or match[1].startswith("base_model."):
+            raise WeightsLayoutError(
+                f"adapter tensor {label}: not a LoRA name ('<module path>.lora_A.weight' or '.lora_B.weight', "
+                "without peft's 'base_model.model.' prefix)"
+            )
+        module, half = match[1], match[2]
+        if module.rsplit(".", 1)[-1] not in targets:
+            raise WeightsLayoutError(f"adapter tensor {label}: its module is none of lora_target_modules")
+        if spec.dtype not in ADAPTER_DTYPES:
+            raise WeightsLayoutError(f"adapter tensor {label}: dtype {spec.dtype!r} is none of {ADAPTER_DTYPES}")
+        rank_dim = 0 if half == "A" else 1
+        if len(spec.shape) != 2 or spec.shape[rank_dim] != rank or spec.shape[1 - rank_dim] == 0:
+            expected = "[rank, in]" if half == "A" else "[out, rank]"
+            raise WeightsLayoutError(f"adapter tensor {label}: shape {spec.shape} is not {expected} with rank {rank}")
+        halves.setdefault(module, set()).add(half)
+    unpaired = sorted(module for module, found in halves.items() if found != {"A", "B"})
+    if unpaired or not halves:
+        raise WeightsLayoutError(
+            f"adapter update v{header.policy_version}: "
+            + (f"{unpaired[0][:80]!r} lacks its lora_A or lora_B" if unpaired else "no tensors")
+        )
 
 
 def _check_spec(spec: TensorSpec, sizes: Sequence[int], names: set[str]) -> None:
