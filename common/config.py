@@ -610,6 +610,48 @@ class BufferConfig(_Section):
     )
 
 
+# Llama's (and SmolLM2's) linear projections: every attention and MLP matrix, the usual LoRA targets.
+LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MAX_LORA_RANK = 4096  # as common.types.WeightsHeader.lora_rank (vLLM serves adapters up to rank 512)
+
+
+def _check_module_names(names: list[str]) -> list[str]:
+    if len(set(names)) != len(names):
+        raise ValueError("a module name is repeated")
+    for name in names:
+        if not (name.isidentifier() and name.isascii() and len(name) <= 100):
+            raise ValueError(
+                f"{name[:40]!r} is not a module name (the last part of a linear layer's name, e.g. 'q_proj')"
+            )
+    return names
+
+
+class LoraConfig(_Section):
+    """LoRA adapters on the learner's policy, and on the critic's backbone when there is one (peft, the `lora`
+    extra): only the adapters train (the critic's value head too), the base weights stay frozen. rank 0 = off."""
+
+    rank: int = Field(
+        0, description="Adapter rank r (0 = no adapters: full fine-tuning). 8-64 is usual.", ge=0, le=MAX_LORA_RANK
+    )
+    alpha: float = Field(
+        16.0, description="Adapter scale numerator: the update is W + (alpha / rank) B A.", gt=0, le=1e6
+    )
+    dropout: float = Field(0.0, description="Dropout on the adapters' input while training.", ge=0, lt=1)
+    target_modules: Annotated[list[str], AfterValidator(_check_module_names)] = Field(
+        default_factory=lambda: list(LLAMA_PROJECTIONS),
+        description="Last parts of the names of the linear layers that get adapters; a name that matches no "
+        "linear layer of the model is refused when it loads (the error lists the model's linear layers).",
+        min_length=1,
+        max_length=64,
+    )
+    sync: Literal["merged", "adapter"] = Field(
+        "merged",
+        description="What a weight update carries. merged: the full weights, each adapted one merged as "
+        "W + (alpha / rank) B A (every engine takes it, as without LoRA); adapter: only the A and B matrices (a "
+        "few % of the bytes), for generators whose vLLM runs with LoRA enabled (a LoRARequest per version).",
+    )
+
+
 class LearnerConfig(_Section):
     """The learner: DeepSpeed rank(s) that train on batches and publish weights."""
 
@@ -670,6 +712,10 @@ class LearnerConfig(_Section):
     sim_sample_s: float = Field(0.05, description="SIMULATION: seconds of training per sample.", ge=0, le=MAX_TIMEOUT_S)
     sim_weights_mb: float = Field(
         256.0, description="SIMULATION: size of the published weights in MiB.", ge=0, le=MAX_MESSAGE_MB
+    )
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig,
+        description="[learner.lora]: LoRA adapters instead of full fine-tuning (see the section below).",
     )
 
 
@@ -1084,6 +1130,23 @@ class TandemConfig(_Section):
             if not reaches(address, host, port)
         ]
 
+    def _lora_problems(self) -> list[str]:
+        """[learner.lora] against the rest: what a LoRA learner or its weight updates cannot do here."""
+        lora, problems = self.learner.lora, []
+        if lora.rank == 0:
+            if lora.sync == "adapter":
+                problems.append(
+                    'learner.lora.sync: "adapter" needs adapters (learner.lora.rank > 0); set the rank, or leave '
+                    "sync out (full weights)"
+                )
+            return problems
+        if lora.sync == "adapter" and self.weights.transport == "broadcast":
+            problems.append(
+                'learner.lora.sync: "adapter" updates travel over weights.transport = "relay" or "star" (the '
+                'broadcast group carries no adapter settings); use one of them, or learner.lora.sync = "merged"'
+            )
+        return problems
+
     @model_validator(mode="after")
     def _cross_role_rules(self) -> TandemConfig:
         self._fill_unwritten_endpoints()
@@ -1149,6 +1212,7 @@ class TandemConfig(_Section):
                     f"eval.max_tokens: must be < model.max_model_len = {self.model.max_model_len} "
                     f"(got {self.eval.max_tokens})"
                 )
+        problems += self._lora_problems()
         if self.ray.max_learner_restarts and not self.learner.save_every:
             problems.append(
                 "ray.max_learner_restarts: needs learner.save_every > 0 (a restarted learner resumes "
@@ -1181,10 +1245,21 @@ def _close_name(loc: list[str]) -> str | None:
     if len(loc) == 1:
         close = elsewhere or difflib.get_close_matches(name, sections, n=1)
         return close[0] if close else None
-    model = sections.get(loc[0])
-    allowed = list(model.model_fields) if model is not None and len(loc) == 2 else []
-    close = [f"{loc[0]}.{key}" for key in difflib.get_close_matches(name, allowed, n=1)] or elsewhere
+    model = _section_at(loc[:-1])
+    allowed = list(model.model_fields) if model is not None else []
+    parent = ".".join(loc[:-1])
+    close = [f"{parent}.{key}" for key in difflib.get_close_matches(name, allowed, n=1)] or elsewhere
     return close[0] if close else None
+
+
+def _section_at(loc: list[str]) -> type[BaseModel] | None:
+    """The section (or subsection: `learner.lora`) at a dotted location, or None where there is none."""
+    model: Any = _sections().get(loc[0]) if loc else None
+    for part in loc[1:]:
+        field = model.model_fields.get(part) if model is not None else None
+        annotation = field.annotation if field is not None else None
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return model
 
 
 def _unknown_key_hint(loc: list[str], override: str | None = None) -> str:
@@ -1197,12 +1272,13 @@ def _unknown_key_hint(loc: list[str], override: str | None = None) -> str:
         rest = override[len(".".join(loc)) :] if close.count(".") == len(loc) - 1 else ""
         return f"{what}; did you mean --{close}{rest}?"
     if close:
-        same_section = len(loc) == 2 and close.startswith(f"{loc[0]}.")
-        return f"{what}; did you mean '{close.split('.', 1)[1] if same_section else close}'?"
+        parent = ".".join(loc[:-1]) + "."
+        same_section = len(loc) >= 2 and close.startswith(parent)
+        return f"{what}; did you mean '{close.removeprefix(parent) if same_section else close}'?"
     if len(loc) == 1:
         return f"{what} ({', '.join(_sections())})"
-    model = _sections().get(loc[0])
-    allowed = list(model.model_fields) if model is not None and len(loc) == 2 else []
+    model = _section_at(loc[:-1])
+    allowed = list(model.model_fields) if model is not None else []
     return f"{what} (keys of [{'.'.join(loc[:-1])}]: {', '.join(allowed)})"
 
 
