@@ -32,6 +32,7 @@ __all__ = [
     "dpo_loss",
     "entropy_from_logits",
     "kl_estimate",
+    "linear_logprobs_entropy",
     "logprobs_from_logits",
     "policy_loss",
     "sft_token_nll",
@@ -306,6 +307,102 @@ class _TokenLogprobs(torch.autograd.Function):
             d = -torch.exp(logits[s : s + c].to(lse.dtype) - lse[s : s + c, None]) * g  # [c, V]
             grad[s : s + c] = d.scatter_add_(1, tokens[s : s + c, None], g)
         return grad, None, None
+
+
+class _LinearLogprobsEntropy(torch.autograd.Function):
+    """(log softmax(h W^T / T)[token], entropy) row chunk by row chunk; backward recomputes each chunk's logits.
+
+    Saved for backward: hidden, weight (the tensors themselves, no copy), tokens and the [N] entropies. Peak
+    memory is a few [chunk_size, V] float32 buffers in forward and in backward, never [N, V].
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float, chunk_size: int):
+        n, dtype = hidden.shape[0], _compute_dtype(hidden)
+        logprobs = hidden.new_empty(n, dtype=dtype)  # [N]
+        entropy = hidden.new_empty(n, dtype=dtype)  # [N]
+        for s in range(0, n, chunk_size):
+            logp = _chunk_log_softmax(hidden[s : s + chunk_size], weight, temperature, dtype)  # [c, V]
+            logprobs[s : s + chunk_size] = logp.gather(1, tokens[s : s + chunk_size, None]).squeeze(1)
+            entropy[s : s + chunk_size] = -(logp.exp() * logp).sum(dim=-1)
+        ctx.save_for_backward(hidden, weight, tokens, entropy)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(tokens)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None):
+        """With p = softmax(z), z = h W^T / T:  d logprob/dz_v = 1[v = token] - p_v,
+        d entropy/dz_v = -p_v (log p_v + H);  then dh = dz W / T and dW = dz^T h / T (summed over chunks)."""
+        hidden, weight, tokens, entropy = ctx.saved_tensors
+        if grad_logprobs is None and grad_entropy is None:
+            return None, None, None, None, None
+        c, temperature = ctx.chunk_size, ctx.temperature
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=_compute_dtype(weight)) if ctx.needs_input_grad[1] else None
+        for s in range(0, hidden.shape[0], c):
+            h = hidden[s : s + c]  # [c, H]
+            logp = _chunk_log_softmax(h, weight, temperature, entropy.dtype)  # [c, V]
+            grad_z = logp.exp()  # [c, V]  p
+            if grad_entropy is not None:  # -p (g_lp + g_H (log p + H))
+                coef = logp.add_(entropy[s : s + c, None]).mul_(grad_entropy[s : s + c, None].to(logp.dtype))
+                if grad_logprobs is not None:
+                    coef.add_(grad_logprobs[s : s + c, None].to(logp.dtype))
+                grad_z.mul_(coef).neg_()
+            else:
+                grad_z.mul_(grad_logprobs[s : s + c, None].to(logp.dtype)).neg_()
+            if grad_logprobs is not None:
+                grad_z.scatter_add_(1, tokens[s : s + c, None], grad_logprobs[s : s + c, None].to(logp.dtype))
+            if temperature != 1.0:
+                grad_z.div_(temperature)
+            grad_z = grad_z.to(weight.dtype)  # [c, V]  d loss / d (h W^T), in the layer's dtype (as autograd's)
+            if grad_hidden is not None:
+                grad_hidden[s : s + c] = grad_z @ weight
+            if grad_weight is not None:
+                grad_weight += grad_z.T @ h
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _chunk_log_softmax(hidden: Tensor, weight: Tensor, temperature: float, dtype: torch.dtype) -> Tensor:
+    """log softmax(hidden W^T / temperature) [c, V] in `dtype`; the product in the layer's own dtype."""
+    logits = (hidden @ weight.T).to(dtype)  # [c, V]
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return torch.log_softmax(logits, dim=-1)
+
+
+def linear_logprobs_entropy(
+    hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float = 1.0, chunk_size: int = 128
+) -> tuple[Tensor, Tensor]:
+    """Log-prob of each token and the entropy at each position under softmax(hidden @ weight.T / temperature),
+    fused with the output layer so that the [N, V] logits never exist (Liger's fused linear cross-entropy, for
+    per-token log-probs): `chunk_size` rows at a time, each chunk's logits recomputed in backward.
+
+        logprobs, entropy = linear_logprobs_entropy(hidden, lm_head.weight, tokens, temperature)   # [N], [N]
+
+    hidden: [N, H] (the final hidden states at the positions that predict `tokens`); weight: [V, H] (the output
+    layer's, bias-free; a weight tied to the input embedding gets its gradient added to the shared parameter's,
+    as autograd adds any two uses); tokens: [N] integer ids in [0, V). Returns float32 [N] each (float64 for
+    float64 input): logprobs[n] = log p_n(tokens[n]) and entropy[n] = -sum_v p_n(v) log p_n(v). Both are
+    differentiable w.r.t. hidden and weight (a caller that does not use the entropy pays nothing for its
+    gradient). The product runs in the layer's dtype and the softmax in float32, as `logprobs_from_logits`
+    computes them on the model's logits (one rounding apart: the temperature divides the float32 logits here).
+    Cost: one more [N, H] x [H, V] product than the unfused path (the recomputation), and no [N, V] passes
+    outside the cache-sized chunks; `chunk_size` 128 is the fastest measured on one CPU core.
+    Raises ValueError for mismatched shapes or a chunk_size < 1.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"need hidden [N, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if tokens.shape != hidden.shape[:1]:
+        raise ValueError(f"tokens has shape {tuple(tokens.shape)}, hidden {tuple(hidden.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return _LinearLogprobsEntropy.apply(hidden, weight, tokens.long(), float(temperature), chunk_size)
 
 
 def logprobs_from_logits(logits: Tensor, tokens: Tensor, chunk_size: int = 1024) -> Tensor:

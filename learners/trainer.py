@@ -53,11 +53,21 @@ from learners import engine as eng
 from learners.batching import ModelInputs, PaddedBatch, pad_groups, split_rows
 from learners.checkpoint import export_hf_model
 from learners.estimators import batch_advantages
-from learners.losses import entropy_from_logits, kl_estimate, logprobs_from_logits, policy_loss, value_loss
+from learners.losses import (
+    entropy_from_logits,
+    kl_estimate,
+    linear_logprobs_entropy,
+    logprobs_from_logits,
+    policy_loss,
+    value_loss,
+)
 from learners.models import ValueModel, load_policy, load_reference, torch_dtype
 from learners.rollout_stats import Reduce, rollout_summary
 
 log = logging.getLogger("tandem.learner.trainer")
+
+_NO_POSITIONS = torch.zeros(0, dtype=torch.long)  # logits_to_keep: the output layer runs on no position
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")  # configs whose logits != h W^T
 
 
 def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str) -> torch.Tensor:
@@ -205,10 +215,48 @@ class Trainer:
         return {name: float(engine.skipped_steps) for name, engine in engines.items()}
 
     def _model_logprobs(self, model: object, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probs [b, T'], logits [b, T', V] already divided by the temperature) of the completion tokens."""
-        out = model(**inputs.forward_kwargs(), logits_to_keep=inputs.num_predicted, use_cache=False)
-        logits = out.logits[:, :-1] / self.temperature  # [b, T', V]
-        return logprobs_from_logits(logits, inputs.completion_tokens), logits
+        """(log-probs [b, T'], entropies [b, T']) of the completion tokens under softmax(logits / temperature).
+
+        Fused (the reference, and the policy under ZeRO 0-2): the backbone's final hidden states at the positions
+        that predict the action tokens (loss_mask), [N, H], go through the output layer's weight in
+        `losses.linear_logprobs_entropy`, so the [b, T', V] logits never exist; both outputs are 0 off the loss
+        mask. Unfused (`_fused_head` says why): the model's logits, then `logprobs_from_logits` and
+        `entropy_from_logits` at every position. Off the loss mask the values are not to be used either way.
+        The entropy carries a gradient only when the entropy bonus is on (algo.entropy_coef > 0).
+        """
+        head = self._fused_head(model)
+        if head is None:
+            out = model(**inputs.forward_kwargs(), logits_to_keep=inputs.num_predicted, use_cache=False)
+            logits = out.logits[:, :-1] / self.temperature  # [b, T', V]
+            with torch.set_grad_enabled(self.algo.entropy_coef > 0 and torch.is_grad_enabled()):
+                entropy = entropy_from_logits(logits)  # [b, T']
+            return logprobs_from_logits(logits, inputs.completion_tokens), entropy
+        # no logits at all (an empty index); the final hidden states come back through the model's own forward (a
+        # DeepSpeed engine's, whose output hooks start its backward) with the final norm applied
+        out = model(**inputs.forward_kwargs(), logits_to_keep=_NO_POSITIONS, output_hidden_states=True, use_cache=False)
+        mask = inputs.loss_mask  # [b, T']
+        hidden = out.hidden_states[-1][:, -inputs.num_predicted : -1][mask]  # [N, H]: position t predicts token t
+        logprobs, entropy = linear_logprobs_entropy(hidden, head, inputs.completion_tokens[mask], self.temperature)
+        if not (self.algo.entropy_coef > 0):
+            entropy = entropy.detach()
+        zeros = torch.zeros(mask.shape, dtype=logprobs.dtype, device=mask.device)
+        return zeros.masked_scatter(mask, logprobs), zeros.masked_scatter(mask, entropy)
+
+    def _fused_head(self, model: object) -> torch.Tensor | None:
+        """The output layer's weight [V, H] when `_model_logprobs` may bypass it, else None: under ZeRO-3 (the
+        weight is partitioned and gathered only inside its module's forward), or when the model's logits are more
+        than `hidden @ weight.T` (a bias, or a config that scales or soft-caps them)."""
+        engine = model if isinstance(model, eng.TrainEngine) else None
+        module = engine.module if engine is not None else model
+        if engine is not None and engine.zero3:
+            return None
+        head = module.get_output_embeddings()
+        config = module.config
+        if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+            return None
+        if any(getattr(config, name, None) for name in _LOGIT_TRANSFORMS):
+            return None
+        return head.weight
 
     def _critic_values(self, inputs: ModelInputs) -> torch.Tensor:
         """V(s_t) [b, T'] for each completion token t, read at the position that predicts t."""
@@ -313,7 +361,7 @@ class Trainer:
         """The micro-batch's loss, aggregated over its own units: policy loss + KL term - entropy bonus.
         Records its terms (weighted by `loss_share`) and token statistics (by `token_share`) in `stats`."""
         algo, mask = self.algo, inputs.loss_mask
-        logprobs, logits = self._model_logprobs(self.policy, inputs)  # [b, T'], [b, T', V]
+        logprobs, entropy = self._model_logprobs(self.policy, inputs)  # [b, T'] each
         loss, parts = policy_loss(
             logprobs,
             logprobs.detach(),
@@ -338,8 +386,6 @@ class Trainer:
             if not algo.kl_in_reward:
                 kl_loss = _aggregate(kl_estimate(logprobs, ref, algo.kl_estimator, mask), mask, algo.aggregation)
                 loss = loss + algo.kl_coef * kl_loss
-        with torch.set_grad_enabled(algo.entropy_coef > 0 and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits)  # [b, T']
         if algo.entropy_coef > 0:
             loss = loss - algo.entropy_coef * _aggregate(entropy, mask, algo.aggregation)
         stats.add("loss/kl", kl_loss, loss_share)
