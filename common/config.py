@@ -486,6 +486,14 @@ class AlgoConfig(_Section):
     gamma: float = Field(1.0, description="Discount (gae).", ge=0, le=1)
     lam: float = Field(0.95, description="GAE lambda.", ge=0, le=1)
     value_clip: float = Field(0.2, description="Critic value clip (gae).", ge=0)
+    ppo_epochs: int = Field(
+        1,
+        description="Passes over each drawn batch: ppo_epochs x learner.mini_batches optimizer steps per batch, "
+        "against proximal log-probs taken once before the first (so the PPO clip acts from the second step on). "
+        "The policy version advances, and weights publish, once per batch.",
+        ge=1,
+        le=64,
+    )
 
     @model_validator(mode="after")
     def _rules_the_learner_enforces(self) -> AlgoConfig:
@@ -670,7 +678,30 @@ class LearnerConfig(_Section):
         5556, description="Port of the weight publisher (unset: run.port_base + 1, else 5556).", ge=1, le=65535
     )
     groups_per_step: int = Field(4, description="Groups (prompts) in one global batch.", ge=1)
-    micro_batch_size: int = Field(8, description="Sequences per forward/backward on one rank.", ge=1)
+    micro_batch_size: int = Field(
+        8, description="Sequences per forward/backward on one rank (when max_tokens_per_micro_batch = 0).", ge=1
+    )
+    mini_batches: int = Field(
+        1,
+        description="Optimizer steps per pass over a batch: a rank's share is split into this many mini-batches "
+        "(whole groups when the groups divide evenly), each split into micro-batches (DeepSpeed's gradient "
+        "accumulation). With algo.ppo_epochs, ppo_epochs x mini_batches steps per batch; warmup_steps and the "
+        "lr schedule count these optimizer steps, total_steps counts batches. Must divide a rank's share "
+        "(groups_per_step / world_size x algo.group_size samples).",
+        ge=1,
+    )
+    max_tokens_per_micro_batch: int = Field(
+        0,
+        description="0 = micro-batches of micro_batch_size sequences; > 0 = micro-batches of at most this many "
+        "prompt + completion tokens (padding not counted; a longer sample gets a micro-batch of its own, with a "
+        "warning). All ranks take the same number of micro-steps.",
+        ge=0,
+    )
+    packing: bool = Field(
+        False,
+        description="Pack several samples into one row (position_ids restart per sample, no attention across "
+        "samples) instead of padding each to the longest; needs max_tokens_per_micro_batch > 0. Same update.",
+    )
     total_steps: int = Field(100, description="Optimizer steps to train.", ge=1)
     lr: float = Field(1e-6, description="Learning rate.", gt=0)
     weight_decay: float = Field(0.0, description="AdamW weight decay.", ge=0)
@@ -1186,6 +1217,17 @@ class TandemConfig(_Section):
             problems.append(
                 f"learner.groups_per_step: must be a multiple of learner.world_size = {self.learner.world_size} "
                 f"(got {self.learner.groups_per_step})"
+            )
+        rank_samples = self.learner.groups_per_step // self.learner.world_size * self.algo.group_size
+        if rank_samples % self.learner.mini_batches:
+            problems.append(
+                f"learner.mini_batches: must divide a rank's share of the batch, learner.groups_per_step / "
+                f"learner.world_size x algo.group_size = {rank_samples} samples (got {self.learner.mini_batches})"
+            )
+        if self.learner.packing and not self.learner.max_tokens_per_micro_batch:
+            problems.append(
+                "learner.packing: needs learner.max_tokens_per_micro_batch > 0 (the token budget of a packed "
+                "micro-batch); set it, or learner.packing = false"
             )
         if self.buffer.capacity < self.learner.groups_per_step * self.algo.group_size:
             problems.append(

@@ -1,9 +1,10 @@
 """Rollout groups -> padded tensors, and the micro-batches one update is split into.
 
     batch = pad_groups(groups, staleness, pad_id, first_group_id=rank * len(groups))
-    for rows in split_rows(batch.size, micro_steps):          # contiguous row slices, exactly micro_steps of them
-        inputs = batch.model_inputs(rows, device)             # prompt + completion, padded for this micro-batch
-        logits = model(**inputs.forward_kwargs(), logits_to_keep=inputs.num_predicted)
+    for mini in mini_batch_rows(batch.size, mini_batches, micro_steps):   # one optimizer step per mini-batch
+        for rows in mini:                                     # contiguous row slices, micro_steps of them
+            inputs = batch.model_inputs(rows, device)         # prompt + completion, padded for this micro-batch
+            logits = model(**inputs.forward_kwargs(), logits_to_keep=inputs.num_predicted)
 
 Layout (B samples, T = the longest completion of the batch):
   * Completion tensors are [B, T], right-padded: completion token t of sample b is `completion_tokens[b, t]`;
@@ -25,6 +26,8 @@ import numpy as np
 import torch
 
 from common.types import RolloutGroup
+
+Rows = slice | torch.Tensor  # a micro-batch's rows of a PaddedBatch: a slice, or int64 row indices
 
 
 @dataclass
@@ -53,9 +56,9 @@ class PaddedBatch:
         """Prompt + completion tokens of every sample (what a forward pass processes, padding excluded)."""
         return int(sum(len(p) for p in self.prompts) + self.completion_lengths.sum())
 
-    def model_inputs(self, rows: slice, device: torch.device) -> ModelInputs:
+    def model_inputs(self, rows: Rows, device: torch.device) -> ModelInputs:
         """The padded model input of rows `rows` (see the module docstring), on `device`."""
-        prompts = self.prompts[rows]
+        prompts = self.prompts[rows] if isinstance(rows, slice) else [self.prompts[int(r)] for r in rows]
         lengths = self.completion_lengths[rows]
         prompt_width = max(len(p) for p in prompts)
         width = max(int(lengths.max()), 1)
@@ -154,3 +157,22 @@ def split_rows(num_rows: int, micro_steps: int) -> list[slice]:
         )
     bounds = np.linspace(0, num_rows, micro_steps + 1).round().astype(int)
     return [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
+
+
+def mini_batch_rows(num_rows: int, mini_batches: int, micro_steps: int) -> list[list[slice]]:
+    """Per mini-batch (one optimizer step each), the row slices of its `micro_steps` micro-batches.
+
+    The mini-batches are `mini_batches` contiguous equal parts of the rows, so whole groups when the groups
+    divide evenly among them (groups are adjacent rows of one size). Raises ValueError when `mini_batches` does
+    not divide `num_rows` or a mini-batch has fewer rows than `micro_steps`.
+    """
+    if num_rows % mini_batches:
+        raise ValueError(
+            f"{num_rows} samples cannot be split into {mini_batches} equal mini-batches: learner.mini_batches must "
+            "divide a rank's share (learner.groups_per_step / world_size x algo.group_size)"
+        )
+    size = num_rows // mini_batches
+    return [
+        [slice(first + part.start, first + part.stop) for part in split_rows(size, micro_steps)]
+        for first in range(0, num_rows, size)
+    ]

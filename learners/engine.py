@@ -2,7 +2,8 @@
 
     dist = init_distributed()                                    # rank, world_size (gloo on CPU, nccl on GPU)
     policy = TrainEngine(module, EngineSettings(lr=1e-6, zero_stage=1, bf16=True, micro_steps=4, ...))
-    for micro_batch in micro_batches:                            # exactly `micro_steps` of them per update
+    for i, micro_batch in enumerate(micro_batches):              # `micro_steps` of them, or any count when
+        policy.begin_micro_batch(last=i == len(micro_batches) - 1)  # the caller marks the last one
         loss = ...policy(input_ids=..., attention_mask=...)...
         policy.backward(loss)                                    # accumulates; the loss is NOT rescaled here
         policy.step()                                            # the optimizer steps on the last micro-batch only
@@ -172,6 +173,15 @@ class TrainEngine:
     def train(self, mode: bool = True) -> None:
         self.engine.train(mode)
 
+    def begin_micro_batch(self, last: bool) -> None:
+        """Say, before a micro-batch's forward, whether it is the last of its optimizer step (DeepSpeed's public
+        `set_gradient_accumulation_boundary`, which `is_gradient_accumulation_boundary` then returns for ZeRO 0-3:
+        gradients are reduced and the optimizer steps at the `step()` after that micro-batch's backward). A
+        caller that says so before every micro-batch may vary the micro-batches per step; `micro_steps` in the
+        settings is then only DeepSpeed's nominal gradient_accumulation_steps. Every rank must give the same
+        sequence (the reduction at the boundary is collective)."""
+        self.engine.set_gradient_accumulation_boundary(last)
+
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate d loss; the loss is not divided by the micro-steps (see the module docstring). On the last
         micro-step, a non-finite loss seen by any rank in this update makes every rank skip the step."""
@@ -219,15 +229,25 @@ class TrainEngine:
             with deepspeed.zero.GatheredParameters([param for _, param in chunk], modifier_rank=None):
                 yield from ((name, param.detach()) for name, param in chunk)
 
+    @property
+    def has_frozen_parameters(self) -> bool:
+        """Whether some parameters never train (a LoRA model's base weights): checkpoints leave them out."""
+        return any(not p.requires_grad for p in self.module.parameters())
+
     def save(self, directory: Path, tag: str) -> None:
-        """DeepSpeed checkpoint (module, optimizer, scheduler; each rank its shard). Collective."""
-        self.engine.save_checkpoint(str(directory), tag=tag, save_latest=False)
+        """DeepSpeed checkpoint (module, optimizer, scheduler; each rank its shard). Collective. Frozen parameters
+        are left out (they are the model directory's, unchanged): a LoRA checkpoint holds the adapters."""
+        frozen = self.has_frozen_parameters
+        self.engine.save_checkpoint(str(directory), tag=tag, save_latest=False, exclude_frozen_parameters=frozen)
 
     def load(self, directory: Path, tag: str) -> None:
         """Restore what `save` wrote; raises FileNotFoundError when `directory/tag` is missing. Collective."""
         if not (directory / tag).is_dir():
             raise FileNotFoundError(f"{directory / tag}: no DeepSpeed checkpoint (was it saved with tag '{tag}'?)")
-        path, _ = self.engine.load_checkpoint(str(directory), tag=tag)
+        # a checkpoint without the frozen parameters (see `save`) leaves them as the module loaded them
+        path, _ = self.engine.load_checkpoint(
+            str(directory), tag=tag, load_module_strict=not self.has_frozen_parameters
+        )
         if path is None:
             raise RuntimeError(f"{directory / tag}: DeepSpeed could not load this checkpoint (see its log above)")
 

@@ -1,32 +1,43 @@
 """One RL update on one batch: `Trainer.train_step(groups, staleness) -> metrics`, usable without any socket.
 
     trainer = Trainer.from_config(config, init_distributed())
-    stats = trainer.train_step(batch.groups, batch.staleness)     # one optimizer step on the global batch
+    stats = trainer.train_step(batch.groups, batch.staleness)     # ppo_epochs x mini_batches optimizer steps
     for name, tensor in trainer.full_weights(): ...               # HF names; collective under ZeRO-3
 
 The update, in order (B samples on this rank, T completion columns, V vocabulary):
-  1. pad the groups into [B, T] tensors (`learners.batching`); split the rows into exactly `micro_steps`
-     micro-batches (DeepSpeed's gradient-accumulation count);
+  1. pad the groups into [B, T] tensors (`learners.batching`); split the rows into `learner.mini_batches`
+     mini-batches (one optimizer step each; whole groups when they divide evenly), each into `micro_steps`
+     micro-batches (`learners.engine.TrainEngine.begin_micro_batch` marks the last one of a step);
   2. no-grad pass, only when needed: reference log-probs (algo.kl_coef > 0), critic values (estimator gae),
-     current log-probs (KL in the reward);
+     the current policy's log-probs (KL in the reward, and the proximal log-probs when there is more than one
+     optimizer step per batch);
   3. advantages for the estimator (`learners.estimators`); batch-level normalisations (reinforce_pp, gae)
      use the statistics of the GLOBAL batch (summed over ranks), so every rank count gives the same update;
-  4. per micro-batch: forward with grad -> log-probs (logits / sampling temperature) -> policy_loss with the
-     configured correction against `behaviour_logprobs` (+ KL term, - entropy bonus) -> backward -> step.
-     With one optimizer step per batch the proximal policy is the current one before the update, so
-     proximal_logprobs = logprobs.detach(): the PPO ratio is 1 and the importance weight
-     pi_prox / pi_behaviour carries the whole off-policy correction (decoupled PPO / TIS).
-  5. the critic (gae) trains on the same micro-batches with the clipped value loss and its own learning rate.
+  4. `algo.ppo_epochs` times over the mini-batches, per micro-batch: forward with grad -> log-probs (logits /
+     sampling temperature) -> policy_loss with the configured correction against `behaviour_logprobs` (+ KL
+     term, - entropy bonus) -> backward -> step (the optimizer steps after a mini-batch's last micro-batch).
+     The proximal policy is the one before the batch's first step: with several steps its log-probs come from
+     step 2's no-grad pass and stay fixed, so the PPO ratio pi_theta / pi_prox moves and the clip acts from the
+     second step on, while the importance weight pi_prox / pi_behaviour carries the off-policy correction
+     (decoupled PPO / TIS). With one step per batch proximal_logprobs = logprobs.detach() (the same numbers,
+     no extra pass): the ratio is 1. The advantages are computed once, on the whole batch.
+  5. the critic (gae) trains on the same schedule (epochs, mini-batches, micro-batches) with the clipped value
+     loss, its own engine and its own learning rate; its old values are taken once, in step 2.
+The policy version advances, and weights publish, once per `train_step` (`learners.learner`), however many
+optimizer steps it took; learner.warmup_steps and the lr schedule count optimizer steps.
 
-Equivalence invariant: every micro-batch's loss is scaled by its share of the global batch's loss units
-(action tokens for token_mean, non-empty rows for seq_mean) times the world size, because DeepSpeed averages
-gradients over ranks and does not rescale by the micro-steps (see `learners.engine`). The update therefore
-equals one step on the whole global batch, whatever `micro_batch_size` and `world_size` are.
+Equivalence invariant, per mini-batch: every micro-batch's loss is scaled by its share of its mini-batch's
+GLOBAL loss units (action tokens for token_mean, non-empty rows for seq_mean, summed over ranks) times the world
+size, because DeepSpeed averages gradients over ranks and does not rescale by the micro-steps (see
+`learners.engine`). Each optimizer step therefore equals one step on the whole global mini-batch, whatever
+`micro_batch_size` and `world_size` are (with mini_batches = 1: one step on the whole global batch).
 
 Metrics: `policy/kl` is the mean k3 estimate of KL(pi_theta || pi_ref) when a reference is loaded, else of
-KL(pi_behaviour || pi_theta) on the sampled tokens (how far the trained weights are from the ones that sampled:
-the proximal policy IS the current one here, so an approx-KL against it would always be 0);
-`policy/kl_behaviour` is the latter, always.
+KL(pi_behaviour || pi_theta) on the sampled tokens (how far the trained weights are from the ones that sampled);
+`policy/kl_behaviour` is the latter, always. `policy/approx_kl` is the k3 estimate of KL(pi_prox || pi_theta) on
+the sampled tokens (mean over action tokens; 0 at the first step, where theta = prox). Losses and policy
+statistics are means over all the steps of the batch (each epoch weighted equally); with ppo_epochs > 1,
+`policy/clip_frac/epoch_k` and `policy/approx_kl/epoch_k` are epoch k's alone (k = 1..ppo_epochs).
 
 Non-finite guard: a step whose loss or gradient is not finite on any rank is skipped on every rank (the weights
 and the optimizer state stay bit-identical; see `learners.engine`), logged, and counted in
@@ -50,8 +61,8 @@ from common.config import AlgoConfig, LearnerConfig, ModelConfig, TandemConfig
 from common.model_prep import resolve_model_path
 from common.types import RolloutGroup
 from learners import engine as eng
-from learners.batching import ModelInputs, PaddedBatch, pad_groups, split_rows
-from learners.checkpoint import export_hf_model
+from learners.batching import ModelInputs, PaddedBatch, Rows, mini_batch_rows, pad_groups
+from learners.checkpoint import export_adapter, export_hf_model
 from learners.estimators import batch_advantages
 from learners.losses import (
     entropy_from_logits,
@@ -61,7 +72,19 @@ from learners.losses import (
     policy_loss,
     value_loss,
 )
-from learners.models import ValueModel, load_policy, load_reference, torch_dtype
+from learners.models import (
+    ADAPTER,
+    AdaptersOff,
+    ValueModel,
+    adapter_layout,
+    adapter_weights,
+    add_adapters,
+    load_policy,
+    load_reference,
+    merged_layout,
+    merged_weights,
+    torch_dtype,
+)
 from learners.rollout_stats import Reduce, rollout_summary
 
 log = logging.getLogger("tandem.learner.trainer")
@@ -112,7 +135,7 @@ class _PreUpdate:
 
     ref_logprobs: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
-    logprobs: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None  # the policy before the update: the proximal policy, kl_in_reward's pi
 
 
 class Trainer:
@@ -136,7 +159,14 @@ class Trainer:
         self.model_dir, self.algo, self.dist, self.temperature = Path(model_dir), algo, dist, temperature
         dtype = torch_dtype(model.dtype)
         rank_samples = learner.groups_per_step // dist.world_size * algo.group_size
-        self.micro_steps = math.ceil(rank_samples / learner.micro_batch_size)
+        if rank_samples % learner.mini_batches:
+            raise ValueError(
+                f"learner.mini_batches ({learner.mini_batches}) must divide a rank's share of the batch, "
+                f"learner.groups_per_step / world_size x algo.group_size = {rank_samples} samples"
+            )
+        self.mini_batches = learner.mini_batches
+        self.steps_per_batch = algo.ppo_epochs * learner.mini_batches  # optimizer steps per train_step
+        self.micro_steps = math.ceil(rank_samples // learner.mini_batches / learner.micro_batch_size)  # per step
         settings = eng.EngineSettings(
             lr=learner.lr,
             zero_stage=learner.zero_stage,
@@ -148,14 +178,22 @@ class Trainer:
             warmup_steps=learner.warmup_steps,
         )
         self.device = eng.device()
-        self.policy = eng.TrainEngine(load_policy(self.model_dir, dtype, learner.gradient_checkpointing), settings)
+        self.lora = learner.lora if learner.lora.rank > 0 else None  # adapters on the policy and the critic
+        policy = load_policy(self.model_dir, dtype, learner.gradient_checkpointing)
+        self.policy = eng.TrainEngine(add_adapters(policy, self.lora) if self.lora else policy, settings)
         self.pad_id = int(self.policy.module.config.pad_token_id or 0)
-        self.reference = load_reference(self.model_dir, dtype).to(self.device) if algo.kl_coef > 0 else None
+        self.reference = None
+        if algo.kl_coef > 0:  # with adapters: the policy with them disabled is the initial model (learners.models)
+            self.reference = (
+                AdaptersOff(self.policy.module, self.policy, self.policy.zero3)
+                if self.lora
+                else load_reference(self.model_dir, dtype).to(self.device)
+            )
         self.critic = None
         if algo.estimator == "gae":
             critic_settings = replace(settings, lr=learner.critic_lr)
             critic_dir = resolve_model_path(learner.critic_path) if learner.critic_path else self.model_dir
-            critic = ValueModel.from_pretrained(critic_dir, dtype, learner.gradient_checkpointing)
+            critic = ValueModel.from_pretrained(critic_dir, dtype, learner.gradient_checkpointing, self.lora)
             self.critic = eng.TrainEngine(critic, critic_settings)
 
     @classmethod
@@ -173,13 +211,13 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ the step
     def train_step(self, groups: Sequence[RolloutGroup], staleness: Sequence[np.ndarray]) -> dict[str, float]:
-        """One optimizer step on the global batch whose share on this rank is `groups` (whole groups).
+        """One update (`steps_per_batch` optimizer steps) on the global batch whose share on this rank is `groups`.
 
         Returns the metrics of the global batch (identical on every rank): reward/staleness statistics,
         losses, policy diagnostics and timings. Raises ValueError for an empty or malformed share.
         """
         batch = pad_groups(groups, staleness, self.pad_id, first_group_id=self.dist.rank * len(groups))
-        rows = split_rows(batch.size, self.micro_steps)
+        schedule = mini_batch_rows(batch.size, self.mini_batches, self.micro_steps)  # [mini-batch][micro-batch]
         summary = rollout_summary(
             groups,
             staleness,
@@ -191,10 +229,10 @@ class Trainer:
         )
         start = time.perf_counter()
         with torch.no_grad():
-            pre = self._pre_update(batch, rows)
+            pre = self._pre_update(batch, [rows for mini in schedule for rows in mini])
             advantages, returns = self._advantages(batch, pre)
         pre_s = time.perf_counter() - start
-        stats, forward_s, backward_s = self._update(batch, rows, pre, advantages, returns)
+        stats, forward_s, backward_s = self._update(batch, schedule, pre, advantages, returns)
         stats.update(self._skipped_steps())
         stats["perf/forward_s"] = pre_s + forward_s
         stats["perf/backward_s"] = backward_s
@@ -262,9 +300,10 @@ class Trainer:
         """V(s_t) [b, T'] for each completion token t, read at the position that predicts t."""
         return self.critic(**inputs.forward_kwargs(), values_to_keep=inputs.num_predicted)[:, :-1]
 
-    def _pre_update(self, batch: PaddedBatch, rows: list[slice]) -> _PreUpdate:
+    def _pre_update(self, batch: PaddedBatch, rows: list[Rows]) -> _PreUpdate:
         need_ref = self.reference is not None
-        need_logprobs = need_ref and self.algo.kl_in_reward
+        # the proximal log-probs, once before the first of several steps (with one step they are logprobs.detach())
+        need_logprobs = (need_ref and self.algo.kl_in_reward) or self.steps_per_batch > 1
         pre = _PreUpdate()
         shape = (batch.size, batch.width)
         if need_ref:
@@ -306,46 +345,67 @@ class Trainer:
     def _update(
         self,
         batch: PaddedBatch,
-        rows: list[slice],
+        schedule: list[list[Rows]],
         pre: _PreUpdate,
         advantages: torch.Tensor,
         returns: torch.Tensor | None,
     ) -> tuple[dict[str, float], float, float]:
-        """Forward/backward every micro-batch and step; returns (global stats, forward s, backward s)."""
-        algo = self.algo
+        """Every epoch, every mini-batch: forward/backward its micro-batches, then one optimizer step (policy and
+        critic). Returns (global stats, forward s, backward s). A micro-batch's backward is weighted by its share
+        of its mini-batch's GLOBAL loss units; its stats by its share of the whole batch's, over the epochs."""
+        algo, epochs = self.algo, self.algo.ppo_epochs
         units = self._sum_ranks_tensor(_loss_units(batch.loss_mask, algo.aggregation)).clamp(min=1)
         tokens = self._sum_ranks_tensor(batch.loss_mask.sum().double()).clamp(min=1)
+        mini_units = self._sum_ranks(
+            np.array(
+                [sum(float(_loss_units(batch.loss_mask[rows], algo.aggregation)) for rows in mini) for mini in schedule]
+            )
+        )
         stats = _GlobalAverages()
         forward_s = backward_s = 0.0
-        for part in rows:
-            start = time.perf_counter()
-            inputs = batch.model_inputs(part, self.device)
-            mask, width = inputs.loss_mask, inputs.width
-            loss_share = float(_loss_units(mask, algo.aggregation) / units)  # this micro-batch's part of the loss
-            token_share = float(mask.sum() / tokens)  # ... of the action tokens
-            loss = self._policy_objective(
-                inputs, pre, advantages[part, :width].to(self.device), part, stats, loss_share, token_share
-            )
-            critic_loss = None
-            if self.critic is not None:
-                critic_loss, value_stats = value_loss(
-                    self._critic_values(inputs),
-                    pre.old_values[part, :width].to(self.device),
-                    returns[part, :width].to(self.device),
-                    mask,
-                    clip=algo.value_clip or None,
-                    aggregation=algo.aggregation,
-                )
-                stats.add("loss/value", critic_loss, loss_share)
-                stats.add("critic/clip_frac", value_stats["clip_frac"], token_share)
-            forward_s += time.perf_counter() - start
-            start = time.perf_counter()
-            self.policy.backward(loss * loss_share * self.dist.world_size)
-            self.policy.step()
-            if critic_loss is not None:
-                self.critic.backward(critic_loss * loss_share * self.dist.world_size)
-                self.critic.step()
-            backward_s += time.perf_counter() - start
+        for epoch in range(1, epochs + 1):
+            for mini, mini_total in zip(schedule, mini_units):
+                for i, rows in enumerate(mini):
+                    start = time.perf_counter()
+                    last = i == len(mini) - 1  # this micro-batch's backward ends the mini-batch: step after it
+                    self.policy.begin_micro_batch(last)
+                    inputs = batch.model_inputs(rows, self.device)
+                    mask, width = inputs.loss_mask, inputs.width
+                    micro_units = _loss_units(mask, algo.aggregation)
+                    backward_share = float(micro_units) / max(float(mini_total), 1.0)  # of the step's loss
+                    loss_share = float(micro_units / units) / epochs  # of the batch's loss units, per epoch
+                    token_share = float(mask.sum() / tokens) / epochs  # ... of its action tokens
+                    loss = self._policy_objective(
+                        inputs,
+                        pre,
+                        advantages[rows, :width].to(self.device),
+                        rows,
+                        stats,
+                        loss_share,
+                        token_share,
+                        epoch,
+                    )
+                    critic_loss = None
+                    if self.critic is not None:
+                        self.critic.begin_micro_batch(last)
+                        critic_loss, value_stats = value_loss(
+                            self._critic_values(inputs),
+                            pre.old_values[rows, :width].to(self.device),
+                            returns[rows, :width].to(self.device),
+                            mask,
+                            clip=algo.value_clip or None,
+                            aggregation=algo.aggregation,
+                        )
+                        stats.add("loss/value", critic_loss, loss_share)
+                        stats.add("critic/clip_frac", value_stats["clip_frac"], token_share)
+                    forward_s += time.perf_counter() - start
+                    start = time.perf_counter()
+                    self.policy.backward(loss * backward_share * self.dist.world_size)
+                    self.policy.step()
+                    if critic_loss is not None:
+                        self.critic.backward(critic_loss * backward_share * self.dist.world_size)
+                        self.critic.step()
+                    backward_s += time.perf_counter() - start
         return stats.across_ranks(self._sum_ranks, self._max_ranks), forward_s, backward_s
 
     def _policy_objective(
@@ -353,18 +413,23 @@ class Trainer:
         inputs: ModelInputs,
         pre: _PreUpdate,
         advantages: torch.Tensor,
-        part: slice,
+        part: Rows,
         stats: _GlobalAverages,
         loss_share: float,
         token_share: float,
+        epoch: int = 1,
     ) -> torch.Tensor:
         """The micro-batch's loss, aggregated over its own units: policy loss + KL term - entropy bonus.
-        Records its terms (weighted by `loss_share`) and token statistics (by `token_share`) in `stats`."""
+        Records its terms (weighted by `loss_share`) and token statistics (by `token_share`) in `stats`, and the
+        clip fraction and approx-KL also under `.../epoch_{epoch}` when there are several epochs."""
         algo, mask = self.algo, inputs.loss_mask
         logprobs, entropy = self._model_logprobs(self.policy, inputs)  # [b, T'] each
+        proximal = logprobs.detach()  # one step per batch: the policy before the update IS the current one
+        if self.steps_per_batch > 1:
+            proximal = pre.logprobs[part, : inputs.width].to(self.device)  # taken before the batch's first step
         loss, parts = policy_loss(
             logprobs,
-            logprobs.detach(),
+            proximal,
             inputs.behaviour_logprobs,
             advantages,
             mask,
@@ -396,7 +461,11 @@ class Trainer:
             ("policy/entropy", entropy),
         ):
             stats.add(name, _aggregate(per_token.detach(), mask, "token_mean"), token_share)
-        stats.add("policy/clip_frac", parts["clip_frac"], token_share)
+        approx_kl = _aggregate(kl_estimate(proximal, logprobs.detach(), "k3", mask), mask, "token_mean")
+        for name, value in (("policy/clip_frac", parts["clip_frac"]), ("policy/approx_kl", approx_kl)):
+            stats.add(name, value, token_share)  # KL(pi_prox || pi_theta) on the sampled tokens
+            if self.algo.ppo_epochs > 1:
+                stats.add(f"{name}/epoch_{epoch}", value, token_share * self.algo.ppo_epochs)
         stats.add("policy/iw_mean", parts["is_weight_mean"], token_share)
         stats.add("policy/iw_truncated_frac", parts["is_truncated_frac"], token_share)
         stats.peak("policy/iw_max", parts["is_weight_max"])
@@ -414,26 +483,46 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ weights
     def weight_layout(self) -> list[tuple[str, str, list[int]]]:
-        """(HF name, dtype name, full shape) of every published tensor, in `full_weights` order (no gather)."""
-        return [
-            (name, str(p.dtype).removeprefix("torch."), list(getattr(p, "ds_shape", p.shape)))
-            for name, p in self.policy.module.named_parameters()
-        ]
+        """(name, dtype name, full shape) of every published tensor, in `full_weights` order (no gather)."""
+        module = self.policy.module
+        if self.lora is None:
+            layout = [(name, p.dtype, list(getattr(p, "ds_shape", p.shape))) for name, p in module.named_parameters()]
+        elif self.lora.sync == "adapter":
+            layout = adapter_layout(module)
+        else:
+            layout = merged_layout(module)
+        return [(name, str(dtype).removeprefix("torch."), shape) for name, dtype, shape in layout]
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The policy's full weights by HF name (see `TrainEngine.full_weights`; collective under ZeRO-3)."""
-        return self.policy.full_weights()
+        """The tensors a weight update publishes (collective under ZeRO-3; each valid until the next is asked for):
+        the policy's full weights by HF name (`TrainEngine.full_weights`); with LoRA and learner.lora.sync =
+        "merged" the same names and shapes with every adapted weight merged (`models.merged_weights`); with
+        sync = "adapter" only the adapters' A and B matrices (`models.adapter_weights`, the header carries the
+        adapter's settings: `learners.publisher`)."""
+        if self.lora is not None and self.lora.sync == "adapter":
+            return adapter_weights(self.policy.module, self.policy.zero3)
+        return self._merged_weights()
+
+    def _merged_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full weights by HF name, adapters merged (what the HF export writes)."""
+        if self.lora is None:
+            return self.policy.full_weights()
+        return merged_weights(self.policy.module, self.policy.zero3)
 
     # ------------------------------------------------------------------------------------------------ state
     def save_state(self, directory: Path) -> None:
-        """DeepSpeed state of every engine into `directory/deepspeed`, and (rank 0) the HF export into
-        `directory/hf`. Collective."""
+        """DeepSpeed state of every engine into `directory/deepspeed` (with LoRA: the trainable parameters and
+        their optimizer state), and (rank 0) the HF export into `directory/hf` (with LoRA: the merged model) and,
+        with LoRA, the peft adapter into `directory/adapter` (`learners.checkpoint`). Collective."""
         self.policy.save(directory / "deepspeed", tag="policy")
         if self.critic is not None:
             self.critic.save(directory / "deepspeed", tag="critic")
-        export_hf_model(
-            directory / "hf", self.policy.module.config, self.model_dir, self.full_weights(), write=self.dist.rank == 0
-        )
+        write = self.dist.rank == 0
+        module = self.policy.module
+        export_hf_model(directory / "hf", module.config, self.model_dir, self._merged_weights(), write=write)
+        if self.lora is not None:
+            adapter = module.peft_config[ADAPTER]
+            export_adapter(directory / "adapter", adapter, adapter_weights(module, self.policy.zero3), write=write)
 
     def load_state(self, directory: Path) -> None:
         """Restore what `save_state` wrote (same world size and ZeRO stage). Collective."""
