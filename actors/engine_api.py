@@ -102,7 +102,10 @@ class Engine(Protocol):
     def load_weights(self, update: WeightsUpdate, inflight: bool) -> None:
         """Replace the weights and set `policy_version = update.policy_version`. `inflight=False` requires
         `num_unfinished() == 0` (the caller drains first); `inflight=True` keeps running samples, whose later
-        tokens are stamped with the new version. Raises on a layout the model does not accept."""
+        tokens are stamped with the new version (with adapters, `lora_rank` > 0, a running sample keeps the adapter
+        it was added with, and its version, to its end). Raises `actors.weights.WeightsRejected`, changing nothing,
+        for an update of the wrong kind (full or adapter-only) or an adapter that does not fit the model; raises
+        otherwise on a layout the model does not accept."""
         ...
 
     def shutdown(self) -> None:
