@@ -15,6 +15,9 @@ One loop, one thread, each pass in this order (`run` below):
      let in-flight ones finish under the old version first, eval requests included) or at once between steps
      (`inflight_weight_update`: running eval requests are aborted first and the eval lease redone after the load,
      so an eval result never mixes versions; after a few redos of one lease the load waits for it instead).
+     With learner.lora.sync = "adapter" an update is a LoRA adapter (`adapter_rank`; actors/engine.py): running
+     samples keep the adapter they were added with. An update the engine refuses (`WeightsRejected`: full vs
+     adapter, or an adapter that does not fit the model) is counted and fetched again later, never fatal.
   5. lease prompts whenever fewer than `prompts_in_flight` are held (ahead of need), unless the outbox is full.
      Refusals: "stale" -> fetch weights >= min_version first; "full" -> wait `retry_after_s`, poll weights;
      "exhausted" -> finish in-flight work and exit 0. An `EvalGrant` instead of prompts (an evaluation is due):
@@ -56,7 +59,14 @@ from actors.group_rewards import GroupRewards
 from actors.groups import LeaseBook, PendingGroup, build_group, sample_request_id
 from actors.outbox import BufferLink, Outbox
 from actors.trajectory import build_episode_group
-from actors.weights import WeightsPoller, WeightsUpdate, open_weights_source, relay_metrics, weights_store_dir
+from actors.weights import (
+    WeightsPoller,
+    WeightsRejected,
+    WeightsUpdate,
+    open_weights_source,
+    relay_metrics,
+    weights_store_dir,
+)
 from common.config import TandemConfig
 from common.envs import EnvironmentFactory, environment_factory
 from common.logs import setup_logging
@@ -115,22 +125,33 @@ def run(config: TandemConfig) -> int:
     return 0
 
 
+def adapter_rank(config: TandemConfig) -> int:
+    """The adapter rank the engine serves: learner.lora.rank with learner.lora.sync = "adapter" (adapter-only
+    updates; the config refuses them over weights.transport = "broadcast"), else 0 (full weights, merged or not)."""
+    lora = config.learner.lora
+    return lora.rank if lora.sync == "adapter" else 0
+
+
 def open_engine(config: TandemConfig) -> Engine:
-    """The SIMULATION engine when `run.simulate`, else vLLM on the configured model (CPU knobs set first)."""
+    """The SIMULATION engine when `run.simulate`, else vLLM on the configured model (CPU knobs set first); with
+    LoRA enabled for adapter-only updates when `adapter_rank(config)` > 0."""
     gen = config.generator
     max_num_seqs = gen.prompts_in_flight * config.algo.group_size
     seed = config.run.seed + gen.index
+    lora_rank = adapter_rank(config)
     if config.run.simulate:
         from actors.sim_engine import SimEngine
 
-        return SimEngine(gen.sim_tokens, gen.sim_token_s, max_num_seqs, seed)
+        return SimEngine(gen.sim_tokens, gen.sim_token_s, max_num_seqs, seed, lora_rank)
     from actors.engine import VllmEngine, configure_cpu_environment
     from common.model_prep import resolve_model_path
 
     log.info("engine environment: %s", configure_cpu_environment(gen))
     settings = SamplingSettings(gen.temperature, gen.top_p, gen.max_tokens, seed)
     model_path = resolve_model_path(config.model.path)
-    return VllmEngine(model_path, config.model, settings, max_num_seqs, gen.enforce_eager, gen.tensor_parallel_size)
+    return VllmEngine(
+        model_path, config.model, settings, max_num_seqs, gen.enforce_eager, gen.tensor_parallel_size, lora_rank
+    )
 
 
 class _StopSignal:
@@ -277,12 +298,18 @@ class Generator:
 
     def _load(self, update: WeightsUpdate) -> None:
         """Load between engine steps. Eval requests still running (inflight mode) are aborted first and their
-        lease sampled again after the load (`Evaluator.before_load`)."""
+        lease sampled again after the load (`Evaluator.before_load`). An update the engine refuses
+        (`WeightsRejected`: the wrong kind, full or adapter, or an adapter vLLM cannot load) is counted and asked
+        for again after the poller's back-off; the engine keeps its weights."""
         started = time.monotonic()
         previous = self.engine.policy_version
         if self.evaluation is not None:
             self.evaluation.before_load()
-        self.engine.load_weights(update, inflight=self.config.generator.inflight_weight_update)
+        try:
+            self.engine.load_weights(update, inflight=self.config.generator.inflight_weight_update)
+        except WeightsRejected as error:
+            self.weights.reject(update, error)
+            return
         self.stats.weight_load_s = time.monotonic() - started
         self.next_lease = 0.0  # admission may have opened with the new version
         log.info(

@@ -153,20 +153,21 @@ def ask_publisher(
 
 
 class LayoutGuard:
-    """The tensor layout (names, dtypes, shapes) of the first update a source accepted: `check` refuses an update
-    with another one (a different model) with `WeightsTransportError`."""
+    """The tensor layout (names, dtypes, shapes) of the first update a source accepted, one per kind (full weights,
+    adapter-only: a full update the engine then refuses must not bar the adapters that follow): `check` refuses an
+    update of a known kind with another layout (a different model) with `WeightsTransportError`."""
 
     def __init__(self) -> None:
-        self.layout: list[tuple[str, str, list[int]]] | None = None
+        self.layouts: dict[bool, list[tuple[str, str, list[int]]]] = {}  # adapter-only? -> layout
 
     def check(self, header: WeightsHeader) -> None:
         layout = [(spec.name, spec.dtype, list(spec.shape)) for spec in header.tensors]
-        if self.layout is not None and layout != self.layout:
-            changed = next((new[0] for new, old in zip(layout, self.layout) if new != old), "the tensor count")
+        known = self.layouts.setdefault(header.lora_rank > 0, layout)
+        if layout != known:
+            changed = next((new[0] for new, old in zip(layout, known) if new != old), "the tensor count")
             raise WeightsTransportError(
                 f"weights update v{header.policy_version} changes the model's layout ({changed})"
             )
-        self.layout = layout
 
 
 class ZmqWeightsSource:
