@@ -11,7 +11,11 @@ Layout of `<run_dir>/checkpoints/step-000042/`:
     rng-rank<r>.json       python, numpy and torch RNG states of rank r
     deepspeed/policy/...   DeepSpeed checkpoint of the policy (each rank its ZeRO shard); deepspeed/critic/...
     hf/                    Hugging Face export: config.json, model.safetensors, tokenizer, generation_config.json
-                           (loadable by transformers and vLLM)
+                           (loadable by transformers and vLLM); with LoRA the merged model (W + (alpha / r) B A)
+    adapter/               with LoRA only: the adapter as peft saves it (adapter_config.json,
+                           adapter_model.safetensors): `PeftModel.from_pretrained(base_model, path / "adapter")`
+With LoRA the DeepSpeed state holds the adapters (and the critic's value head) and their optimizer state, not the
+frozen base weights: a resume loads those from the model directory again, as at the start.
 
 Crash safety: everything is written into `step-000042.tmp/`; after every rank has finished (barrier) rank 0
 renames it to `step-000042/` (one atomic rename). A directory without the `.tmp` suffix is complete; `.tmp`
@@ -239,3 +243,26 @@ def export_hf_model(
     for name in HF_COPIED_FILES:
         if (Path(source_dir) / name).is_file():
             shutil.copy2(Path(source_dir) / name, directory / name)
+
+
+PEFT_PREFIX = "base_model.model."  # the key prefix of peft's adapter_model.safetensors
+
+
+def export_adapter(directory: Path, peft_config: Any, weights: Iterable[tuple[str, Any]], write: bool) -> None:
+    """A peft adapter directory: adapter_config.json (`peft_config`, a peft LoraConfig) and
+    adapter_model.safetensors (the A and B matrices under peft's keys, `base_model.model.<module>.lora_A.weight`),
+    what `PeftModel.save_pretrained` writes and `PeftModel.from_pretrained` (and vLLM's LoRA loader) reads.
+
+    `weights` yields (contract name without the prefix, tensor) as `learners.models.adapter_weights`; it is
+    consumed on every rank (a ZeRO-3 gather is collective) and only the rank with `write` writes."""
+    tensors = {}
+    for name, tensor in weights:
+        if write:
+            tensors[PEFT_PREFIX + name] = tensor.detach().to("cpu", copy=True).contiguous()
+    if not write:
+        return
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    peft_config.save_pretrained(str(directory))

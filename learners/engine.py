@@ -236,7 +236,9 @@ class TrainEngine:
 
     def save(self, directory: Path, tag: str) -> None:
         """DeepSpeed checkpoint (module, optimizer, scheduler; each rank its shard). Collective. Frozen parameters
-        are left out (they are the model directory's, unchanged): a LoRA checkpoint holds the adapters."""
+        are left out (they are the model directory's, unchanged): a LoRA checkpoint holds the adapters, and a tied
+        output layer (DeepSpeed drops frozen parameters by their `named_parameters` names, which name a tied
+        weight once, as the embedding, while the state dict holds it under both names)."""
         frozen = self.has_frozen_parameters
         self.engine.save_checkpoint(str(directory), tag=tag, save_latest=False, exclude_frozen_parameters=frozen)
 

@@ -98,7 +98,9 @@ def run(config: TandemConfig) -> int:
     security = SocketSecurity.from_run(config.run)
     publisher = None
     if dist.rank == 0:
-        publisher = open_weights_publisher(config.weights, learner.weights_host, learner.weights_port, security)
+        publisher = open_weights_publisher(
+            config.weights, learner.weights_host, learner.weights_port, security, lora=learner.lora
+        )
     stop = Interrupt(log)
     buffer = BufferLink(
         learner.buffer_address,

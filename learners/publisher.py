@@ -68,7 +68,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from common.config import WeightsConfig
+from common.config import LoraConfig, WeightsConfig
 from common.sockets import Request, Server, SocketSecurity
 from common.types import ChunkReply, ChunkRequest, ChunkUnavailable, WeightsHeader, WeightsNotNewer, WeightsRequest
 from common.weights import ALIGN, DEFAULT_BUCKET_MB, chunk_ranges, digest_chunks, plan_buckets, storage_dtype
@@ -207,9 +207,12 @@ def copy_into_snapshot(
     weights: Iterable[tuple[str, Any]],
     bucket_bytes: int,
     buckets: list[np.ndarray] | None = None,
+    adapter: LoraConfig | None = None,
 ) -> Snapshot:
     """Copy every tensor into buckets laid out by `common.weights.plan_buckets`: `buckets` when given (their
-    sizes must match the plan; nothing else may read them meanwhile), else freshly allocated ones.
+    sizes must match the plan; nothing else may read them meanwhile), else freshly allocated ones. `adapter`:
+    the weights are a LoRA adapter's A and B matrices (learner.lora.sync = "adapter"), whose settings the header
+    carries (`lora_rank`, `lora_alpha`, `lora_target_modules`); None: full weights.
 
     `weights` yields (name, torch tensor or numpy array) in `layout` order with the layout's dtypes and shapes;
     raises ValueError on any mismatch (a different model than the layout describes).
@@ -230,6 +233,13 @@ def copy_into_snapshot(
     if count != len(specs):
         raise ValueError(f"{count} tensors arrived, the layout has {len(specs)}")
     header = WeightsHeader(policy_version=version, tensors=specs, bucket_sizes=sizes)
+    if adapter is not None:
+        header = replace(
+            header,
+            lora_rank=adapter.rank,
+            lora_alpha=float(adapter.alpha),
+            lora_target_modules=list(adapter.target_modules),
+        )
     return Snapshot(header, buckets)
 
 
@@ -272,6 +282,7 @@ class ZmqWeightsPublisher:
         hold_s: float = 0.0,
         relay: FanoutTree | None = None,
         chunk_bytes: int = 4 << 20,
+        adapter: LoraConfig | None = None,
     ) -> None:
         if reader_deadline_s <= 0 or max_readers < 1 or max_snapshots < 2:
             raise ValueError(
@@ -282,6 +293,7 @@ class ZmqWeightsPublisher:
         self.reader_deadline_s, self.max_readers, self.max_snapshots = reader_deadline_s, max_readers, max_snapshots
         self.hold_s = hold_s
         self.relay, self.chunk_bytes = relay, chunk_bytes  # relay None: the star (every reader gets everything)
+        self.adapter = adapter  # adapter-only updates: the LoRA settings every header carries (None: full weights)
         self.counters: Counter[str] = Counter()
         self.bytes_by_version: dict[int, int] = {}  # bytes sent of each version (serving thread writes)
         self._held: dict[bytes, tuple[Request, float]] = {}  # routing id -> a request waiting for a newer version
@@ -326,7 +338,9 @@ class ZmqWeightsPublisher:
             if version < self._published_version:
                 raise ValueError(f"policy_version {version} is older than the published {self._published_version}")
             self._published_version = version
-        snapshot = copy_into_snapshot(version, layout, weights, self.bucket_bytes, self._reusable_buckets())
+        snapshot = copy_into_snapshot(
+            version, layout, weights, self.bucket_bytes, self._reusable_buckets(), adapter=self.adapter
+        )
         self._live_buckets.update({id(bucket): bucket for bucket in snapshot.buckets})
         snapshot.chunk_bytes = self.chunk_bytes if self.relay is not None else 0
         self._make_latest(snapshot)
@@ -582,16 +596,27 @@ class ZmqWeightsPublisher:
             self._sealer.shutdown(wait=False, cancel_futures=True)
 
 
-def open_weights_publisher(weights: WeightsConfig, host: str, port: int, security: SocketSecurity) -> WeightsPublisher:
+def open_weights_publisher(
+    weights: WeightsConfig, host: str, port: int, security: SocketSecurity, lora: LoraConfig | None = None
+) -> WeightsPublisher:
     """The publisher for `weights.transport` (common.config.WeightsConfig): 'relay' and 'star' are this module's
     ZeroMQ publisher (it long-polls: a request with nothing newer is answered at the next publish); raises
-    ValueError for a transport this build cannot serve."""
+    ValueError for a transport this build cannot serve. `lora` (learner.lora): with rank > 0 and sync =
+    "adapter" the updates are adapter-only and their headers carry its settings (relay and star only; the config
+    refuses broadcast then)."""
+    adapter = lora if lora is not None and lora.rank > 0 and lora.sync == "adapter" else None
+    if adapter is not None and weights.transport not in ("relay", "star"):
+        raise ValueError(
+            f'learner.lora.sync = "adapter" needs weights.transport relay or star (got {weights.transport!r})'
+        )
     if weights.transport in ("relay", "star"):
         relay = None
         if weights.transport == "relay":
             relay = FanoutTree(weights.fanout, weights.relay_fanout, weights.share_host_copy)
         chunk_bytes = max(ALIGN, int(weights.chunk_mb * (1 << 20)))
-        return ZmqWeightsPublisher(host, port, security, hold_s=DEFAULT_HOLD_S, relay=relay, chunk_bytes=chunk_bytes)
+        return ZmqWeightsPublisher(
+            host, port, security, hold_s=DEFAULT_HOLD_S, relay=relay, chunk_bytes=chunk_bytes, adapter=adapter
+        )
     if weights.transport == "broadcast":
         from learners.broadcast_publisher import open_broadcast_publisher  # here: it builds on this module
 
