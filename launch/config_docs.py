@@ -62,17 +62,34 @@ def render() -> str:
         "",
     ]
     for section_name, section_field in TandemConfig.model_fields.items():
-        model: type[BaseModel] = section_field.annotation
-        lines += [f"## `[{section_name}]`", "", (model.__doc__ or "").strip(), ""]
-        lines += ["| key | type | default | allowed | description |", "|---|---|---|---|---|"]
-        for name, field in model.model_fields.items():
-            default = field.default if field.default is not None else "—"
-            description = (field.description or "").replace("|", "\\|")
-            lines.append(
-                f"| `{name}` | `{_type_name(field.annotation)}` | `{default}` | {_constraints(field)} | {description} |"
-            )
-        lines.append("")
+        lines += _section_lines(section_name, section_field.annotation)
     return "\n".join(lines)
+
+
+def _is_section(annotation: typing.Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _section_lines(dotted: str, model: type[BaseModel]) -> list[str]:
+    """The table of one section, then those of its subsections (`[learner.lora]`), each a heading of its own."""
+    lines = [f"{'#' * (2 + dotted.count('.'))} `[{dotted}]`", "", (model.__doc__ or "").strip(), ""]
+    lines += ["| key | type | default | allowed | description |", "|---|---|---|---|---|"]
+    subsections = []
+    for name, field in model.model_fields.items():
+        if _is_section(field.annotation):
+            subsections.append((f"{dotted}.{name}", field.annotation))
+            default = "—"
+        else:
+            default = field.get_default(call_default_factory=True)
+            default = default if default is not None else "—"
+        description = (field.description or "").replace("|", "\\|")
+        lines.append(
+            f"| `{name}` | `{_type_name(field.annotation)}` | `{default}` | {_constraints(field)} | {description} |"
+        )
+    lines.append("")
+    for sub_name, sub_model in subsections:
+        lines += _section_lines(sub_name, sub_model)
+    return lines
 
 
 if __name__ == "__main__":
