@@ -43,6 +43,11 @@ Non-finite guard: a step whose loss or gradient is not finite on any rank is ski
 and the optimizer state stay bit-identical; see `learners.engine`), logged, and counted in
 `learner/steps_skipped_nonfinite` (`learner/critic_steps_skipped_nonfinite` for the critic). Whatever the buffer
 lets through, a NaN never reaches the weights.
+
+LoRA (`learner.lora.rank` > 0, `learners.models`, docs/lora.md): the policy and the critic's backbone carry peft
+adapters and only those train (and the value head); the reference is the policy with its adapters disabled.
+`full_weights` publishes the merged full weights under the HF names (sync = "merged") or the A/B matrices alone
+(sync = "adapter"); `save_state` adds the peft adapter (`adapter/`) beside the merged HF export (`hf/`).
 """
 
 from __future__ import annotations
