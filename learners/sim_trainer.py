@@ -5,7 +5,9 @@
     publisher.publish(version, trainer.weight_layout(), trainer.full_weights())   # sim_weights_mb real bytes
 
 What is simulated: the compute of an update (wall time only) and the weights' content (float32 buffers of
-`sim_weights_mb` MiB whose first element is the step, so each version differs). What stays real: the batch it
+`sim_weights_mb` MiB whose first element is the step, so each version differs; with learner.lora.sync = "adapter",
+LoRA A/B matrices of the first target module, named as the contract names them, as the generators' adapter checks
+want). What stays real: the batch it
 is given, the reward/staleness/token statistics it reports (the same `rollout_summary` as the real trainer),
 the bytes the publisher copies and serves, checkpoints of its state, and everything around it in the loop.
 It reports no `loss/*` or `policy/*` keys: there is no policy.
@@ -47,6 +49,16 @@ class SimulatedTrainer:
         self.max_staleness = algo.max_staleness
         self.steps = 0
         total = int(learner.sim_weights_mb * (1 << 20)) // 4  # float32 elements
+        lora = learner.lora
+        if lora.rank > 0 and lora.sync == "adapter":  # SIM_TENSORS matrices: A [rank, n] and B [n, rank] pairs
+            n = max(1, total // (SIM_TENSORS * lora.rank))
+            stems = [f"sim.layers.{i}.{lora.target_modules[0]}" for i in range(SIM_TENSORS // 2)]
+            self.weights = {
+                f"{stem}.lora_{half}.weight": np.zeros(shape, dtype=np.float32)
+                for stem in stems
+                for half, shape in (("A", (lora.rank, n)), ("B", (n, lora.rank)))
+            }
+            return
         sizes = [total // SIM_TENSORS + (1 if i < total % SIM_TENSORS else 0) for i in range(SIM_TENSORS)]
         self.weights = {
             f"sim.layers.{i}.weight": np.zeros(size, dtype=np.float32) for i, size in enumerate(sizes) if size > 0
@@ -59,7 +71,7 @@ class SimulatedTrainer:
         time.sleep(self.sample_seconds * sum(g.size for g in groups))
         self.steps += 1
         for array in self.weights.values():
-            array[0] = self.steps
+            array.flat[0] = self.steps
         elapsed = time.perf_counter() - start
         return {**summary, "perf/forward_s": elapsed / 3, "perf/backward_s": 2 * elapsed / 3, "sim/steps": self.steps}
 
@@ -76,4 +88,4 @@ class SimulatedTrainer:
     def load_state(self, directory: Path) -> None:
         self.steps = int(json.loads((directory / STATE_FILE).read_text())["steps"])
         for array in self.weights.values():
-            array[0] = self.steps
+            array.flat[0] = self.steps
