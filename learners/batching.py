@@ -4,7 +4,8 @@
     for mini in mini_batch_rows(batch.size, mini_batches, micro_steps):   # one optimizer step per mini-batch
         for rows in mini:                                     # contiguous row slices, micro_steps of them
             inputs = batch.model_inputs(rows, device)         # prompt + completion, padded for this micro-batch
-            logits = model(**inputs.forward_kwargs(), logits_to_keep=inputs.num_predicted)
+            out = model(**inputs.forward_kwargs(), logits_to_keep=inputs.keep, use_cache=False).logits
+            logits = inputs.predicting(out)                   # [b, T', V]: what predicts each completion token
 
 Layout (B samples, T = the longest completion of the batch):
   * Completion tensors are [B, T], right-padded: completion token t of sample b is `completion_tokens[b, t]`;
@@ -14,6 +15,19 @@ Layout (B samples, T = the longest completion of the batch):
     real tokens only (a sample sees the positions it would see unpadded). The logits that predict the
     completion are the last T' + 1 positions minus the last one (`ModelInputs.num_predicted` = T' + 1).
   * Samples of one group are adjacent and keep the group's order; `group_ids` are `first_group_id + index`.
+  * Packed (`model_inputs(rows, device, packed=True)`): the micro-batch's samples, each prompt then completion
+    with no padding, are placed whole (first-fit decreasing) in r rows of width W = its longest sample; a row's
+    unused tail is padding. position_ids restart at 0 for each sample (and for the tail), attention_mask is None:
+    transformers (masking_utils.find_packed_sequence_indices, when there is no 2D mask and no cache) then builds
+    a causal mask that is block-diagonal per sample for sdpa/eager. Rows stay no wider than the longest sample
+    (that attention is quadratic in W). flash-attention takes the same position_ids as varlen boundaries, but
+    only in a batch of one row: `one_row` lays the rows end to end for it (not tested here: no GPU).
+  * Either way `ModelInputs.predicting(out)` reads a per-position model output at the positions that predict each
+    completion token ([b, T'] from [r, K]), and `ModelInputs.keep` is what to pass as logits_to_keep.
+
+Micro-batches: `mini_batch_rows` (micro_batch_size sequences each), or `token_budget_micro_batches` (prompt +
+completion tokens <= learner.max_tokens_per_micro_batch, padding not counted; a sample over the budget alone),
+evened across ranks with `split_to_count`.
 """
 
 from __future__ import annotations
@@ -56,8 +70,17 @@ class PaddedBatch:
         """Prompt + completion tokens of every sample (what a forward pass processes, padding excluded)."""
         return int(sum(len(p) for p in self.prompts) + self.completion_lengths.sum())
 
-    def model_inputs(self, rows: Rows, device: torch.device) -> ModelInputs:
-        """The padded model input of rows `rows` (see the module docstring), on `device`."""
+    def sample_tokens(self) -> torch.Tensor:
+        """int64 [B]: prompt + completion tokens of each sample (what `max_tokens_per_micro_batch` counts)."""
+        return torch.tensor([len(p) for p in self.prompts]) + self.completion_lengths
+
+    def model_inputs(
+        self, rows: Rows, device: torch.device, packed: bool = False, one_row: bool = False
+    ) -> ModelInputs:
+        """The model input of rows `rows` on `device`: padded (see the module docstring), or `packed` (in one
+        row with `one_row`, as flash-attention's varlen path needs)."""
+        if packed:
+            return self.packed_inputs(rows, device, one_row)
         prompts = self.prompts[rows] if isinstance(rows, slice) else [self.prompts[int(r)] for r in rows]
         lengths = self.completion_lengths[rows]
         prompt_width = max(len(p) for p in prompts)
@@ -76,19 +99,90 @@ class PaddedBatch:
             completion_tokens=self.completion_tokens[rows, :width].to(device),
             loss_mask=self.loss_mask[rows, :width].to(device),
             behaviour_logprobs=self.behaviour_logprobs[rows, :width].to(device),
+            real_tokens=int(attention_mask.sum()),
+        )
+
+    def packed_inputs(self, rows: Rows, device: torch.device, one_row: bool = False) -> ModelInputs:
+        """Rows `rows` packed: each sample (prompt then completion, unpadded) placed whole in a row of width W =
+        the longest sample's prompt + completion (first-fit decreasing), position_ids 0.. per sample, the row's
+        unused tail padding with positions of its own; attention_mask None, so the model's mask keeps every
+        sample to itself (module docstring) -- call the model with use_cache=False: transformers derives that
+        mask only without a cache, and with one silently lets samples see each other. `one_row`: the r rows
+        laid end to end as one [1, r W] row (transformers' flash-attention finds packed samples only in a batch
+        of one row; its varlen kernel's cost is per sample, so the width costs nothing there). Completion-aligned
+        tensors stay [b, T'] in `rows` order."""
+        index = torch.arange(self.size)[rows].tolist()
+        prompts = [self.prompts[i] for i in index]
+        lengths = [int(self.completion_lengths[i]) for i in index]
+        totals = [len(p) + n for p, n in zip(prompts, lengths)]
+        row_width = max(totals)
+        placement = first_fit_decreasing(totals, row_width)  # rows of sample positions j (into `index`)
+        input_ids = torch.full((len(placement), row_width), self.pad_id, dtype=torch.int64)
+        position_ids = torch.zeros_like(input_ids)
+        width = max(max(lengths), 1)
+        predict_rows = torch.zeros((len(index), width), dtype=torch.int64)
+        predict_cols = torch.zeros_like(predict_rows)
+        for r, members in enumerate(placement):
+            start = 0
+            for j in members:
+                prompt, n = prompts[j], lengths[j]
+                end = start + len(prompt) + n
+                input_ids[r, start : start + len(prompt)] = torch.from_numpy(prompt.astype(np.int64))
+                input_ids[r, start + len(prompt) : end] = self.completion_tokens[index[j], :n]
+                position_ids[r, start:end] = torch.arange(end - start)
+                predict_rows[j] = r
+                predict_cols[j, :n] = torch.arange(start + len(prompt) - 1, end - 1)  # position t predicts t + 1
+                predict_cols[j, n:] = start  # past the completion: any valid position (masked out)
+                start = end
+            position_ids[r, start:] = torch.arange(row_width - start)  # the tail: a sequence of its own
+        if one_row:
+            predict_cols += predict_rows * row_width
+            predict_rows.zero_()
+            input_ids, position_ids = input_ids.reshape(1, -1), position_ids.reshape(1, -1)
+        return ModelInputs(
+            input_ids=input_ids.to(device),
+            attention_mask=None,
+            position_ids=position_ids.to(device),
+            completion_tokens=self.completion_tokens[rows, :width].to(device),
+            loss_mask=self.loss_mask[rows, :width].to(device),
+            behaviour_logprobs=self.behaviour_logprobs[rows, :width].to(device),
+            real_tokens=sum(totals),
+            predictors=(predict_rows.to(device), predict_cols.to(device)),
         )
 
 
 @dataclass
 class ModelInputs:
-    """One micro-batch: model input [b, P + T'] and the completion-aligned tensors [b, T']."""
+    """One micro-batch: model input [r, L] (padded: r = b rows of P + T'; packed: r rows of the longest sample)
+    and the completion-aligned tensors [b, T'] (b samples, T' their longest completion)."""
 
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor | None  # None when packed: the mask comes from the restarting position_ids
     position_ids: torch.Tensor
     completion_tokens: torch.Tensor
     loss_mask: torch.Tensor
     behaviour_logprobs: torch.Tensor
+    real_tokens: int = 0  # prompt + completion tokens in the input (the rest of input_ids.numel() is padding)
+    predictors: tuple[torch.Tensor, torch.Tensor] | None = None  # packed: (row, column) [b, T'] predicting each token
+
+    @property
+    def keep(self) -> int:
+        """What to pass as `logits_to_keep` / `values_to_keep`: the last `num_predicted` positions (padded), or
+        0 = every position (packed: the predicting positions are spread over the rows)."""
+        return 0 if self.predictors is not None else self.num_predicted
+
+    def predicting(self, out: torch.Tensor) -> torch.Tensor:
+        """[b, T', ...]: the entries of a per-position model output `out` [r, K, ...] (K = the kept positions, or
+        all of them) at the position that predicts each completion token (0 <= t < T')."""
+        if self.predictors is None:
+            return out[:, -self.num_predicted : -1]
+        rows, cols = self.predictors
+        return out[rows, cols]
+
+    @property
+    def positions(self) -> int:
+        """Positions the forward processes (padding included)."""
+        return int(self.input_ids.numel())
 
     @property
     def width(self) -> int:
@@ -100,7 +194,7 @@ class ModelInputs:
         """Positions to keep at the end of the sequence: the T' that predict the completion, plus the last."""
         return self.width + 1
 
-    def forward_kwargs(self) -> dict[str, torch.Tensor]:
+    def forward_kwargs(self) -> dict[str, torch.Tensor | None]:
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "position_ids": self.position_ids}
 
 
@@ -176,3 +270,59 @@ def mini_batch_rows(num_rows: int, mini_batches: int, micro_steps: int) -> list[
         [slice(first + part.start, first + part.stop) for part in split_rows(size, micro_steps)]
         for first in range(0, num_rows, size)
     ]
+
+
+def first_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]]:
+    """Indices into `sizes` in bins of total size <= `capacity` (first-fit decreasing; a size over the capacity
+    gets a bin of its own). Within a bin, larger sizes first; ties keep index order."""
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        fit = next((k for k, load in enumerate(loads) if load + sizes[i] <= capacity), None)
+        if fit is None:
+            bins.append([i])
+            loads.append(sizes[i])
+        else:
+            bins[fit].append(i)
+            loads[fit] += sizes[i]
+    return bins
+
+
+def next_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]]:
+    """Like `first_fit_decreasing`, but each bin is a run of the sizes sorted in decreasing order (a new bin
+    when the next does not fit): neighbours in length share a bin, so padding them to their longest wastes
+    little (the padded layout)."""
+    bins: list[list[int]] = []
+    load = 0
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        if bins and load + sizes[i] <= capacity:
+            bins[-1].append(i)
+            load += sizes[i]
+        else:
+            bins.append([i])
+            load = sizes[i]
+    return bins
+
+
+def token_budget_micro_batches(tokens: torch.Tensor, rows: slice, budget: int, packed: bool) -> list[torch.Tensor]:
+    """The micro-batches of mini-batch `rows` by token count: int64 row indices each, with prompt + completion
+    tokens (`tokens` [B], padding not counted) summing to <= `budget`; a sample over the budget is alone.
+    Packed: first-fit decreasing (any lengths share a micro-batch); padded: next-fit decreasing."""
+    sizes = tokens[rows].tolist()
+    bins = (first_fit_decreasing if packed else next_fit_decreasing)(sizes, budget)
+    return [torch.tensor(sorted(b), dtype=torch.int64) + rows.start for b in bins]
+
+
+def split_to_count(micro_batches: list[torch.Tensor], count: int) -> list[torch.Tensor]:
+    """`micro_batches` split until there are `count` of them (the one with the most rows halved each time), so
+    that every data-parallel rank runs the same number of micro-steps. Splitting keeps each within its budget.
+    Raises ValueError when there are fewer rows than `count`."""
+    parts = list(micro_batches)
+    if sum(len(p) for p in parts) < count:
+        raise ValueError(f"{sum(len(p) for p in parts)} samples cannot fill {count} micro-batches")
+    while len(parts) < count:
+        k = max(range(len(parts)), key=lambda i: len(parts[i]))
+        half = (len(parts[k]) + 1) // 2
+        parts[k : k + 1] = [parts[k][:half], parts[k][half:]]
+    return parts

@@ -7,7 +7,14 @@
 The update, in order (B samples on this rank, T completion columns, V vocabulary):
   1. pad the groups into [B, T] tensors (`learners.batching`); split the rows into `learner.mini_batches`
      mini-batches (one optimizer step each; whole groups when they divide evenly), each into `micro_steps`
-     micro-batches (`learners.engine.TrainEngine.begin_micro_batch` marks the last one of a step);
+     micro-batches (`learners.engine.TrainEngine.begin_micro_batch` marks the last one of a step). With
+     learner.max_tokens_per_micro_batch > 0 the micro-batches are by token count instead (prompt + completion,
+     padding not counted; `learners.batching.token_budget_micro_batches`), so their number varies: every rank
+     takes the most any rank has (one all-reduce per batch; a rank with fewer splits its largest), because the
+     accumulation boundary is collective. learner.packing puts several samples in one row (`packed_inputs`);
+     the completion-aligned tensors keep their [b, T'] layout, and `ModelInputs.predicting` reads each model
+     output (logits, hidden states, values) at the positions that predict the completion tokens, padded or
+     packed alike;
   2. no-grad pass, only when needed: reference log-probs (algo.kl_coef > 0), critic values (estimator gae),
      the current policy's log-probs (KL in the reward, and the proximal log-probs when there is more than one
      optimizer step per batch);
@@ -40,6 +47,16 @@ statistics are means over all the steps of the batch (each epoch weighted equall
 `policy/clip_frac/epoch_k` and `policy/approx_kl/epoch_k` are epoch k's alone (k = 1..ppo_epochs).
 
 Non-finite guard: a step whose loss or gradient is not finite on any rank is skipped on every rank (the weights
+`perf/padding_fraction` is padded positions / all positions of the update's forwards, `perf/tokens_per_micro_batch`
+the mean prompt + completion tokens of a micro-batch, `perf/peak_rss_mb` the process's peak resident memory so far
+(getrusage ru_maxrss; the largest rank's; it never falls, so it is the run's peak, not the step's).
+
+Exactness of packing and token budgets: they change which samples share a forward and how wide its rows are, never
+what a sample sees (its own positions from 0, only its own earlier tokens) or how a micro-batch's loss is weighted
+(its share of the mini-batch's loss units), so the update equals the padded fixed-size one up to the order of
+float32 sums (tests/learners/test_packing.py). With flash-attention (model config `_attn_implementation`
+flash_*) the packed rows are laid end to end in one row, the only layout in which transformers turns the restarting
+position_ids into varlen attention (cu_seqlens); that path is not tested here (no GPU).
 and the optimizer state stay bit-identical; see `learners.engine`), logged, and counted in
 `learner/steps_skipped_nonfinite` (`learner/critic_steps_skipped_nonfinite` for the critic). Whatever the buffer
 lets through, a NaN never reaches the weights.
@@ -56,6 +73,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
+import resource
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -66,7 +84,15 @@ from common.config import AlgoConfig, LearnerConfig, ModelConfig, TandemConfig
 from common.model_prep import resolve_model_path
 from common.types import RolloutGroup
 from learners import engine as eng
-from learners.batching import ModelInputs, PaddedBatch, Rows, mini_batch_rows, pad_groups
+from learners.batching import (
+    ModelInputs,
+    PaddedBatch,
+    Rows,
+    mini_batch_rows,
+    pad_groups,
+    split_to_count,
+    token_budget_micro_batches,
+)
 from learners.checkpoint import export_adapter, export_hf_model
 from learners.estimators import batch_advantages
 from learners.losses import (
@@ -136,6 +162,28 @@ class _GlobalAverages:
 
 @dataclass
 class _PreUpdate:
+class _InputShape:
+    """What the update's forwards processed (summed over ranks): padding fraction and tokens per micro-batch."""
+
+    def __init__(self) -> None:
+        self.counts = np.zeros(3)  # positions, real tokens, micro-batches
+
+    def add(self, inputs: ModelInputs) -> None:
+        self.counts += (inputs.positions, inputs.real_tokens, 1)
+
+    def metrics(self, sum_ranks: Reduce, max_ranks: Reduce) -> dict[str, float]:
+        """`perf/padding_fraction`: padded positions / all positions of the update's forwards; `perf/
+        tokens_per_micro_batch`: prompt + completion tokens per micro-batch (mean); `perf/peak_rss_mb`: this
+        process's peak resident memory so far (getrusage ru_maxrss, the largest over ranks). A collective."""
+        positions, real, micro_batches = sum_ranks(self.counts).tolist()
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+        return {
+            "perf/padding_fraction": 1.0 - real / max(positions, 1.0),
+            "perf/tokens_per_micro_batch": real / max(micro_batches, 1.0),
+            "perf/peak_rss_mb": float(max_ranks(np.array([peak_mb]))[0]),
+        }
+
+
     """No-grad quantities for the batch, [B, T] each (None when the configuration does not need them)."""
 
     ref_logprobs: torch.Tensor | None = None
@@ -174,6 +222,7 @@ class Trainer:
         self.micro_steps = math.ceil(rank_samples // learner.mini_batches / learner.micro_batch_size)  # per step
         settings = eng.EngineSettings(
             lr=learner.lr,
+        self.token_budget, self.packing = learner.max_tokens_per_micro_batch, learner.packing  # 0: micro_steps
             zero_stage=learner.zero_stage,
             bf16=model.dtype == "bfloat16",
             micro_batch_size=learner.micro_batch_size,
@@ -189,6 +238,8 @@ class Trainer:
         self.pad_id = int(self.policy.module.config.pad_token_id or 0)
         self.reference = None
         if algo.kl_coef > 0:  # with adapters: the policy with them disabled is the initial model (learners.models)
+        attention = str(getattr(self.policy.module.config, "_attn_implementation", ""))
+        self.one_row = learner.packing and attention.startswith("flash")  # varlen: packed samples in one row
             self.reference = (
                 AdaptersOff(self.policy.module, self.policy, self.policy.zero3)
                 if self.lora
@@ -222,7 +273,7 @@ class Trainer:
         losses, policy diagnostics and timings. Raises ValueError for an empty or malformed share.
         """
         batch = pad_groups(groups, staleness, self.pad_id, first_group_id=self.dist.rank * len(groups))
-        schedule = mini_batch_rows(batch.size, self.mini_batches, self.micro_steps)  # [mini-batch][micro-batch]
+        schedule = self._schedule(batch)  # [mini-batch][micro-batch] -> rows
         summary = rollout_summary(
             groups,
             staleness,
@@ -269,8 +320,8 @@ class Trainer:
         """
         head = self._fused_head(model)
         if head is None:
-            out = model(**inputs.forward_kwargs(), logits_to_keep=inputs.num_predicted, use_cache=False)
-            logits = out.logits[:, :-1] / self.temperature  # [b, T', V]
+            out = model(**inputs.forward_kwargs(), logits_to_keep=inputs.keep, use_cache=False)
+            logits = inputs.predicting(out.logits) / self.temperature  # [b, T', V]
             with torch.set_grad_enabled(self.algo.entropy_coef > 0 and torch.is_grad_enabled()):
                 entropy = entropy_from_logits(logits)  # [b, T']
             return logprobs_from_logits(logits, inputs.completion_tokens), entropy
@@ -278,7 +329,7 @@ class Trainer:
         # DeepSpeed engine's, whose output hooks start its backward) with the final norm applied
         out = model(**inputs.forward_kwargs(), logits_to_keep=_NO_POSITIONS, output_hidden_states=True, use_cache=False)
         mask = inputs.loss_mask  # [b, T']
-        hidden = out.hidden_states[-1][:, -inputs.num_predicted : -1][mask]  # [N, H]: position t predicts token t
+        hidden = inputs.predicting(out.hidden_states[-1])[mask]  # [N, H]: the positions that predict the tokens
         logprobs, entropy = linear_logprobs_entropy(hidden, head, inputs.completion_tokens[mask], self.temperature)
         if not (self.algo.entropy_coef > 0):
             entropy = entropy.detach()
@@ -303,7 +354,7 @@ class Trainer:
 
     def _critic_values(self, inputs: ModelInputs) -> torch.Tensor:
         """V(s_t) [b, T'] for each completion token t, read at the position that predicts t."""
-        return self.critic(**inputs.forward_kwargs(), values_to_keep=inputs.num_predicted)[:, :-1]
+        return inputs.predicting(self.critic(**inputs.forward_kwargs(), values_to_keep=inputs.keep))
 
     def _pre_update(self, batch: PaddedBatch, rows: list[Rows]) -> _PreUpdate:
         need_ref = self.reference is not None
@@ -319,7 +370,7 @@ class Trainer:
             pre.old_values = torch.zeros(shape)
             self.critic.train(False)
         for part in rows:
-            inputs = batch.model_inputs(part, self.device)
+            inputs = batch.model_inputs(part, self.device, self.packing, self.one_row)
             width = inputs.width
             if need_ref:
                 pre.ref_logprobs[part, :width] = self._model_logprobs(self.reference, inputs)[0].float().cpu()
@@ -369,12 +420,14 @@ class Trainer:
         stats = _GlobalAverages()
         forward_s = backward_s = 0.0
         for epoch in range(1, epochs + 1):
+        shape = _InputShape()
             for mini, mini_total in zip(schedule, mini_units):
                 for i, rows in enumerate(mini):
                     start = time.perf_counter()
                     last = i == len(mini) - 1  # this micro-batch's backward ends the mini-batch: step after it
                     self.policy.begin_micro_batch(last)
-                    inputs = batch.model_inputs(rows, self.device)
+                    inputs = batch.model_inputs(rows, self.device, self.packing, self.one_row)
+                    shape.add(inputs)
                     mask, width = inputs.loss_mask, inputs.width
                     micro_units = _loss_units(mask, algo.aggregation)
                     backward_share = float(micro_units) / max(float(mini_total), 1.0)  # of the step's loss
@@ -411,7 +464,32 @@ class Trainer:
                         self.critic.backward(critic_loss * backward_share * self.dist.world_size)
                         self.critic.step()
                     backward_s += time.perf_counter() - start
-        return stats.across_ranks(self._sum_ranks, self._max_ranks), forward_s, backward_s
+        return (
+            {**stats.across_ranks(self._sum_ranks, self._max_ranks), **shape.metrics(self._sum_ranks, self._max_ranks)},
+            forward_s,
+            backward_s,
+        )
+
+    def _schedule(self, batch: PaddedBatch) -> list[list[Rows]]:
+        """Per mini-batch, its micro-batches' rows: `micro_steps` equal slices, or (learner.max_tokens_per_micro_batch
+        > 0) by token count, split until every rank has as many as the rank with the most (a collective)."""
+        minis = mini_batch_rows(batch.size, self.mini_batches, self.micro_steps)
+        if not self.token_budget:
+            return minis
+        tokens = batch.sample_tokens()
+        over = int((tokens > self.token_budget).sum())
+        if over:
+            log.warning(
+                "%d sample(s) longer than learner.max_tokens_per_micro_batch = %d (longest %d tokens): each gets a "
+                "micro-batch of its own, over the budget; raise the budget to bound the memory",
+                over,
+                self.token_budget,
+                int(tokens.max()),
+            )
+        whole = [slice(mini[0].start, mini[-1].stop) for mini in minis]
+        bins = [token_budget_micro_batches(tokens, rows, self.token_budget, self.packing) for rows in whole]
+        counts = self._max_ranks(np.array([len(b) for b in bins], dtype=np.float64))
+        return [split_to_count(b, int(count)) for b, count in zip(bins, counts)]
 
     def _policy_objective(
         self,
