@@ -18,7 +18,9 @@ ranks and micro-batches (see `learners.trainer`).
 ZeRO stages on CPU (DeepSpeed 0.19, gloo): 0, 1, 2 and 3 all train, in float32 and bfloat16
 (tests/learners/test_trainer.py: stages 1-3 give stage 0's update, every stage trains in bf16), and ZeRO-1 and
 ZeRO-3 with 2 ranks give the update of one rank (tests/learners/test_data_parallel.py). The optimizer is torch's AdamW handed to DeepSpeed as a client optimizer:
-DeepSpeed's own FusedAdam/CPUAdam compile a C++ extension on first use (~80 s here), torch's needs nothing.
+DeepSpeed's own FusedAdam/CPUAdam compile a C++ extension on first use (~80 s here), torch's needs nothing. It
+runs torch's fused kernel (`fused=True`, one pass over the weights: 0.16 s against 0.87 s for the default
+for-each AdamW on SmolLM2's 135M float32 master weights, one CPU core).
 
 Non-finite updates never reach the weights: an optimizer step whose gradients hold a NaN or an infinity on any
 rank, or whose micro-batches gave any rank a non-finite loss, is skipped on every rank together. DeepSpeed's ZeRO
@@ -143,7 +145,9 @@ class TrainEngine:
 
         def make_optimizer(params: Any) -> torch.optim.Optimizer:
             # ZeRO-0 checks on all ranks (its gradients are whole); ZeRO's optimizers checked before calling it
-            return _FiniteAdamW(params, settings.zero_stage == 0, lr=settings.lr, weight_decay=settings.weight_decay)
+            return _FiniteAdamW(
+                params, settings.zero_stage == 0, lr=settings.lr, weight_decay=settings.weight_decay, fused=True
+            )
 
         def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
             return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
@@ -268,7 +272,10 @@ class _FiniteAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+        # max and min carry any NaN and any infinity: two reductions, no [numel] boolean temporaries
+        finite = torch.tensor(True)
+        if grads:
+            finite = torch.stack([torch.isfinite(g.amax()) & torch.isfinite(g.amin()) for g in grads]).all()
         flag = (~finite).float().reshape(1)
         self.overflow = bool((all_reduce(flag, "max") if self.all_ranks else flag).item() > 0)
         if self.overflow:
