@@ -23,6 +23,11 @@ logs and retries like an unreachable publisher. Malformed means anything `common
 (an unknown dtype, sizes or shapes that disagree with the bytes, bucket indices out of range, empty or repeated
 names) and an update whose tensor layout (names, dtypes, shapes) differs from the first one this source accepted.
 
+Adapter-only updates (learner.lora.sync = "adapter": `WeightsHeader.lora_rank` > 0) travel the same way; their
+tensors are checked as LoRA matrices (`common.weights.check_adapter`, a malformed one is a bad reply), and an engine
+that is sent the wrong kind (full vs adapter, `check_update_kind`) raises `WeightsRejected`, which the generator hands
+to `WeightsPoller.reject`: counted (`rejected_update`), asked for again after the back-off, never fatal.
+
 Versions are bounded too, since a forged version would stall a generator for good (it would wait for the learner
 to pass it): `WeightsPoller` never adopts a version more than `max_version_lead` ahead of what it knows the
 learner reached (the version it has, or the one the buffer asked for with `want`); such a reply is counted
