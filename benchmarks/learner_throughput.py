@@ -1,12 +1,22 @@
-"""Learner throughput on SmolLM2-135M for the demo batch, and the cost of publishing its weights.
+"""Learner throughput on SmolLM2-135M for the demo batch against the machine's GEMM rate, and the cost of
+publishing its weights.
 
     .venv/bin/python -m benchmarks.learner_throughput [--steps 2] [--model smollm2|tiny|DIR] [--zero-stage 1]
+        [--dtype bfloat16|float32] [--threads 1]
 
 Training: one rank, DeepSpeed ZeRO-1, bf16 (the demo's settings), GRPO with TIS, micro-batches of 8, on the demo
 batch: 4 groups x 8 samples, prompts of ~40 tokens, completions of ~100 tokens (80-120, random ids: the cost
-does not depend on the values). One warm-up step, then `--steps` timed `Trainer.train_step` calls.
+does not depend on the values). One warm-up step, then `--steps` timed `Trainer.train_step` calls, on
+`--threads` torch threads (1: the demo's learner is pinned to one core, `launch.local.plan_cores`).
 Figures: tokens/s (prompt + completion tokens through forward and backward, per second of train_step),
 completion tokens/s, seconds per step and its forward/backward split.
+
+Against the hardware: the GEMM rate is torch's matmul in the training dtype on the same threads, median of 5,
+the larger of a 2048^3 product and a model-shaped one (2700 tokens x hidden x MLP width, 2700 x 576 x 1536 for
+SmolLM2). `headline.gemm_fraction` = (6 x parameters x tokens per step / step seconds) / GEMM rate: the share of
+the machine's matmul rate the learner reaches, counting a forward and backward of every parameter for every
+token (the output layer runs on the completion tokens only, so this slightly overcounts the work). The rest of
+the step is what the learner spends outside matmuls (attention, norms, the optimizer, DeepSpeed's copies).
 
 Publishing: `ZmqWeightsPublisher.publish` of the policy's weights (gather + copy into the bucket buffers: what
 blocks the training loop), 7 publishes: the first two fill fresh memory, later ones reuse the retired snapshot's
@@ -94,6 +104,35 @@ def measure_training(trainer: Any, steps: int) -> dict[str, float]:
     }
 
 
+def gemm_gflops(m: int, k: int, n: int, dtype: Any, repeat: int = 5) -> float:
+    """torch's [m, k] x [k, n] matmul rate in GFLOP/s (2 m k n per product), median of `repeat` after a warm-up."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=generator).to(dtype)
+    b = torch.randn(k, n, generator=generator).to(dtype)
+    return 2 * m * k * n / best_seconds(lambda: a @ b, repeat=repeat, warmup=1) / 1e9
+
+
+def measure_gemm(trainer: Any, dtype: Any, training: dict[str, float]) -> dict[str, Any]:
+    """The machine's GEMM rate in the training dtype on this process's threads, and the learner's share of it."""
+    config = trainer.policy.module.config
+    shape = (2700, int(config.hidden_size), int(config.intermediate_size))
+    square, model = gemm_gflops(2048, 2048, 2048, dtype), gemm_gflops(*shape, dtype)
+    parameters = sum(int(getattr(p, "ds_numel", p.numel())) for p in trainer.policy.module.parameters())  # tied once
+    learner = 6 * parameters * training["tokens_per_step"] / training["step_s"] / 1e9
+    rate = max(square, model)
+    return {
+        "parameters": parameters,
+        "gemm_square_gflops": square,
+        "gemm_model_shape": list(shape),
+        "gemm_model_gflops": model,
+        "gemm_gflops": rate,
+        "learner_gflops": learner,
+        "gemm_fraction": learner / rate,
+    }
+
+
 def measure_publishing(trainer: Any) -> dict[str, float]:
     from launch.testing import free_port
     from learners.publisher import ZmqWeightsPublisher
@@ -139,6 +178,10 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
     return {
         "tokens_per_s": training["tokens_per_s"],
         "step_s": training["step_s"],
+        "gemm_fraction": result["hardware"]["gemm_fraction"],
+        "gemm_gflops": result["hardware"]["gemm_gflops"],
+        "dtype": result["dtype"],
+        "threads": result["threads"],
         "weights_mb": publishing["weights_mb"],
         "publish_s": publishing["publish_s"],
         "publish_over_memcpy": publishing["publish_over_memcpy"],
@@ -150,8 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="timed training steps (after one warm-up step)")
     parser.add_argument("--model", default="smollm2", help="smollm2, tiny or a model directory")
     parser.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2, 3])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="model.dtype")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the demo's learner has one core)")
     args = parser.parse_args(argv)
     import torch
+
+    torch.set_num_threads(args.threads)
 
     from learners.engine import init_distributed
     from learners.trainer import Trainer
@@ -161,24 +208,32 @@ def main(argv: list[str] | None = None) -> int:
         None,
         {
             "model.path": str(model_dir),
-            "model.dtype": "bfloat16",
+            "model.dtype": args.dtype,
             "algo.group_size": GROUP_SIZE,
             "learner.groups_per_step": GROUPS,
             "learner.micro_batch_size": 8,
             "learner.zero_stage": args.zero_stage,
         },
     )
-    print(f"model {model_name} ({model_dir}), {torch.get_num_threads()} threads, ZeRO-{args.zero_stage}, bf16")
+    print(f"model {model_name} ({model_dir}), {torch.get_num_threads()} threads, ZeRO-{args.zero_stage}, {args.dtype}")
     start = time.perf_counter()
     trainer = Trainer.from_config(config, init_distributed())
     init_s = time.perf_counter() - start
     training = measure_training(trainer, args.steps)
+    hardware = measure_gemm(trainer, getattr(torch, args.dtype), training)
     publishing = measure_publishing(trainer)
     print(
         f"training: {training['tokens_per_s']:.0f} tokens/s ({training['completion_tokens_per_s']:.0f} completion "
         f"tokens/s), {training['step_s']:.1f} s/step (forward {training['forward_s']:.1f} s, backward + step "
         f"{training['backward_s']:.1f} s), {training['tokens_per_step']:.0f} tokens/step; "
         f"engine start {init_s:.1f} s"
+    )
+    print(
+        f"against the hardware: {hardware['learner_gflops']:.0f} GFLOP/s (6 x {hardware['parameters'] / 1e6:.1f}M "
+        f"params x {training['tokens_per_step']:.0f} tokens / {training['step_s']:.1f} s) vs GEMM "
+        f"{hardware['gemm_gflops']:.0f} GFLOP/s ({args.dtype}, {torch.get_num_threads()} threads: 2048^3 "
+        f"{hardware['gemm_square_gflops']:.0f}, model-shaped {hardware['gemm_model_shape']} "
+        f"{hardware['gemm_model_gflops']:.0f}) = gemm_fraction {hardware['gemm_fraction']:.2f}"
     )
     print(
         f"publishing {publishing['weights_mb']:.0f} MiB: {publishing['publish_s'] * 1e3:.0f} ms (gather + copy, "
@@ -191,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": model_name,
         "model_dir": str(model_dir),
         "zero_stage": args.zero_stage,
-        "dtype": "bfloat16",
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
         "batch": {
             "groups": GROUPS,
             "group_size": GROUP_SIZE,
@@ -200,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "engine_start_s": init_s,
         "training": training,
+        "hardware": hardware,
         "publishing": publishing,
     }
 
