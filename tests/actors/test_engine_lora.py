@@ -9,6 +9,12 @@ added with v1 on v1 to their end (every token stamped 1) while new requests samp
 adapter is gone from vLLM and from disk; a full-weights update or an adapter vLLM cannot apply is refused with
 `WeightsRejected` and changes nothing.
 
+The engine is configured to sample (temperature 1, top-p 0.9) and every request above asks for greedy decoding
+itself (`add(..., temperature=0)`, as eval requests do). At the end, two greedy requests of one prompt batched with
+sampled ones give the same tokens: greedy decoding takes the argmax of the same logits (the same weights and
+adapter, the same prefix), so nothing random can enter; and the engine's own sampling parameters stay as configured
+(a request's are a copy). This engine serves that check too, so the suite starts one vLLM engine for both.
+
 Numerics: both sides run float32 (the tiny model's bf16 weights upcast) so greedy choices are compared where they
 are well separated. vLLM computes x W + s (x A) B where transformers' merged model computes x (W + s A B): the same
 sums reassociated, a difference of about (reduction length <= 128) x 2^-24 relative per product, ~1e-5 on logits
@@ -87,7 +93,7 @@ def _update(arrays: dict[str, np.ndarray], version: int, lora: bool = True):
 def _add(engine, tag: str) -> list[str]:
     ids = [f"{tag}:{i}" for i in range(len(PROMPTS))]
     for request_id, prompt in zip(ids, PROMPTS):
-        engine.add(request_id, prompt)
+        engine.add(request_id, prompt, temperature=0.0)  # greedy in a sampling engine (module docstring)
     return ids
 
 
@@ -117,7 +123,7 @@ def test_the_engine_samples_with_the_adapter_it_was_sent(tiny_model_dir: Path) -
     assert v1_reference != v2_reference
 
     configure_cpu_environment(GeneratorConfig(kv_cache_gib=1.0))
-    settings = SamplingSettings(temperature=0.0, top_p=1.0, max_tokens=MAX_TOKENS, seed=0)
+    settings = SamplingSettings(temperature=1.0, top_p=0.9, max_tokens=MAX_TOKENS, seed=0)
     model = ModelConfig(path=str(tiny_model_dir), max_model_len=256, dtype="float32")
     engine = VllmEngine(tiny_model_dir, model, settings, 8, True, lora_rank=RANK)
     try:
@@ -155,5 +161,18 @@ def test_the_engine_samples_with_the_adapter_it_was_sent(tiny_model_dir: Path) -
             engine.load_weights(_update(wide, 3), inflight=False)
         assert engine.policy_version == 2
         assert [s.completion_tokens.tolist() for s in _greedy(engine, "after")] == v2_reference
+
+        prompt = PROMPTS[0]  # greedy requests batched with sampled ones (module docstring)
+        engine.add("greedy-a", prompt, temperature=0.0)
+        for i in range(3):
+            engine.add(f"sampled-{i}", prompt)  # the configured temperature 1, top-p 0.9
+        engine.add("greedy-b", prompt, max_tokens=MAX_TOKENS, temperature=0.0)
+        engine.add("short", prompt, max_tokens=3, temperature=0.5)
+        finished = _run(engine)
+        params = engine.params
     finally:
         engine.shutdown()
+    assert finished["greedy-a"].completion_tokens.tolist() == finished["greedy-b"].completion_tokens.tolist()
+    assert finished["greedy-a"].completion_tokens.tolist() == v2_reference[0]
+    assert len(finished["short"].completion_tokens) <= 3
+    assert (params.temperature, params.top_p, params.max_tokens) == (1.0, 0.9, MAX_TOKENS)  # untouched by the copies
