@@ -4,7 +4,9 @@
     .venv/bin/python -m benchmarks.demo_runs --run async=runs/demo/metrics.jsonl --run sync=runs/sync/metrics.jsonl
 
 The kept runs are `tandem demo` (η = 2) and the synchronous baseline, the same config with `--algo.max_staleness 0`,
-each the full 30 steps on this 2-core machine. Per run: mean reward/mean over the first and the last 20% of steps
+each the full 30 steps on this 2-core machine, and a LoRA run of the demo with one worked example (env.shots = 1):
+`tandem demo --learner.lora.rank 16 --learner.lr 3e-4 --learner.total_steps 20 --eval.sets '[]'` (merged sync:
+the generator's vLLM takes full weights as without LoRA). Per run: mean reward/mean over the first and the last 20% of steps
 (the demo's criterion: the last at least RISE_TARGET above the first), trained samples/s from step 1 on, wall time
 on the learner's clock, staleness and samples dropped as stale. Reading other runs needs no engine: it is
 how to compare any two runs. Writes results/demo_runs.{json,png}.
@@ -25,6 +27,7 @@ RISE_TARGET = 0.15
 KEPT = {
     "η = 2 (tandem demo)": RESULTS / "kept_runs" / "demo-eta2-async.metrics.jsonl",
     "η = 0 (synchronous baseline)": RESULTS / "kept_runs" / "demo-eta0-sync.metrics.jsonl",
+    "LoRA r16, merged sync": RESULTS / "kept_runs" / "demo-lora.metrics.jsonl",
 }
 
 
