@@ -29,7 +29,7 @@ from learners.batching import (
 from learners.engine import init_distributed
 from learners.trainer import Trainer
 from tests.learners.learner_fakes import learner_config, synthetic_group
-from tests.learners.test_trainer import GRADIENT_TOLERANCE, Step, gradient_error, update_excess, weights
+from tests.learners.test_trainer import GRADIENT_TOLERANCE, Step, gradient_error, one_step, update_excess, weights
 
 PAD = 2
 
@@ -183,3 +183,39 @@ def test_the_critic_reads_its_values_at_the_packed_positions(tiny_model_dir, dis
     heads = [s.trainer.critic.module.value_head.weight.detach() for s in (packed, padded)]
     assert float(heads[1].abs().max()) == pytest.approx(1e-2, rel=0.01)  # it moved by ~lr
     assert float((heads[0] - heads[1]).abs().max()) <= 1e-3 * 1e-2
+
+
+@pytest.mark.deepspeed
+def test_two_ranks_with_different_micro_batch_counts_make_the_update_of_one_rank(
+    tiny_model_dir, tmp_path, dist
+) -> None:
+    """Under a budget of 20 tokens rank 0's group (13, 12, 11, 11 tokens) makes 4 micro-batches and rank 1's (7, 8,
+    8, 8) makes 2, split to 4 so that both ranks reach the accumulation boundary together: a rank that stopped
+    early would hang the other (the gloo all-reduce at the boundary) and the run would time out. The bound is
+    tests/learners/test_data_parallel.py's (one rank against two, well-conditioned weights)."""
+    from safetensors.torch import load_file
+
+    from launch.testing import RoleUnderTest
+    from tests.learners.learner_fakes import SyntheticBuffer, process_config, synthetic_batch
+
+    groups = synthetic_batch(0, 2, 4)  # what SyntheticBuffer serves for step 0
+    one_rank_step = one_step(tiny_model_dir, dist, (groups, [np.zeros(g.size, dtype=np.int32) for g in groups]))
+    config = process_config(
+        tiny_model_dir,
+        tmp_path,
+        learner__world_size=2,
+        learner__zero_stage=1,
+        learner__total_steps=1,
+        learner__max_tokens_per_micro_batch=20,
+        learner__packing=True,
+    )
+    buffer = SyntheticBuffer(config.buffer.port, groups_per_step=2, group_size=4)
+    try:
+        with RoleUnderTest(config, "learner") as learner:
+            assert learner.wait(240) == 0, learner.tail()
+    finally:
+        buffer.close()
+    initial = {k: v.float() for k, v in load_file(str(tiny_model_dir / "model.safetensors")).items()}
+    trained = load_file(str(tmp_path / "run" / "checkpoints" / "step-000001" / "hf" / "model.safetensors"))
+    two_ranks = Step(initial, {}, {name: trained[name].float() - initial[name] for name in trained}, {}, None)
+    assert update_excess(two_ranks, one_rank_step) <= 0
