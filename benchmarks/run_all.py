@@ -31,6 +31,7 @@ BENCHMARKS = (
     "generator_throughput",
     "weight_sync",
     "learner_throughput",
+    "learner_lora",
     "async_vs_sync",
     "fleet_scaling",
     "staleness_effect",

@@ -29,6 +29,7 @@ def test_every_saved_result_has_a_headline(path: Path) -> None:
         "buffer_throughput",
         "env_latency",
         "generator_throughput",
+        "learner_lora",
         "learner_throughput",
         "ray_overhead",
         "weight_fanout",
