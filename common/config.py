@@ -702,7 +702,9 @@ class LearnerConfig(_Section):
         description="Pack several samples into one row (position_ids restart per sample, no attention across "
         "samples) instead of padding each to the longest; needs max_tokens_per_micro_batch > 0. Same update.",
     )
-    total_steps: int = Field(100, description="Optimizer steps to train.", ge=1)
+    total_steps: int = Field(
+        100, description="Steps (batches) to train; each is algo.ppo_epochs x mini_batches optimizer steps.", ge=1
+    )
     lr: float = Field(1e-6, description="Learning rate.", gt=0)
     weight_decay: float = Field(0.0, description="AdamW weight decay.", ge=0)
     grad_clip: float = Field(1.0, description="Gradient norm clip (0 = none).", ge=0)

@@ -6,9 +6,10 @@
     kill -INT <pid>                                        # stop after the step in flight, checkpoint, exit 130
     tandem learner CONFIG --run.simulate true              # SIMULATION: no model, real sockets and versions
 
-The loop, per step s (s = optimizer steps taken so far = the policy_version the step trains at):
+The loop, per step s (s = batches trained so far = the policy_version the step trains at; one step is
+algo.ppo_epochs x learner.mini_batches optimizer steps on its batch):
     batch      <- buffer: this rank's share of the batch for step s (BatchNotReady: ask again; buffer down: back off)
-    train_step -> one optimizer step on the global batch (learners.trainer), s <- s + 1
+    train_step -> the update on the global batch (learners.trainer), s <- s + 1
     publish    every sync_every steps (and at the last): weights of version s, then rank 0 sends VersionReport(s, s)
                (`final` at learner.total_steps: the buffer ends the run, telling the generators to exit)
     metrics    rank 0: one record per step (metrics.jsonl, TensorBoard), progress bar, a log line
