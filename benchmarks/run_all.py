@@ -32,6 +32,7 @@ BENCHMARKS = (
     "weight_sync",
     "learner_throughput",
     "learner_lora",
+    "learner_packing",
     "async_vs_sync",
     "fleet_scaling",
     "staleness_effect",
