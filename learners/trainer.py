@@ -45,8 +45,6 @@ KL(pi_behaviour || pi_theta) on the sampled tokens (how far the trained weights 
 the sampled tokens (mean over action tokens; 0 at the first step, where theta = prox). Losses and policy
 statistics are means over all the steps of the batch (each epoch weighted equally); with ppo_epochs > 1,
 `policy/clip_frac/epoch_k` and `policy/approx_kl/epoch_k` are epoch k's alone (k = 1..ppo_epochs).
-
-Non-finite guard: a step whose loss or gradient is not finite on any rank is skipped on every rank (the weights
 `perf/padding_fraction` is padded positions / all positions of the update's forwards, `perf/tokens_per_micro_batch`
 the mean prompt + completion tokens of a micro-batch, `perf/peak_rss_mb` the process's peak resident memory so far
 (getrusage ru_maxrss; the largest rank's; it never falls, so it is the run's peak, not the step's).
@@ -57,6 +55,8 @@ what a sample sees (its own positions from 0, only its own earlier tokens) or ho
 float32 sums (tests/learners/test_packing.py). With flash-attention (model config `_attn_implementation`
 flash_*) the packed rows are laid end to end in one row, the only layout in which transformers turns the restarting
 position_ids into varlen attention (cu_seqlens); that path is not tested here (no GPU).
+
+Non-finite guard: a step whose loss or gradient is not finite on any rank is skipped on every rank (the weights
 and the optimizer state stay bit-identical; see `learners.engine`), logged, and counted in
 `learner/steps_skipped_nonfinite` (`learner/critic_steps_skipped_nonfinite` for the critic). Whatever the buffer
 lets through, a NaN never reaches the weights.
@@ -71,9 +71,9 @@ from __future__ import annotations
 
 import logging
 import math
+import resource
 import time
 from collections.abc import Iterator, Sequence
-import resource
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -160,8 +160,6 @@ class _GlobalAverages:
         return {**dict(zip(sums, totals.tolist())), **dict(zip(peaks, maxima.tolist()))}
 
 
-@dataclass
-class _PreUpdate:
 class _InputShape:
     """What the update's forwards processed (summed over ranks): padding fraction and tokens per micro-batch."""
 
@@ -184,6 +182,8 @@ class _InputShape:
         }
 
 
+@dataclass
+class _PreUpdate:
     """No-grad quantities for the batch, [B, T] each (None when the configuration does not need them)."""
 
     ref_logprobs: torch.Tensor | None = None
@@ -220,9 +220,9 @@ class Trainer:
         self.mini_batches = learner.mini_batches
         self.steps_per_batch = algo.ppo_epochs * learner.mini_batches  # optimizer steps per train_step
         self.micro_steps = math.ceil(rank_samples // learner.mini_batches / learner.micro_batch_size)  # per step
+        self.token_budget, self.packing = learner.max_tokens_per_micro_batch, learner.packing  # 0: micro_steps
         settings = eng.EngineSettings(
             lr=learner.lr,
-        self.token_budget, self.packing = learner.max_tokens_per_micro_batch, learner.packing  # 0: micro_steps
             zero_stage=learner.zero_stage,
             bf16=model.dtype == "bfloat16",
             micro_batch_size=learner.micro_batch_size,
@@ -236,10 +236,10 @@ class Trainer:
         policy = load_policy(self.model_dir, dtype, learner.gradient_checkpointing)
         self.policy = eng.TrainEngine(add_adapters(policy, self.lora) if self.lora else policy, settings)
         self.pad_id = int(self.policy.module.config.pad_token_id or 0)
-        self.reference = None
-        if algo.kl_coef > 0:  # with adapters: the policy with them disabled is the initial model (learners.models)
         attention = str(getattr(self.policy.module.config, "_attn_implementation", ""))
         self.one_row = learner.packing and attention.startswith("flash")  # varlen: packed samples in one row
+        self.reference = None
+        if algo.kl_coef > 0:  # with adapters: the policy with them disabled is the initial model (learners.models)
             self.reference = (
                 AdaptersOff(self.policy.module, self.policy, self.policy.zero3)
                 if self.lora
@@ -418,9 +418,9 @@ class Trainer:
             )
         )
         stats = _GlobalAverages()
+        shape = _InputShape()
         forward_s = backward_s = 0.0
         for epoch in range(1, epochs + 1):
-        shape = _InputShape()
             for mini, mini_total in zip(schedule, mini_units):
                 for i, rows in enumerate(mini):
                     start = time.perf_counter()
