@@ -20,9 +20,11 @@ The update, in order (B samples on this rank, T completion columns, V vocabulary
      optimizer step per batch);
   3. advantages for the estimator (`learners.estimators`); batch-level normalisations (reinforce_pp, gae)
      use the statistics of the GLOBAL batch (summed over ranks), so every rank count gives the same update;
-  4. `algo.ppo_epochs` times over the mini-batches, per micro-batch: forward with grad -> log-probs (logits /
-     sampling temperature) -> policy_loss with the configured correction against `behaviour_logprobs` (+ KL
-     term, - entropy bonus) -> backward -> step (the optimizer steps after a mini-batch's last micro-batch).
+  4. `algo.ppo_epochs` times over the mini-batches, per micro-batch: forward with grad -> log-probs and
+     entropies (logits / sampling temperature; the output layer fused with the softmax in chunks, so the
+     [b, T', V] logits never exist: `_model_logprobs`) -> policy_loss with the configured correction against
+     `behaviour_logprobs` (+ KL term, - entropy bonus) -> backward -> step (the optimizer steps after a
+     mini-batch's last micro-batch).
      The proximal policy is the one before the batch's first step: with several steps its log-probs come from
      step 2's no-grad pass and stay fixed, so the PPO ratio pi_theta / pi_prox moves and the clip acts from the
      second step on, while the importance weight pi_prox / pi_behaviour carries the off-policy correction
