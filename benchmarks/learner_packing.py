@@ -29,36 +29,16 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import save
+from benchmarks.learner_throughput import GROUP_SIZE, PROMPT_TOKENS, random_batch
 from common.types import RolloutGroup
 
-GROUP_SIZE, PROMPT_TOKENS, COMPLETION_TOKENS, LR = 8, 40, (32, 513), 1e-6
+COMPLETION_TOKENS, LR = (32, 513), 1e-6
 COMPARED = "model.layers.0.self_attn.q_proj.weight"  # the tensor whose update the two ways compare (kept small)
 
 
 def spread_batch(seed: int, groups: int, completion_tokens: tuple[int, int] = COMPLETION_TOKENS) -> list[RolloutGroup]:
-    rng = np.random.default_rng(seed)
-    batch = []
-    for g in range(groups):
-        lengths = rng.integers(*completion_tokens, GROUP_SIZE)
-        total = int(lengths.sum())
-        batch.append(
-            RolloutGroup(
-                lease_id=seed,
-                prompt_id=g,
-                epoch=0,
-                generator_id=0,
-                prompt_tokens=rng.integers(3, 49152, PROMPT_TOKENS).astype(np.int32),
-                offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-                completion_tokens=rng.integers(3, 49152, total).astype(np.int32),
-                behaviour_logprobs=np.full(total, -2.0, dtype=np.float32),
-                loss_mask=np.ones(total, dtype=np.uint8),
-                token_versions=np.zeros(total, dtype=np.int32),
-                versions=np.zeros(GROUP_SIZE, dtype=np.int32),
-                rewards=rng.integers(0, 2, GROUP_SIZE).astype(np.float32),
-                finish_reasons=["length"] * GROUP_SIZE,
-            )
-        )
-    return batch
+    """`groups` groups of 8 samples, prompts of 40 tokens, completions of 32-512 (the demo batch's builder)."""
+    return random_batch(seed, groups, completion_tokens)
 
 
 def run_way(way: str, model_dir: str, args: dict[str, Any]) -> dict[str, Any]:

@@ -47,12 +47,18 @@ GROUPS, GROUP_SIZE, PROMPT_TOKENS, COMPLETION_TOKENS = 4, 8, 40, (80, 121)
 
 def demo_batch(seed: int) -> list[RolloutGroup]:
     """4 groups x 8 samples: ~40 prompt tokens, 80-120 completion tokens, binary rewards, version 0."""
+    return random_batch(seed, GROUPS, COMPLETION_TOKENS)
+
+
+def random_batch(seed: int, groups: int, completion_tokens: tuple[int, int]) -> list[RolloutGroup]:
+    """`groups` groups of GROUP_SIZE samples with random ids (the cost does not depend on the values): prompts of
+    PROMPT_TOKENS, completion lengths drawn from [low, high), binary rewards, version 0."""
     rng = np.random.default_rng(seed)
-    groups = []
-    for g in range(GROUPS):
-        lengths = rng.integers(*COMPLETION_TOKENS, GROUP_SIZE)
+    batch = []
+    for g in range(groups):
+        lengths = rng.integers(*completion_tokens, GROUP_SIZE)
         total = int(lengths.sum())
-        groups.append(
+        batch.append(
             RolloutGroup(
                 lease_id=seed,
                 prompt_id=g,
@@ -69,7 +75,7 @@ def demo_batch(seed: int) -> list[RolloutGroup]:
                 finish_reasons=["length"] * GROUP_SIZE,
             )
         )
-    return groups
+    return batch
 
 
 def resolve_model(spec: str) -> tuple[Path, str]:
