@@ -8,8 +8,8 @@
             ...                                     # sample.token_versions says which weights made each token
     engine.load_weights(update, inflight=False)     # between steps; stamps later tokens with update.policy_version
 
-Implementations: `actors.engine.VllmEngine` (the only module that calls vLLM) and `actors.sim_engine.SimEngine`
-(SIMULATION: random tokens at a configured cost per step). Imports neither.
+Implementations: `actors.engine.VllmEngine` (with actors/adapters.py the only modules that call vLLM) and
+`actors.sim_engine.SimEngine` (SIMULATION: random tokens at a configured cost per step). Imports neither.
 """
 
 from __future__ import annotations

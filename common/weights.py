@@ -23,7 +23,7 @@ Layout (one update = one `WeightsHeader` + `len(bucket_sizes)` raw frames):
 Adapter-only updates (learner.lora.sync = "adapter"): the same layout, with the tensors the LoRA A/B matrices
 only and the header's `lora_rank` > 0, `lora_alpha`, `lora_target_modules`; `check_layout` then also checks the
 names and shapes (`check_adapter`). The transports carry the bytes unchanged; the generator's engine writes them
-as a peft adapter directory that vLLM loads as a LoRA adapter (actors/engine.py).
+as a peft adapter directory that vLLM loads as a LoRA adapter (actors/adapters.py).
 
 Request/reply (what the generator's receiver expects of the publisher): `WeightsRequest(generator_id, have_version)`
 is answered with `WeightsHeader` (transport "zmq") + the buckets as payload frames when the publisher's version is

@@ -1,4 +1,4 @@
-"""The generator samples with the adapter it was sent (learner.lora.sync = "adapter", actors/engine.py): a vLLM engine
+"""The generator samples with the adapter it was sent (learner.lora.sync = "adapter", actors/adapters.py): a vLLM engine
 started with LoRA takes adapter-only updates, the header and frames the learner's publisher sends, and samples
 greedily exactly as transformers does with that peft adapter merged into the model.
 
