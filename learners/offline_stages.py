@@ -17,7 +17,7 @@ forward passes, pairs counting both replies).
 Sequences are right-padded (`learners.offline_data.pad_right`) under an attention mask, so a real token's
 position and inputs are those of the unpadded sequence. A pair's two replies share one forward: rows [0, b)
 are prompt + chosen, rows [b, 2b) prompt + rejected. Log-probs of a reply are read at the positions that predict
-its tokens (`learners.losses.logprobs_from_logits` on the logits shifted by one).
+its tokens (`learners.logprobs.logprobs_from_logits` on the logits shifted by one).
 
 RM: `AutoModelForSequenceClassification` with one label built from model.path (the policy's architecture and
 weights, a fresh scalar head `score` drawn from torch's RNG: the loop seeds it with run.seed, so every rank and
@@ -37,7 +37,8 @@ import torch
 from torch import Tensor, nn
 
 from common.config import DpoConfig, RmConfig, SftConfig, TandemConfig
-from learners.losses import bradley_terry_loss, dpo_loss, logprobs_from_logits, sft_token_nll
+from learners.logprobs import logprobs_from_logits
+from learners.losses import bradley_terry_loss, dpo_loss, sft_token_nll
 from learners.models import load_policy, load_reference, torch_dtype
 from learners.offline_data import (
     ChatExample,

@@ -97,14 +97,8 @@ from learners.batching import (
 )
 from learners.checkpoint import export_adapter, export_hf_model
 from learners.estimators import batch_advantages
-from learners.losses import (
-    entropy_from_logits,
-    kl_estimate,
-    linear_logprobs_entropy,
-    logprobs_from_logits,
-    policy_loss,
-    value_loss,
-)
+from learners.logprobs import entropy_from_logits, linear_logprobs_entropy, logprobs_from_logits
+from learners.losses import kl_estimate, policy_loss, value_loss
 from learners.models import (
     ADAPTER,
     AdaptersOff,

@@ -20,7 +20,8 @@ from common.types import PromptItem, RolloutGroup
 from launch.testing import drive_until_done
 from learners.batching import pad_groups
 from learners.estimators import batch_advantages
-from learners.losses import logprobs_from_logits, policy_loss
+from learners.logprobs import logprobs_from_logits
+from learners.losses import policy_loss
 from tests.actors.env_fakes import ScriptedEngine, ScriptedEnv, ScriptedFactory, Turn
 
 GROUP_SIZE = 4

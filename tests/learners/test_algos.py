@@ -1,4 +1,5 @@
-"""Unit tests for the learner's algorithm math (learners.advantages, learners.estimators, learners.losses).
+"""Unit tests for the learner's algorithm math (learners.advantages, learners.estimators, learners.losses,
+learners.logprobs).
 
 Hand-worked numbers (arithmetic in the comments), python-loop reference implementations on random inputs
 (masks with environment-token holes, empty rows, behaviour != proximal != current), gradient sanity checks
@@ -28,7 +29,8 @@ from learners.advantages import (
     token_returns_with_kl,
 )
 from learners.estimators import batch_advantages, whiten_across_ranks
-from learners.losses import entropy_from_logits, kl_estimate, logprobs_from_logits, policy_loss, value_loss
+from learners.logprobs import entropy_from_logits, logprobs_from_logits
+from learners.losses import kl_estimate, policy_loss, value_loss
 
 L = math.log
 NAN, INF = float("nan"), float("inf")

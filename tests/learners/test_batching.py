@@ -78,7 +78,7 @@ def test_model_inputs_left_pad_prompts_and_count_positions_over_real_tokens() ->
 def test_padded_forward_matches_each_sample_alone(tiny_model_dir) -> None:
     from transformers import AutoModelForCausalLM
 
-    from learners.losses import logprobs_from_logits
+    from learners.logprobs import logprobs_from_logits
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     groups = synthetic_batch(3, 2, 3)

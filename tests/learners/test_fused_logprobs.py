@@ -1,4 +1,4 @@
-"""`losses.linear_logprobs_entropy` (log-probs and entropies fused with the output layer) against the unfused
+"""`logprobs.linear_logprobs_entropy` (log-probs and entropies fused with the output layer) against the unfused
 `logprobs_from_logits` / `entropy_from_logits` on the full logits: values and gradients w.r.t. the hidden states
 and the weight, and the trainer's update on the fused path against the unfused one.
 
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from learners.losses import entropy_from_logits, linear_logprobs_entropy, logprobs_from_logits
+from learners.logprobs import entropy_from_logits, linear_logprobs_entropy, logprobs_from_logits
 from learners.trainer import Trainer
 from tests.learners.learner_fakes import synthetic_batch
 from tests.learners.test_trainer import assert_same_step, one_step

@@ -69,7 +69,7 @@ def test_token_budget_micro_batches_and_split_to_count() -> None:
 def test_packed_forward_matches_each_sample_alone(tiny_model_dir) -> None:
     from transformers import AutoModelForCausalLM
 
-    from learners.losses import logprobs_from_logits
+    from learners.logprobs import logprobs_from_logits
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     assert model.config._attn_implementation == "sdpa"  # the mask from position_ids below is built for sdpa

@@ -57,7 +57,8 @@ def manual_steps(
 
     from learners.advantages import broadcast_to_tokens, grpo_advantages
     from learners.batching import pad_groups
-    from learners.losses import logprobs_from_logits, policy_loss
+    from learners.logprobs import logprobs_from_logits
+    from learners.losses import policy_loss
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()

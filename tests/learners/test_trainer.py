@@ -192,7 +192,8 @@ def test_reported_loss_is_the_policy_loss_of_the_whole_batch(tiny_model_dir, dis
 
     from learners.advantages import broadcast_to_tokens, grpo_advantages
     from learners.batching import pad_groups
-    from learners.losses import logprobs_from_logits, policy_loss
+    from learners.logprobs import logprobs_from_logits
+    from learners.losses import policy_loss
 
     temperature = 0.7
     stats = one_step(
