@@ -237,7 +237,8 @@ def linear_logprobs_entropy(
     gradient). The products run in the layer's dtype and the softmax in float32, as `logprobs_from_logits`
     computes them on the model's logits (one rounding apart: the temperature divides the float32 logits here).
     Cost: one more [N, H] x [H, V] product than the unfused path (the recomputation) and a few passes over
-    each [row_block, vocab_chunk] float32 chunk. Raises ValueError for mismatched shapes or chunk sizes < 1.
+    each [row_block, vocab_chunk] float32 chunk. Raises ValueError for mismatched shapes, chunk sizes < 1 or a
+    token id outside [0, V) (checked here: the chunked gather would otherwise return a wrong value silently).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"need hidden [N, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
@@ -247,6 +248,11 @@ def linear_logprobs_entropy(
         raise ValueError(f"vocab_chunk and row_block must be >= 1, got {vocab_chunk} and {row_block}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < weight.shape[0]:
+        raise ValueError(
+            f"token ids must be in [0, {weight.shape[0]}) (the output layer's rows), got "
+            f"{int(tokens.min())}..{int(tokens.max())}"
+        )
     return _LinearLogprobsEntropy.apply(hidden, weight, tokens.long(), float(temperature), vocab_chunk, row_block)
 
 

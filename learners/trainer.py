@@ -309,7 +309,7 @@ class Trainer:
 
         Fused (the reference, and the policy under ZeRO 0-2): the backbone's final hidden states at the positions
         that predict the action tokens (loss_mask), [N, H], go through the output layer's weight in
-        `losses.linear_logprobs_entropy`, so the [b, T', V] logits never exist; both outputs are 0 off the loss
+        `logprobs.linear_logprobs_entropy`, so the [b, T', V] logits never exist; both outputs are 0 off the loss
         mask. Unfused (`_fused_head` says why): the model's logits, then `logprobs_from_logits` and
         `entropy_from_logits` at every position. Off the loss mask the values are not to be used either way.
         The entropy carries a gradient only when the entropy bonus is on (algo.entropy_coef > 0).

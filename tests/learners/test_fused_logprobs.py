@@ -111,6 +111,9 @@ def test_bad_arguments_are_refused() -> None:
         linear_logprobs_entropy(hidden, weight, tokens, vocab_chunk=0)
     with pytest.raises(ValueError, match="temperature"):
         linear_logprobs_entropy(hidden, weight, tokens, temperature=0.0)
+    for bad in (weight.shape[0], -1):  # one past the vocabulary, and negative: refused, not a silent wrong value
+        with pytest.raises(ValueError, match=r"token ids must be in \[0, "):
+            linear_logprobs_entropy(hidden, weight, torch.where(tokens == tokens[0], bad, tokens))
 
 
 @pytest.fixture(scope="module")
