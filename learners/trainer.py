@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import logging
 import math
-import resource
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -112,70 +111,13 @@ from learners.models import (
     merged_weights,
     torch_dtype,
 )
-from learners.rollout_stats import Reduce, rollout_summary
+from learners.rollout_stats import rollout_summary
+from learners.update_stats import GlobalAverages, InputShape, aggregate, loss_units
 
 log = logging.getLogger("tandem.learner.trainer")
 
 _NO_POSITIONS = torch.zeros(0, dtype=torch.long)  # logits_to_keep: the output layer runs on no position
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")  # configs whose logits != h W^T
-
-
-def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str) -> torch.Tensor:
-    """Like `losses.policy_loss`'s aggregation: token_mean over action tokens, or seq_mean over non-empty rows."""
-    per_token = torch.where(mask, per_token, 0)
-    if aggregation == "token_mean":
-        return per_token.sum() / mask.sum().clamp(min=1)
-    counts = mask.sum(dim=1)
-    return (per_token.sum(dim=1) / counts.clamp(min=1)).sum() / (counts > 0).sum().clamp(min=1)
-
-
-def _loss_units(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
-    """What the aggregation divides by: action tokens (token_mean) or rows with >= 1 action token (seq_mean)."""
-    return (mask.sum() if aggregation == "token_mean" else mask.any(dim=1).sum()).double()
-
-
-class _GlobalAverages:
-    """Statistics of the global batch from per-micro-batch values: weighted sums (a micro-batch's weight is its
-    share of the global loss units or action tokens, so the weights of all ranks add up to 1) and maxima."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.peaks: dict[str, float] = {}
-
-    def add(self, name: str, value: torch.Tensor, weight: float) -> None:
-        self.sums[name] = self.sums.get(name, 0.0) + float(value.detach()) * weight
-
-    def peak(self, name: str, value: torch.Tensor) -> None:
-        self.peaks[name] = max(self.peaks.get(name, -math.inf), float(value))
-
-    def across_ranks(self, sum_ranks: Reduce, max_ranks: Reduce) -> dict[str, float]:
-        """The global values (a collective: every rank must call it with the same names)."""
-        sums, peaks = sorted(self.sums), sorted(self.peaks)
-        totals = sum_ranks(np.array([self.sums[k] for k in sums], dtype=np.float64))
-        maxima = max_ranks(np.array([self.peaks[k] for k in peaks], dtype=np.float64))
-        return {**dict(zip(sums, totals.tolist())), **dict(zip(peaks, maxima.tolist()))}
-
-
-class _InputShape:
-    """What the update's forwards processed (summed over ranks): padding fraction and tokens per micro-batch."""
-
-    def __init__(self) -> None:
-        self.counts = np.zeros(3)  # positions, real tokens, micro-batches
-
-    def add(self, inputs: ModelInputs) -> None:
-        self.counts += (inputs.positions, inputs.real_tokens, 1)
-
-    def metrics(self, sum_ranks: Reduce, max_ranks: Reduce) -> dict[str, float]:
-        """`perf/padding_fraction`: padded positions / all positions of the update's forwards; `perf/
-        tokens_per_micro_batch`: prompt + completion tokens per micro-batch (mean); `perf/peak_rss_mb`: this
-        process's peak resident memory so far (getrusage ru_maxrss, the largest over ranks). A collective."""
-        positions, real, micro_batches = sum_ranks(self.counts).tolist()
-        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-        return {
-            "perf/padding_fraction": 1.0 - real / max(positions, 1.0),
-            "perf/tokens_per_micro_batch": real / max(micro_batches, 1.0),
-            "perf/peak_rss_mb": float(max_ranks(np.array([peak_mb]))[0]),
-        }
 
 
 @dataclass
@@ -406,15 +348,15 @@ class Trainer:
         critic). Returns (global stats, forward s, backward s). A micro-batch's backward is weighted by its share
         of its mini-batch's GLOBAL loss units; its stats by its share of the whole batch's, over the epochs."""
         algo, epochs = self.algo, self.algo.ppo_epochs
-        units = self._sum_ranks_tensor(_loss_units(batch.loss_mask, algo.aggregation)).clamp(min=1)
+        units = self._sum_ranks_tensor(loss_units(batch.loss_mask, algo.aggregation)).clamp(min=1)
         tokens = self._sum_ranks_tensor(batch.loss_mask.sum().double()).clamp(min=1)
         mini_units = self._sum_ranks(
             np.array(
-                [sum(float(_loss_units(batch.loss_mask[rows], algo.aggregation)) for rows in mini) for mini in schedule]
+                [sum(float(loss_units(batch.loss_mask[rows], algo.aggregation)) for rows in mini) for mini in schedule]
             )
         )
-        stats = _GlobalAverages()
-        shape = _InputShape()
+        stats = GlobalAverages()
+        shape = InputShape()
         forward_s = backward_s = 0.0
         for epoch in range(1, epochs + 1):
             for mini, mini_total in zip(schedule, mini_units):
@@ -425,7 +367,7 @@ class Trainer:
                     inputs = batch.model_inputs(rows, self.device, self.packing, self.one_row)
                     shape.add(inputs)
                     mask, width = inputs.loss_mask, inputs.width
-                    micro_units = _loss_units(mask, algo.aggregation)
+                    micro_units = loss_units(mask, algo.aggregation)
                     backward_share = float(micro_units) / max(float(mini_total), 1.0)  # of the step's loss
                     loss_share = float(micro_units / units) / epochs  # of the batch's loss units, per epoch
                     token_share = float(mask.sum() / tokens) / epochs  # ... of its action tokens
@@ -493,7 +435,7 @@ class Trainer:
         pre: _PreUpdate,
         advantages: torch.Tensor,
         part: Rows,
-        stats: _GlobalAverages,
+        stats: GlobalAverages,
         loss_share: float,
         token_share: float,
         epoch: int = 1,
@@ -528,10 +470,10 @@ class Trainer:
             ref = pre.ref_logprobs[part, : inputs.width].to(self.device)
             kl_metric = kl_estimate(logprobs.detach(), ref, "k3", mask)  # KL(pi || pi_ref)
             if not algo.kl_in_reward:
-                kl_loss = _aggregate(kl_estimate(logprobs, ref, algo.kl_estimator, mask), mask, algo.aggregation)
+                kl_loss = aggregate(kl_estimate(logprobs, ref, algo.kl_estimator, mask), mask, algo.aggregation)
                 loss = loss + algo.kl_coef * kl_loss
         if algo.entropy_coef > 0:
-            loss = loss - algo.entropy_coef * _aggregate(entropy, mask, algo.aggregation)
+            loss = loss - algo.entropy_coef * aggregate(entropy, mask, algo.aggregation)
         stats.add("loss/kl", kl_loss, loss_share)
         stats.add("loss/total", loss, loss_share)
         for name, per_token in (
@@ -539,8 +481,8 @@ class Trainer:
             ("policy/kl_behaviour", kl_behaviour),
             ("policy/entropy", entropy),
         ):
-            stats.add(name, _aggregate(per_token.detach(), mask, "token_mean"), token_share)
-        approx_kl = _aggregate(kl_estimate(proximal, logprobs.detach(), "k3", mask), mask, "token_mean")
+            stats.add(name, aggregate(per_token.detach(), mask, "token_mean"), token_share)
+        approx_kl = aggregate(kl_estimate(proximal, logprobs.detach(), "k3", mask), mask, "token_mean")
         for name, value in (("policy/clip_frac", parts["clip_frac"]), ("policy/approx_kl", approx_kl)):
             stats.add(name, value, token_share)  # KL(pi_prox || pi_theta) on the sampled tokens
             if self.algo.ppo_epochs > 1:
