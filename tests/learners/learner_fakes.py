@@ -3,6 +3,7 @@
 group = synthetic_group(rng, prompt_len=6, lengths=[3, 5], version=0)
 buffer = SyntheticBuffer(port, groups_per_step=2, group_size=4, gate=2)   # the real BufferCore, fed these
 config = process_config(model_dir, tmp_path)   # free loopback ports; for launch.testing.RoleUnderTest
+buffer = run_learner_to_end(config, groups_per_step=2, group_size=4)   # the learner role run to its end
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from common.types import (
     WeightsHeader,
     WeightsRequest,
 )
-from launch.testing import ServerThread, free_port, loopback_overrides, unpack_weights
+from launch.testing import RoleUnderTest, ServerThread, free_port, loopback_overrides, unpack_weights
 from tests.buffers.fakes import fake_prompts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -207,6 +208,18 @@ def process_config(model_dir: object, run_root: Path, **overrides: object) -> Ta
     ports = loopback_overrides(free_port(), free_port())
     wiring = {key.replace(".", "__"): value for key, value in ports.items()}
     return learner_config(model_dir, run__root=str(run_root), run__name="run", **wiring, **overrides)
+
+
+def run_learner_to_end(config: TandemConfig, groups_per_step: int, group_size: int) -> SyntheticBuffer:
+    """Run the learner role of `config` against a `SyntheticBuffer` until it exits (asserting exit code 0 within
+    240 s); returns the buffer (closed) with what it recorded."""
+    buffer = SyntheticBuffer(config.buffer.port, groups_per_step=groups_per_step, group_size=group_size)
+    try:
+        with RoleUnderTest(config, "learner") as learner:
+            assert learner.wait(240) == 0, learner.tail()
+    finally:
+        buffer.close()
+    return buffer
 
 
 def fetch_weights(client: Client, have_version: int) -> tuple[object, dict[str, np.ndarray]]:

@@ -19,8 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from launch.testing import RoleUnderTest
-from tests.learners.learner_fakes import SyntheticBuffer, process_config, synthetic_batch
+from tests.learners.learner_fakes import process_config, run_learner_to_end, synthetic_batch
 from tests.learners.test_trainer import Step, one_step, update_excess
 
 LR = 1e-3  # test_trainer's LR, which its UPDATE_TOLERANCE is relative to
@@ -50,12 +49,7 @@ def test_two_ranks_make_the_update_of_one_rank(tiny_model_dir, tmp_path: Path, o
         learner__total_steps=1,
         learner__lr=LR,
     )
-    buffer = SyntheticBuffer(config.buffer.port, groups_per_step=2, group_size=4)
-    try:
-        with RoleUnderTest(config, "learner") as learner:
-            assert learner.wait(240) == 0, learner.tail()
-    finally:
-        buffer.close()
+    buffer = run_learner_to_end(config, groups_per_step=2, group_size=4)
     assert sorted((r.step, r.rank, r.world_size) for r in buffer.requests) == [(0, 0, 2), (0, 1, 2)]
     assert [(r.policy_version, r.step) for r in buffer.reports] == [(0, 0), (1, 1)]  # rank 0 only
     initial = {k: v.float() for k, v in load_file(str(tiny_model_dir / "model.safetensors")).items()}

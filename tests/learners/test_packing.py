@@ -195,8 +195,7 @@ def test_two_ranks_with_different_micro_batch_counts_make_the_update_of_one_rank
     tests/learners/test_data_parallel.py's (one rank against two, well-conditioned weights)."""
     from safetensors.torch import load_file
 
-    from launch.testing import RoleUnderTest
-    from tests.learners.learner_fakes import SyntheticBuffer, process_config, synthetic_batch
+    from tests.learners.learner_fakes import process_config, run_learner_to_end, synthetic_batch
 
     groups = synthetic_batch(0, 2, 4)  # what SyntheticBuffer serves for step 0
     one_rank_step = one_step(tiny_model_dir, dist, (groups, [np.zeros(g.size, dtype=np.int32) for g in groups]))
@@ -209,12 +208,7 @@ def test_two_ranks_with_different_micro_batch_counts_make_the_update_of_one_rank
         learner__max_tokens_per_micro_batch=20,
         learner__packing=True,
     )
-    buffer = SyntheticBuffer(config.buffer.port, groups_per_step=2, group_size=4)
-    try:
-        with RoleUnderTest(config, "learner") as learner:
-            assert learner.wait(240) == 0, learner.tail()
-    finally:
-        buffer.close()
+    run_learner_to_end(config, groups_per_step=2, group_size=4)
     initial = {k: v.float() for k, v in load_file(str(tiny_model_dir / "model.safetensors")).items()}
     trained = load_file(str(tmp_path / "run" / "checkpoints" / "step-000001" / "hf" / "model.safetensors"))
     two_ranks = Step(initial, {}, {name: trained[name].float() - initial[name] for name in trained}, {}, None)
