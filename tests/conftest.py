@@ -63,6 +63,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
 
 
+@pytest.fixture(scope="module")
+def dist() -> object:
+    """The single-process gloo group the learner's in-process tests run DeepSpeed in (learners.engine's
+    init_distributed: idempotent, so every module that asks shares the one group)."""
+    from learners.engine import init_distributed
+
+    return init_distributed()
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer() -> object:
     """SmolLM2's real tokenizer (ChatML, a default system prompt; the `tiny` model shares it), loaded once per

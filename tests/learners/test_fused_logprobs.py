@@ -116,13 +116,6 @@ def test_bad_arguments_are_refused() -> None:
             linear_logprobs_entropy(hidden, weight, torch.where(tokens == tokens[0], bad, tokens))
 
 
-@pytest.fixture(scope="module")
-def dist():
-    from learners.engine import init_distributed
-
-    return init_distributed()
-
-
 @pytest.mark.deepspeed
 def test_the_fused_update_equals_the_unfused_one_with_the_entropy_bonus(tiny_model_dir, dist, monkeypatch) -> None:
     """Entropy bonus on (its gradient flows through the fused entropy), a temperature != 1, the tied embedding

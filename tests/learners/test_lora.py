@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from learners.checkpoint import CheckpointManager, LearnerState
-from learners.engine import init_distributed
 from learners.models import load_policy, load_reference
 from learners.trainer import Trainer
 from tests.learners.learner_fakes import learner_config, synthetic_batch
@@ -43,11 +42,6 @@ def batch(seed: int) -> tuple[list, list]:
 def lora_config(model_dir, **overrides):
     values = {"learner__lora__rank": RANK, "learner__lora__alpha": ALPHA, "algo__kl_coef": 0.05, **overrides}
     return learner_config(model_dir, **values)
-
-
-@pytest.fixture(scope="module")
-def dist():
-    return init_distributed()
 
 
 @pytest.fixture(scope="module")

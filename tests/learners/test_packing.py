@@ -26,7 +26,6 @@ from learners.batching import (
     split_to_count,
     token_budget_micro_batches,
 )
-from learners.engine import init_distributed
 from learners.trainer import Trainer
 from tests.learners.learner_fakes import learner_config, synthetic_group
 from tests.learners.test_trainer import GRADIENT_TOLERANCE, Step, gradient_error, one_step, update_excess, weights
@@ -102,11 +101,6 @@ def test_packed_forward_matches_each_sample_alone(tiny_model_dir) -> None:
         torch.testing.assert_close(
             logprobs_from_logits(logits, flat.completion_tokens)[valid], packed[valid], rtol=0, atol=atol
         )
-
-
-@pytest.fixture(scope="module")
-def dist():
-    return init_distributed()
 
 
 def captured_step(model_dir, dist, batch, **overrides) -> Step:

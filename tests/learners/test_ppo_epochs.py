@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 import torch
 
-from learners.engine import init_distributed
 from learners.trainer import Trainer
 from tests.learners.learner_fakes import learner_config, synthetic_batch
 
@@ -35,11 +34,6 @@ WELL_CONDITIONED = 1e3 * ADAM_EPS
 TOLERANCE = 4e-3 * LR  # + 2 eps_f32 |W|: see the module docstring
 
 pytestmark = pytest.mark.deepspeed
-
-
-@pytest.fixture(scope="module")
-def dist():
-    return init_distributed()
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,6 @@ import numpy as np
 import pytest
 import torch
 
-from learners.engine import init_distributed
 from learners.trainer import Trainer
 from tests.learners.learner_fakes import learner_config, synthetic_batch
 
@@ -46,11 +45,6 @@ WELL_CONDITIONED = 1e3 * ADAM_EPS  # |clipped g| from which the AdamW step is in
 UPDATE_TOLERANCE = 1e-3 * LR  # + eps_f32 |W|, on the well-conditioned weights: see the module docstring
 
 pytestmark = pytest.mark.deepspeed
-
-
-@pytest.fixture(scope="module")
-def dist():
-    return init_distributed()
 
 
 @pytest.fixture(scope="module")

@@ -22,18 +22,12 @@ import torch
 from common.sockets import Server
 from common.types import Batch, BatchRequest, Ok, VersionReport
 from launch.testing import RoleUnderTest, ServerThread
-from learners.engine import init_distributed
 from learners.trainer import Trainer
 from tests.learners.learner_fakes import learner_config, process_config, synthetic_batch, synthetic_group
 
 pytestmark = pytest.mark.deepspeed
 
 WARMUP = 4  # lr = base * min(1, (applied steps + 1) / WARMUP): a skipped step must leave it where it was
-
-
-@pytest.fixture(scope="module")
-def dist():
-    return init_distributed()
 
 
 def hostile_batch(seed: int) -> tuple[list, list]:
