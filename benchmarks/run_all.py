@@ -36,6 +36,7 @@ BENCHMARKS = (
     "async_vs_sync",
     "fleet_scaling",
     "staleness_effect",
+    "time_to_reward",
     "demo_runs",
     "ray_overhead",
     "env_latency",
