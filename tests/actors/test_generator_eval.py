@@ -26,6 +26,7 @@ from actors.evaluation import Evaluator, is_eval_request
 from actors.generator import Generator
 from actors.group_rewards import GroupRewards
 from actors.sim_engine import SimEngine
+from actors.weights import WeightsUpdate
 from common.eval_metrics import result_metrics
 from common.types import (
     EvalAck,
@@ -39,6 +40,7 @@ from common.types import (
     Ok,
     PromptItem,
     RolloutGroup,
+    WeightsHeader,
 )
 from launch.testing import run_config
 
@@ -209,6 +211,11 @@ class FakeLink:
         pass
 
 
+def empty_update(version: int) -> WeightsUpdate:
+    """A real (empty) full-weights update of `version`: what the generator and the engine check (its header)."""
+    return WeightsUpdate(WeightsHeader(policy_version=version, tensors=[], bucket_sizes=[]), [], time.monotonic())
+
+
 class FakeWeights:
     """The weights poller: `offer(version)` makes the next poll return an update of that version."""
 
@@ -219,7 +226,7 @@ class FakeWeights:
         self.source = None
 
     def offer(self, version: int) -> None:
-        self.offered.append(SimpleNamespace(policy_version=version, nbytes=0, received_at=time.monotonic()))
+        self.offered.append(empty_update(version))
 
     def poll(self, now: float, have_version: int) -> Any:
         return self.offered.popleft() if self.offered else None
@@ -378,7 +385,7 @@ def test_mixed_versions_found_at_the_end_redo_the_whole_lease(tmp_path):
     assert evaluation.submit() == 12
     for sample in engine.step():  # one token each for the first 4
         evaluation.on_sample(sample)
-    engine.load_weights(SimpleNamespace(policy_version=1), inflight=True)
+    engine.load_weights(empty_update(1), inflight=True)
     while engine.num_unfinished():
         for sample in engine.step():
             evaluation.on_sample(sample)
