@@ -239,6 +239,7 @@ def linear_logprobs_entropy(
     Cost: one more [N, H] x [H, V] product than the unfused path (the recomputation) and a few passes over
     each [row_block, vocab_chunk] float32 chunk. Raises ValueError for mismatched shapes, chunk sizes < 1 or a
     token id outside [0, V) (checked here: the chunked gather would otherwise return a wrong value silently).
+    N = 0 gives two empty tensors that are still differentiable (zero gradients), so the backward runs as usual.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"need hidden [N, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
@@ -253,6 +254,9 @@ def linear_logprobs_entropy(
             f"token ids must be in [0, {weight.shape[0]}) (the output layer's rows), got "
             f"{int(tokens.min())}..{int(tokens.max())}"
         )
+    if not hidden.shape[0]:  # no position (a micro-batch whose every sample is out of the loss, algo.overlong)
+        empty = (hidden @ weight.t()).to(_compute_dtype(hidden)).sum(dim=1)  # [0], still in the graph of both
+        return empty, empty.clone()
     return _LinearLogprobsEntropy.apply(hidden, weight, tokens.long(), float(temperature), vocab_chunk, row_block)
 
 

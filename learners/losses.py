@@ -35,6 +35,7 @@ __all__ = [
     "dpo_loss",
     "kl_estimate",
     "policy_loss",
+    "sequence_log_ratio",
     "sft_token_nll",
     "value_loss",
 ]
@@ -43,6 +44,7 @@ LOG_RATIO_LIMIT = 20.0  # |log pi_theta/pi_prox| is clamped here before exp: rat
 _CORRECTIONS = ("none", "decoupled", "tis")
 _TIS_LEVELS = ("token", "sequence")
 _AGGREGATIONS = ("token_mean", "seq_mean")
+_RATIOS = ("token", "sequence")
 
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str, mask: Tensor) -> Tensor:
@@ -78,6 +80,20 @@ def _aggregate(per_token: Tensor, m: Tensor, aggregation: str) -> Tensor:
     return row_means.sum() / (counts > 0).sum().clamp(min=1)
 
 
+def sequence_log_ratio(logprobs: Tensor, proximal_logprobs: Tensor, m: Tensor) -> Tensor:
+    """GSPO's token-form log-ratio [B, T] (Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 11-13):
+        log s_i   = mean over row i's action tokens of (log pi_theta - log pi_prox)     (length-normalised)
+        log s_i,t = sg[log s_i] + log pi_theta(y_t) - sg[log pi_theta(y_t)]
+    Its value is log s_i on every action token of the row (the added difference is exactly 0), and
+    d s_i,t / d log pi_theta(y_t) = s_i: the gradient stays per token, scaled by the sequence's ratio, which with a
+    mean over the row's tokens is GSPO's gradient s_i A_i (1/|y_i|) sum_t grad log pi_theta(y_t). m: bool [B, T];
+    0 off the action tokens (and in empty rows). logprobs carries the gradient; proximal_logprobs is a constant."""
+    per_token = torch.where(m, logprobs - proximal_logprobs.detach(), 0)  # [B, T]
+    counts = m.sum(dim=1, keepdim=True).clamp(min=1)  # [B, 1]
+    log_s = (per_token.sum(dim=1, keepdim=True) / counts).detach()  # [B, 1]
+    return torch.where(m, log_s + logprobs - logprobs.detach(), 0)  # [B, T]
+
+
 def _importance_weight(
     proximal: Tensor, behaviour: Tensor | None, m: Tensor, correction: str, tis_level: str, tis_cap: float
 ) -> tuple[Tensor, Tensor]:
@@ -101,8 +117,10 @@ def _check_policy_args(
     tis_cap: float,
     aggregation: str,
     has_behaviour: bool,
+    ratio: str = "token",
 ) -> None:
-    """Raises ValueError naming the argument to change."""
+    """Raises ValueError naming the argument to change. ratio="sequence" (GSPO) takes one weight per sequence
+    (correction "none", or "tis" at tis_level "sequence") and its sequence mean (aggregation "seq_mean")."""
     if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
     if dual_clip is not None and dual_clip <= 1.0:
@@ -111,11 +129,19 @@ def _check_policy_args(
         ("correction", correction, _CORRECTIONS),
         ("tis_level", tis_level, _TIS_LEVELS),
         ("aggregation", aggregation, _AGGREGATIONS),
+        ("ratio", ratio, _RATIOS),
     ):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
     if correction == "decoupled" and tis_level != "token":
         raise ValueError("decoupled PPO weights each token; use correction='tis' for tis_level='sequence'")
+    if ratio == "sequence" and (correction == "decoupled" or (correction == "tis" and tis_level == "token")):
+        raise ValueError(
+            "ratio='sequence' takes one importance weight per sequence: correction='tis' with "
+            "tis_level='sequence', or correction='none'"
+        )
+    if ratio == "sequence" and aggregation != "seq_mean":
+        raise ValueError("ratio='sequence' (GSPO) averages each sequence's loss: use aggregation='seq_mean'")
     if correction != "none" and not has_behaviour:
         raise ValueError(f"correction={correction!r} needs behaviour_logprobs")
     if not tis_cap > 0.0:
@@ -136,6 +162,7 @@ def policy_loss(
     tis_level: str = "token",
     tis_cap: float = 2.0,
     aggregation: str = "token_mean",
+    ratio: str = "token",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped policy-gradient loss (scalar, differentiable in `logprobs`) and its statistics.
 
@@ -154,6 +181,11 @@ def policy_loss(
     "seq_mean" = mean of l over each row's action tokens, then mean over the rows with >= 1 action token
     (empty rows are skipped, never NaN). With no action token at all the loss is 0.
     log r is clamped to +-LOG_RATIO_LIMIT before exp (no inf; zero gradient beyond it).
+    ratio="sequence" is GSPO (`sequence_log_ratio`): r on every token of row i is the row's length-normalised
+    s_i = exp(mean_t log pi_theta/pi_prox), so the clip (and dual clip) acts on the whole sequence at once, with one
+    advantage per sequence; it needs aggregation="seq_mean" and a per-sequence weight w (correction "none", or
+    "tis" with tis_level="sequence"), else ValueError. With every token's log-ratio equal within each row it gives
+    the token-level loss's value.
 
     Shapes: logprobs, proximal_logprobs, behaviour_logprobs (None allowed with correction="none"), advantages,
     mask: [B, T]. Sample-level advantages go through `advantages.broadcast_to_tokens` first.
@@ -163,10 +195,22 @@ def policy_loss(
         dual_clip_frac                  tokens where the dual-clip cap is active (A < 0, r > dual_clip)
         is_weight_mean/max/min, is_truncated_frac   the applied w, and tokens where truncation changed it
         approx_kl                       mean of k3 between pi_theta and pi_prox: (pi_prox/pi_theta - 1) - log(...)
-        ratio_mean                      mean of r
+                                        (per token, whatever `ratio`)
+        ratio_mean                      mean of r (the applied one: s_i per token with ratio="sequence")
+        seq_clip_frac                   ratio="sequence" only: share of the rows with >= 1 action token whose
+                                        clipped branch is active (A < 0 and s_i < 1 - clip_low, or A > 0 and
+                                        s_i > 1 + clip_high)
     """
     _check_policy_args(
-        clip_low, clip_high, dual_clip, correction, tis_level, tis_cap, aggregation, behaviour_logprobs is not None
+        clip_low,
+        clip_high,
+        dual_clip,
+        correction,
+        tis_level,
+        tis_cap,
+        aggregation,
+        behaviour_logprobs is not None,
+        ratio,
     )
     m = action_mask(mask, logprobs.shape)
     for name, x in (
@@ -179,9 +223,12 @@ def policy_loss(
     adv = torch.where(m, advantages, 0).detach()  # [B, T]
     log_ratio = torch.where(m, logprobs - proximal_logprobs.detach(), 0)  # [B, T]
     log_ratio = log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    ratio = torch.exp(log_ratio)  # [B, T]
-    pg_unclipped = -adv * ratio  # [B, T]
-    pg_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, T]
+    applied = log_ratio
+    if ratio == "sequence":
+        applied = sequence_log_ratio(logprobs, proximal_logprobs, m).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    r = torch.exp(applied)  # [B, T]
+    pg_unclipped = -adv * r  # [B, T]
+    pg_clipped = -adv * r.clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, T]
     pg = torch.maximum(pg_unclipped, pg_clipped)  # [B, T]
     dual_active = torch.zeros_like(m)
     if dual_clip is not None:
@@ -190,7 +237,10 @@ def policy_loss(
     w, truncated = _importance_weight(proximal_logprobs, behaviour_logprobs, m, correction, tis_level, tis_cap)
     per_token = torch.where(m, w * pg, 0)  # [B, T]
     loss = _aggregate(per_token, m, aggregation)
-    return loss, _policy_stats(m, adv, log_ratio, w, truncated, dual_active, clip_low, clip_high)
+    stats = _policy_stats(m, adv, log_ratio, applied.detach(), w, truncated, dual_active, clip_low, clip_high)
+    if ratio == "sequence":
+        stats["seq_clip_frac"] = _sequence_clip_frac(m, adv, applied.detach(), clip_low, clip_high)
+    return loss, stats
 
 
 @torch.no_grad()
@@ -198,15 +248,17 @@ def _policy_stats(
     m: Tensor,
     adv: Tensor,
     log_ratio: Tensor,
+    applied_log_ratio: Tensor,
     w: Tensor,
     truncated: Tensor,
     dual_active: Tensor,
     clip_low: float,
     clip_high: float,
 ) -> dict[str, Tensor]:
-    """The statistics documented in `policy_loss`; all inputs [B, T], already zero where m is False."""
+    """The statistics documented in `policy_loss`; all inputs [B, T], already zero where m is False.
+    log_ratio is per token (for approx_kl); applied_log_ratio is the one the clip saw (the same for ratio="token")."""
     n = m.sum().clamp(min=1)
-    ratio = torch.exp(log_ratio)  # [B, T]
+    ratio = torch.exp(applied_log_ratio)  # [B, T]
     clip_low_frac = (m & (adv < 0) & (ratio < 1.0 - clip_low)).sum() / n
     clip_high_frac = (m & (adv > 0) & (ratio > 1.0 + clip_high)).sum() / n
     w_max = torch.where(m, w, -math.inf).max()
@@ -224,6 +276,15 @@ def _policy_stats(
         "ratio_mean": masked_mean(ratio, m),
     }
     return {k: v.detach() for k, v in stats.items()}
+
+
+@torch.no_grad()
+def _sequence_clip_frac(m: Tensor, adv: Tensor, log_s: Tensor, clip_low: float, clip_high: float) -> Tensor:
+    """Share of the rows with >= 1 action token whose (sequence-level) clip is active; inputs [B, T], 0 off m."""
+    s = torch.exp(log_s)  # [B, T]  s_i on every action token of row i
+    clipped = m & (((adv < 0) & (s < 1.0 - clip_low)) | ((adv > 0) & (s > 1.0 + clip_high)))  # [B, T]
+    rows = m.any(dim=1)  # [B]
+    return clipped.any(dim=1).sum() / rows.sum().clamp(min=1)
 
 
 def value_loss(

@@ -101,6 +101,16 @@ def test_fused_bfloat16_matches_the_unfused_bfloat16_head() -> None:
         assert float((grad - expected).abs().max()) <= 4 * BF16_ULP * float(expected.abs().max())
 
 
+def test_no_position_gives_empty_outputs_that_still_backpropagate() -> None:
+    # a micro-batch whose every sample is out of the loss (algo.overlong = "mask"): N = 0, zero gradients, no error
+    hidden = torch.zeros(0, 8, requires_grad=True)
+    weight = torch.randn(16, 8, requires_grad=True)
+    logprobs, entropy = linear_logprobs_entropy(hidden, weight, torch.zeros(0, dtype=torch.long), 0.7)
+    assert logprobs.shape == entropy.shape == (0,) and logprobs.dtype == torch.float32
+    (logprobs.sum() + entropy.sum()).backward()
+    assert hidden.grad.shape == (0, 8) and weight.grad.abs().max() == 0
+
+
 def test_bad_arguments_are_refused() -> None:
     hidden, weight, tokens = inputs(torch.float32)
     with pytest.raises(ValueError, match="weight"):
