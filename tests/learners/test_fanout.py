@@ -75,21 +75,41 @@ def test_only_the_newest_trees_are_kept() -> None:
     assert not tree.direct(1, 0) and tree.direct(2, 0) and tree.direct(3, 0)
 
 
+def test_parents_reported_failed_stay_banned_after_they_re_attach() -> None:
+    """k = 2, relay fan-out 2. 0 and 1 pull from the publisher, 2 from 0; then each of 2, 0 and 1 reports its
+    parent stalled and is re-attached, so 0, 1 and 2 are all banned as parents of version 1. A fourth join
+    (2 again) finds no parent to take it: the publisher feeds it beyond k, counted once."""
+    tree = FanoutTree(fanout=2, relay_fanout=2, share_host_copy=False)
+    assert [tree.attach(1, gid, address(gid), "h").parent for gid in (0, 1, 2)] == ["", "", address(0)]
+    assert tree.attach(1, 2, address(2), "h", address(0), "stalled").parent == ""  # 0 left: a direct slot freed
+    assert tree.attach(1, 0, address(0), "h").parent == address(1)
+    assert tree.attach(1, 0, address(0), "h", address(1), "stalled").parent == ""
+    assert tree.attach(1, 1, address(1), "h").parent == address(2)
+    assert tree.attach(1, 1, address(1), "h", address(2), "stalled").parent == ""
+    assert tree.counters["over_fanout"] == 0
+    assert tree.attach(1, 2, address(2), "h").parent == ""  # 0 and 1 are banned: no parent left
+    assert tree.counters["over_fanout"] == 1 and tree.publisher_children(1) == 3
+
+
 @pytest.mark.parametrize("share", [True, False])
 @settings(max_examples=80, deadline=None)
 @given(events=st.lists(st.tuples(st.integers(0, 11), st.booleans(), st.integers(0, 3)), min_size=1, max_size=60))
 def test_any_sequence_of_joins_and_failures_keeps_k_direct_children_and_no_cycles(share: bool, events) -> None:
     """Whatever generators join, re-ask or report their parent failed (12 generators on 4 hosts), the publisher
-    feeds at most k (every generator relays here, so never over_fanout), the generator just attached reaches the
-    publisher, and no chain of parents is a cycle. (A failed parent's other children stay orphaned until they
-    notice it themselves and ask again: that is the protocol.)"""
+    feeds at most k, the generator just attached reaches the publisher, and no chain of parents is a cycle. Every
+    generator relays here, so the publisher goes over k (`over_fanout`) only once parents were reported failed: a
+    failed parent is never offered again for that version, even after it re-attaches, so a sequence of failures can
+    leave no parent to offer (found by hypothesis: 0, 1 and 2 each reported as failed by the next). Then each child
+    beyond k is counted. (A failed parent's other children stay orphaned until they notice it themselves and ask
+    again: that is the protocol.)"""
     tree = FanoutTree(fanout=2, relay_fanout=2, share_host_copy=share)
     parents: dict[int, str] = {}
     for gid, fails, host in events:
         failed = parents.get(gid) if fails and gid in parents else None
         parents[gid] = tree.attach(1, gid, address(gid), f"host-{host}", failed, "stalled" if failed else "").parent
-        assert tree.publisher_children(1) <= 2
-        assert tree.counters["over_fanout"] == 0
+        assert tree.publisher_children(1) <= 2 + tree.counters["over_fanout"]
+        if not tree.counters["reattached/stalled"]:
+            assert tree.counters["over_fanout"] == 0
         links = tree.parents(1)
         if gid in links:
             assert tree.depths(1)[gid] <= len(links)
