@@ -39,6 +39,7 @@ from buffers.checks import (
     lease_return_problem,
     version_report_problem,
 )
+from buffers.lengths import length_metrics
 from buffers.run_end import RunEnd
 from buffers.staleness import admit
 from buffers.state import BufferState
@@ -403,6 +404,7 @@ class BufferCore:
         if self.staleness_count:
             values["buffer/staleness_mean"] = self.staleness_sum / self.staleness_count
             values["buffer/staleness_max"] = self.staleness_max
+        values.update(length_metrics(self.state.ledger.counts, self.state.lengths.edges))  # buffers.lengths
         return values
 
     @staticmethod

@@ -10,6 +10,18 @@
 Invariants: groups are kept whole (a group is one entry); `samples` is the sum of the entries' sizes; an entry
 leaves only through `remove` (evicted, dropped) or `use` (retired after its last use). The decisions (which to
 evict, which to draw) are pure functions below, so they are tested without the class.
+
+Sampling modes (buffer.sampling): `fifo` draws in arrival order, `uniform` at random (seeded), `oldest_first` by
+`draw_order_key`: the oldest policy version first, ties in lease order. Why oldest_first: a group of long completions
+finishes last, so it arrives after younger, shorter groups and with an older version; fifo trains those first and
+the long group reaches the staleness bound and is dropped (`buffers.lengths` measures it). Drawing the oldest
+version first is earliest-deadline-first (a group of version v may be trained up to step v + η): among the groups
+still within η (the drop rule runs first), the ones closest to the bound are trained before younger ones that can
+wait, so a group is dropped only when more than a batch of groups reach their last step together, and which of
+those wait is decided by lease order, which is fixed before any length is known. It keeps the contracts: the drop rule
+still holds η, draws still take whole groups of the buffer and count uses (max_reuse, the ledger), and the order is
+a function of the buffered groups alone (no random draw), so a journal replay or a rerun draws the same batches.
+It trains older samples than fifo would (the staleness mean rises, within η), which is what not dropping them means.
 """
 
 from __future__ import annotations
@@ -24,7 +36,7 @@ import numpy as np
 from buffers.staleness import stale_positions
 from common.types import RolloutGroup
 
-SAMPLING_MODES = ("fifo", "uniform")
+SAMPLING_MODES = ("fifo", "uniform", "oldest_first")
 
 
 def evict_count(sizes_oldest_first: Iterable[int], capacity: int, total: int | None = None) -> int:
@@ -42,10 +54,23 @@ def evict_count(sizes_oldest_first: Iterable[int], capacity: int, total: int | N
     return count
 
 
-def choose_positions(available: int, count: int, sampling: str, rng: np.random.Generator) -> list[int] | None:
+def draw_order_key(group: RolloutGroup) -> tuple[int, int, int]:
+    """oldest_first's order: (oldest policy version, lease id, prompt id). Lease ids grow in grant order, so ties
+    fall in admission order, not in arrival order (which favours short completions); (lease, prompt) is unique."""
+    return (group.min_version(), group.lease_id, group.prompt_id)
+
+
+def choose_positions(
+    available: int,
+    count: int,
+    sampling: str,
+    rng: np.random.Generator,
+    keys: Sequence[tuple[int, ...]] | None = None,
+) -> list[int] | None:
     """Positions (in arrival order) of `count` distinct groups out of `available`, or None if too few.
 
-    fifo: the oldest `count`; uniform: `count` drawn without replacement by `rng` (seeded by the caller).
+    fifo: the oldest `count`; uniform: `count` drawn without replacement by `rng` (seeded by the caller);
+    oldest_first: the `count` smallest `keys` (one per group, `draw_order_key`), smallest first.
     """
     if sampling not in SAMPLING_MODES:
         raise ValueError(f"sampling: must be one of {SAMPLING_MODES} (got {sampling!r})")
@@ -55,6 +80,10 @@ def choose_positions(available: int, count: int, sampling: str, rng: np.random.G
         return None
     if sampling == "fifo":
         return list(range(count))
+    if sampling == "oldest_first":
+        if keys is None or len(keys) != available:
+            raise ValueError(f"oldest_first: needs one key per buffered group ({available}), got {keys!r:.80}")
+        return sorted(range(available), key=keys.__getitem__)[:count]
     return [int(i) for i in rng.choice(available, size=count, replace=False)]
 
 
@@ -120,10 +149,13 @@ class ReplayBuffer:
 
     def choose(self, count: int) -> list[int] | None:
         """Seqs of `count` groups to serve (by the sampling mode), or None while fewer are buffered."""
-        positions = choose_positions(len(self.entries), count, self.sampling, self.rng)
+        keys = None
+        if self.sampling == "oldest_first":
+            keys = [draw_order_key(entry.group) for entry in self.entries.values()]
+        positions = choose_positions(len(self.entries), count, self.sampling, self.rng, keys)
         if positions is None:
             return None
-        seqs = list(self.entries) if self.sampling == "uniform" else list(itertools.islice(self.entries, count))
+        seqs = list(itertools.islice(self.entries, count)) if self.sampling == "fifo" else list(self.entries)
         return [seqs[p] for p in positions]
 
     def remove(self, seqs: Iterable[int]) -> list[Entry]:

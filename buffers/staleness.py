@@ -15,10 +15,12 @@ is at most η. A generator whose weights are already too old (v < V - η) is ref
 the version it must load; a generator whose quota is used up is refused ("full") and waits for the learner.
 With η = 0 this is synchronous on-policy training through the same code path: (v + 1)·B groups per version.
 
-The argument needs FIFO consumption in admission order. Groups that arrive out of lease order, uniform sampling,
-reuse (max_reuse > 1) or a buffer restarted without its journal can all break it; hence the second, hard
-enforcement: when a batch for step s is drawn, every group with a sample whose s - version > η is dropped
+The argument needs FIFO consumption in admission order. Groups that arrive out of lease order (long completions
+finish last, so they do: `buffers.lengths`), uniform sampling, reuse (max_reuse > 1) or a buffer restarted without its
+journal can all break it; hence the second, hard enforcement: when a batch for step s is drawn, every group with a sample whose s - version > η is dropped
 (counted as dropped_stale). No served sample ever exceeds η, whatever the admission rule let through.
+buffer.sampling = "oldest_first" (`buffers.replay`) draws the oldest version first, ties in lease order: closest to
+admission order, so that a late group is trained before it expires rather than dropped behind younger ones.
 
 Everything here is a pure function of its arguments (unit- and property-tested alone).
 """

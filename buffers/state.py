@@ -28,6 +28,7 @@ from buffers.checks import GroupLimits
 from buffers.evaluation import EvalScheduler
 from buffers.journal import Journal
 from buffers.leases import Lease, PromptDispenser, PromptRecordLike
+from buffers.lengths import LengthCounts
 from buffers.replay import ReplayBuffer
 from buffers.restore import ReplayGuard
 from common.config import TandemConfig
@@ -58,6 +59,7 @@ class BufferSettings:
     vocab_size: int = 2**31  # buffer.vocab_size, else the model's
     max_model_len: int = 131072  # model.max_model_len
     max_abs_reward: float = 1e6  # buffer.max_abs_reward
+    max_tokens: int = 128  # generator.max_tokens: the top edge of the length buckets (buffers.lengths)
 
     @classmethod
     def from_config(cls, config: TandemConfig) -> BufferSettings:
@@ -79,6 +81,7 @@ class BufferSettings:
             b.vocab_size or model_vocab_size(config.model.path),
             config.model.max_model_len,
             b.max_abs_reward,
+            max_tokens=config.generator.max_tokens,
         )
 
     @property
@@ -106,6 +109,7 @@ class BufferState:
         self.replay = ReplayBuffer(settings.capacity, settings.max_reuse, settings.sampling, settings.seed)
         self.book = BatchBook()
         self.ledger = Ledger()
+        self.lengths = LengthCounts(self.ledger, settings.max_tokens)  # samples by length bucket (ledger events)
         self.learner_version = 0  # V: the learner's step from its last VersionReport
         self.policy_version = 0  # the newest weights version it reported publishing
         # Trained groups that the learner's current timeline does not know: set when a learner reports an older step
@@ -301,6 +305,7 @@ class BufferState:
         if meta.get("complete", True):
             self.dispenser.complete(meta["lease_id"], meta["prompt_id"], meta["t"])
             self.ledger.flow("arrived", group.size)
+            self.lengths.count("generated", [group])
 
     def _apply_evict(self, meta: dict[str, Any], _: Any) -> int:
         removed = self.replay.remove(meta["seqs"])
@@ -312,12 +317,14 @@ class BufferState:
         removed = self.replay.remove(meta["seqs"])
         samples = sum(entry.samples for entry in removed)
         self.ledger.flow("dropped_stale", samples, len(removed))
+        self.lengths.count("dropped_stale", (entry.group for entry in removed))
         return samples
 
     def _apply_draw(self, meta: dict[str, Any], _: Any) -> DrawnBatch:
         served, retired = self.replay.use(meta["seqs"])
         self.ledger.flow("served", sum(e.samples for e in served), len(served))
         self.ledger.flow("trained", sum(e.samples for e in retired), len(retired))
+        self.lengths.count("trained", (e.group for e in served))
         batch = DrawnBatch.split(meta["step"], meta["world_size"], meta["seqs"], [e.group for e in served])
         self.book.add(batch)
         self.draw_floor = max(self.draw_floor, batch.step + 1)

@@ -588,7 +588,13 @@ class BufferConfig(_Section):
     )
     capacity: int = Field(4096, description="Replay capacity in samples; oldest groups are evicted first.", ge=1)
     max_reuse: int = Field(1, description="Times a sample may be trained on.", ge=1)
-    sampling: Literal["fifo", "uniform"] = Field("fifo", description="Order in which groups are drawn.")
+    sampling: Literal["fifo", "uniform", "oldest_first"] = Field(
+        "fifo",
+        description="Order in which groups are drawn: `fifo` by arrival, `uniform` at random (seeded), "
+        "`oldest_first` the oldest policy version first, ties in lease order (earliest deadline first: long "
+        "completions arrive last with older versions, and fifo lets them reach the staleness bound and be "
+        "dropped; `buffer/len_*` metrics measure it, `benchmarks/length_bias.py` compares).",
+    )
     lease_timeout_s: float = Field(
         300.0, description="A lease not completed by then is re-issued.", gt=0, le=MAX_TIMEOUT_S
     )
