@@ -36,6 +36,7 @@ BENCHMARKS = (
     "async_vs_sync",
     "fleet_scaling",
     "staleness_effect",
+    "length_bias",
     "time_to_reward",
     "demo_runs",
     "ray_overhead",
