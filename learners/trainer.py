@@ -19,7 +19,10 @@ The update, in order (B samples on this rank, T completion columns, V vocabulary
      the current policy's log-probs (KL in the reward, and the proximal log-probs when there is more than one
      optimizer step per batch);
   3. advantages for the estimator (`learners.estimators`); batch-level normalisations (reinforce_pp, gae)
-     use the statistics of the GLOBAL batch (summed over ranks), so every rank count gives the same update;
+     use the statistics of the GLOBAL batch (summed over ranks), so every rank count gives the same update.
+     algo.overlong (`learners.overlong`): "penalty" adds DAPO's soft overlong penalty to the rewards first (so
+     every estimator sees it); "mask" clears the truncated samples' loss mask after the advantages (their rewards
+     stay in the group baselines), so steps 4-5 and their denominators leave them out;
   4. `algo.ppo_epochs` times over the mini-batches, per micro-batch: forward with grad -> log-probs and
      entropies (logits / sampling temperature; the output layer fused with the softmax in chunks, so the
      [b, T', V] logits never exist: `_model_logprobs`) -> policy_loss with the configured correction against
@@ -47,6 +50,9 @@ KL(pi_behaviour || pi_theta) on the sampled tokens (how far the trained weights 
 the sampled tokens (mean over action tokens; 0 at the first step, where theta = prox). Losses and policy
 statistics are means over all the steps of the batch (each epoch weighted equally); with ppo_epochs > 1,
 `policy/clip_frac/epoch_k` and `policy/approx_kl/epoch_k` are epoch k's alone (k = 1..ppo_epochs).
+`rollout/truncated_share` is the share of the batch's samples cut at the token limit (finish reason `length`),
+`reward/overlong_penalty` the mean penalty added to their rewards (0 unless algo.overlong = "penalty"); with
+algo.ratio = "sequence" (GSPO), `policy/seq_clip_frac` is the share of sequences whose clip is active.
 `perf/padding_fraction` is padded positions / all positions of the update's forwards, `perf/tokens_per_micro_batch`
 the mean prompt + completion tokens of a micro-batch, `perf/peak_rss_mb` the process's peak resident memory so far
 (getrusage ru_maxrss; the largest rank's; it never falls, so it is the run's peak, not the step's).
@@ -111,6 +117,7 @@ from learners.models import (
     merged_weights,
     torch_dtype,
 )
+from learners.overlong import mask_rows, model_tokens, overlong_penalty, truncated_rows
 from learners.rollout_stats import rollout_summary
 from learners.update_stats import GlobalAverages, InputShape, aggregate, loss_units
 
@@ -140,6 +147,7 @@ class Trainer:
         algo: AlgoConfig,
         learner: LearnerConfig,
         temperature: float,
+        overlong: tuple[int, int],
         dist: eng.DistInfo,
     ) -> None:
         if learner.groups_per_step % dist.world_size:
@@ -148,6 +156,7 @@ class Trainer:
                 f"world size ({dist.world_size})"
             )
         self.model_dir, self.algo, self.dist, self.temperature = Path(model_dir), algo, dist, temperature
+        self.overlong_budget, self.overlong_window = overlong  # L_max and L_cache of algo.overlong = "penalty"
         dtype = torch_dtype(model.dtype)
         rank_samples = learner.groups_per_step // dist.world_size * algo.group_size
         if rank_samples % learner.mini_batches:
@@ -193,13 +202,15 @@ class Trainer:
     @classmethod
     def from_config(cls, config: TandemConfig, dist: eng.DistInfo) -> Trainer:
         """The model dir comes from `resolve_model_path(model.path)`; logits are divided by the generator's
-        sampling temperature, so that log-probs match the behaviour log-probs the generator recorded."""
+        sampling temperature, so that log-probs match the behaviour log-probs the generator recorded. The overlong
+        penalty's budget and window are `TandemConfig.overlong_budget` and `.overlong_window`."""
         return cls(
             resolve_model_path(config.model.path),
             config.model,
             config.algo,
             config.learner,
             config.generator.temperature,
+            (config.overlong_budget, config.overlong_window),
             dist,
         )
 
@@ -221,17 +232,33 @@ class Trainer:
             self.dist.rank,
             self.dist.world_size,
         )
+        truncated = truncated_rows(groups)  # [B]
+        penalty = torch.zeros(batch.size)  # [B]
+        if self.algo.overlong == "penalty":
+            lengths = model_tokens(batch.loss_mask)
+            penalty = overlong_penalty(lengths, self.overlong_budget, self.overlong_window, self.algo.overlong_penalty)
         start = time.perf_counter()
         with torch.no_grad():
             pre = self._pre_update(batch, [rows for mini in schedule for rows in mini])
-            advantages, returns = self._advantages(batch, pre)
+            advantages, returns = self._advantages(replace(batch, rewards=batch.rewards + penalty), pre)
+        if self.algo.overlong == "mask":  # after the advantages: the group baselines still count them
+            batch = replace(batch, loss_mask=mask_rows(batch.loss_mask, truncated))
         pre_s = time.perf_counter() - start
         stats, forward_s, backward_s = self._update(batch, schedule, pre, advantages, returns)
+        stats.update(self._overlong_metrics(truncated, penalty))
         stats.update(self._skipped_steps())
         stats["perf/forward_s"] = pre_s + forward_s
         stats["perf/backward_s"] = backward_s
         stats["policy/lr"] = self.policy.learning_rate()
         return {**summary, **stats}
+
+    def _overlong_metrics(self, truncated: torch.Tensor, penalty: torch.Tensor) -> dict[str, float]:
+        """rollout/truncated_share (finish reason `length`) and reward/overlong_penalty (the mean penalty added
+        to the rewards; 0 unless algo.overlong = "penalty"), over the samples of the global batch."""
+        local = np.array([truncated.numel(), float(truncated.sum()), float(penalty.double().sum())])
+        count, cut, total = self._sum_ranks(local)
+        count = max(count, 1.0)
+        return {"rollout/truncated_share": float(cut / count), "reward/overlong_penalty": float(total / count)}
 
     def _skipped_steps(self) -> dict[str, float]:
         """Counts of updates skipped as not finite (`learners.engine`: the weights stay as they were, on every
@@ -461,8 +488,11 @@ class Trainer:
             tis_level=algo.tis_level,
             tis_cap=algo.tis_cap,
             aggregation=algo.aggregation,
+            ratio=algo.ratio,
         )
         stats.add("loss/policy", loss, loss_share)
+        if "seq_clip_frac" in parts:  # ratio = "sequence" needs seq_mean: loss_share is the share of its rows
+            stats.add("policy/seq_clip_frac", parts["seq_clip_frac"], loss_share)
         kl_loss = torch.zeros(())
         kl_behaviour = kl_estimate(inputs.behaviour_logprobs, logprobs.detach(), "k3", mask)  # KL(pi_b || pi)
         kl_metric = kl_behaviour

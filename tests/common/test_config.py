@@ -76,6 +76,12 @@ def test_bad_config_names_the_key(tmp_path: Path, text: str, overrides: list[str
         ('[learner]\nweights_host = "10.0.0.5"\n', "learner.weights_host: binding '10.0.0.5' exposes the socket"),
         ('[weights]\nrelay_host = "10.0.0.7"\n', "weights.relay_host: binding '10.0.0.7' exposes the socket"),
         ('[weights]\ntransport = "carrier-pigeon"\n', "weights.transport"),
+        # GSPO takes one weight per sequence and a sequence mean: the default tis/token and token_mean are refused
+        ('[algo]\nratio = "sequence"\naggregation = "seq_mean"\n', "algo.ratio: 'sequence' (GSPO) takes one"),
+        ('[algo]\nratio = "sequence"\ncorrection = "decoupled"\naggregation = "seq_mean"\n', "tis_level = 'seq"),
+        ('[algo]\nratio = "sequence"\ncorrection = "none"\n', "set algo.aggregation = 'seq_mean'"),
+        ('[algo]\noverlong = "penalty"\noverlong_window = 129\n', "algo.overlong_window: must be <= the comp"),
+        ('[algo]\noverlong = "sometimes"\n', "algo.overlong"),
     ],
 )
 def test_a_config_the_learner_would_refuse_fails_at_load(tmp_path: Path, text: str, expected: str) -> None:
@@ -93,6 +99,20 @@ def test_the_combinations_the_learner_trains_with_load() -> None:
     for security in ({"run.insecure": True}, {"run.curve_keys_dir": "/keys"}):
         assert load_config(None, {"buffer.host": "0.0.0.0", "learner.weights_host": "0.0.0.0", **security})
     assert load_config(None, {"buffer.host": "::1"}).buffer.host == "::1"  # loopback: no keys needed
+    for correction in ({"algo.correction": "none"}, {"algo.tis_level": "sequence"}):
+        assert load_config(None, {"algo.ratio": "sequence", "algo.aggregation": "seq_mean", **correction}).algo.ratio
+
+
+def test_overlong_budget_and_window() -> None:
+    # single-turn: L_max = generator.max_tokens = 128 (the default), window 0 -> 128 // 4 = 32
+    config = load_config(None, {"algo.overlong": "penalty"})
+    assert (config.overlong_budget, config.overlong_window) == (128, 32)
+    config = load_config(None, {"algo.overlong": "penalty", "algo.overlong_window": 128, "generator.max_tokens": 128})
+    assert config.overlong_window == 128  # the whole budget is allowed (the ramp starts at 0 tokens)
+    assert load_config(None, {"generator.max_tokens": 3}).overlong_window == 1  # 3 // 4 = 0 -> at least 1
+    # multi-turn: L_max = env.max_total_tokens (1024 by default), window 1024 // 4 = 256
+    config = load_config(None, {"env.environment": "envs.guess:make", "algo.overlong": "penalty"})
+    assert (config.overlong_budget, config.overlong_window) == (1024, 256)
 
 
 def test_missing_file_and_bad_override_syntax(tmp_path: Path) -> None:

@@ -243,3 +243,54 @@ def test_gae_trains_the_critic_and_the_kl_grows_from_zero(tiny_model_dir, dist, 
     assert not torch.equal(trainer.critic.module.value_head.weight.detach(), head)
     for key in ("loss/policy", "policy/entropy", "policy/kl_behaviour", "critic/clip_frac", "policy/iw_max"):
         assert np.isfinite(second[key]), key
+
+
+def test_overlong_mask_trains_as_if_the_truncated_group_had_no_loss(tiny_model_dir, dist, batch) -> None:
+    """Group 1 (the second micro-batch, all 4 rows) cut at the limit: masked, it adds nothing to the gradient and
+    leaves the denominators. Reference: the same batch with group 1's rewards all equal (advantages exactly 0, so no
+    gradient from it either) but still counted. seq_mean divides by 4 rows against 8: the gradient is exactly x2
+    (a power of two; the other terms are the same float32 sums in the same order), within GRADIENT_TOLERANCE."""
+    from dataclasses import replace
+
+    groups, staleness = batch
+    stop = [replace(g, finish_reasons=["stop"] * g.size) for g in groups]  # synthetic groups say "length"
+    cut = [replace(g, finish_reasons=["length"] * g.size) if i == 1 else g for i, g in enumerate(stop)]
+    flat = [replace(g, rewards=np.full(g.size, 0.5, np.float32)) if i == 1 else g for i, g in enumerate(stop)]
+    masked = one_step(tiny_model_dir, dist, (cut, staleness), algo__overlong="mask", algo__aggregation="seq_mean")
+    reference = one_step(tiny_model_dir, dist, (flat, staleness), algo__aggregation="seq_mean")
+    reference.gradients = {name: 2 * g for name, g in reference.gradients.items()}
+    error, where = gradient_error(masked, reference)
+    assert error <= GRADIENT_TOLERANCE, f"{error / EPS_F32:.1f} eps_f32 over {where}"
+    assert masked.stats["rollout/truncated_share"] == 0.5 and reference.stats["rollout/truncated_share"] == 0.0
+    assert masked.stats["reward/overlong_penalty"] == 0.0
+
+
+def test_overlong_penalty_gives_an_equal_reward_group_its_signal(tiny_model_dir, dist, batch) -> None:
+    """Every reward 1: no advantage, no gradient. With the penalty (L_max = generator.max_tokens = 6, L_cache = 3)
+    a completion of n tokens gets -min(max(n - 3, 0), 3) / 3: lengths 2..6 give 0, 0, -1/3, -2/3, -1."""
+    from dataclasses import replace
+
+    groups, staleness = batch
+    ones = [replace(g, rewards=np.ones(g.size, np.float32)) for g in groups]
+    lengths = [int(n) for g in ones for n in np.diff(g.offsets)]
+    expected = sum(-min(max(n - 3, 0), 3) / 3 for n in lengths) / len(lengths)
+    assert expected < 0 and len(set(lengths)) > 1  # the batch has lengths inside the window, and differing ones
+    kwargs = {"generator__max_tokens": 6, "algo__overlong_window": 3}
+    plain = one_step(tiny_model_dir, dist, (ones, staleness), **kwargs)
+    penalised = one_step(tiny_model_dir, dist, (ones, staleness), algo__overlong="penalty", **kwargs)
+    assert all(float(g.abs().max()) == 0.0 for g in plain.gradients.values())
+    assert max(float(g.abs().max()) for g in penalised.gradients.values()) > 0
+    assert penalised.stats["reward/overlong_penalty"] == pytest.approx(expected, rel=1e-6)  # float32 sum of 8
+    assert penalised.stats["reward/mean"] == 1.0  # the reported reward is the task's, before the penalty
+
+
+def test_gspo_first_step_equals_the_token_ratio_step(tiny_model_dir, dist, batch) -> None:
+    """Before the update pi_theta = pi_prox: every log-ratio is 0, so GSPO's s_i = 1 = r_t and (test_losses_gspo)
+    the two ratios give the same loss and gradient, with sequence-level TIS in both; no sequence is clipped."""
+    kwargs = {"algo__correction": "tis", "algo__tis_level": "sequence", "algo__aggregation": "seq_mean"}
+    token = one_step(tiny_model_dir, dist, batch, **kwargs)
+    gspo = one_step(tiny_model_dir, dist, batch, algo__ratio="sequence", **kwargs)
+    error, where = gradient_error(gspo, token)
+    assert error <= GRADIENT_TOLERANCE, f"{error / EPS_F32:.1f} eps_f32 over {where}"
+    assert gspo.stats["loss/policy"] == pytest.approx(token.stats["loss/policy"], rel=1e-6)
+    assert gspo.stats["policy/seq_clip_frac"] == 0.0 and "policy/seq_clip_frac" not in token.stats
