@@ -242,7 +242,7 @@ def journal_record_problem(kind: str, meta: dict[str, Any]) -> Problem:
     return None
 
 
-_CHECKED_KINDS = ("version", "draw", "deliver", "pending_draw", "evict", "drop", "group", "counters")
+_CHECKED_KINDS = ("version", "draw", "deliver", "pending_draw", "evict", "drop", "group", "filtered", "counters")
 _VERSION_KEYS = {
     "version": ("step", "policy_version"),
     "draw": ("step",),

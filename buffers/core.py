@@ -15,6 +15,10 @@ buffer or the ledger. With eval.at_end, `RunOver` waits for the final round (eve
 eval.final_timeout_s after the final report): meanwhile lease requests get eval grants, or a refusal ('stale'
 with the final version for a generator on older weights, else 'full'), never training prompts.
 
+Dynamic sampling (buffer.filter = "no_signal": `buffers.filtering`): a group that passed its checks but whose rewards
+carry no signal is acked "accepted" (its prompt is done), counted as dropped_no_signal and not stored; admission
+then counts each outstanding prompt at the share of recent arrivals that carried signal.
+
 Failure modes: a well-formed message the buffer cannot accept (unknown lease, rank >= world_size, a version
 from the future, a role that may not send it, a state change out of order: see `buffers.authority`) raises
 `RequestRejected(kind, reason)` before anything is committed; the caller answers it with an ErrorReply and
@@ -39,9 +43,10 @@ from buffers.checks import (
     lease_return_problem,
     version_report_problem,
 )
+from buffers.filtering import mostly_filtered_warning, no_signal, signal_quota
 from buffers.lengths import length_metrics
 from buffers.run_end import RunEnd
-from buffers.staleness import admit
+from buffers.staleness import Admission, admit
 from buffers.state import BufferState
 from common.types import (
     Batch,
@@ -149,14 +154,7 @@ class BufferCore:
                 return [(reply_to, LeaseRefused("full", request.policy_version, RETRY_FULL_S))]
         if dispenser.finished:
             return [(reply_to, LeaseRefused("exhausted", 0, RETRY_EXHAUSTED_S))]
-        admission = admit(
-            request.max_prompts,
-            request.policy_version,
-            self.state.learner_version,
-            self.settings.max_staleness,
-            self.settings.groups_per_step,
-            self._admitted(),
-        )
+        admission = self._admit(request)
         if admission.refusal:
             retry = RETRY_STALE_S if admission.refusal == "stale" else RETRY_FULL_S
             return [(reply_to, LeaseRefused(admission.refusal, admission.min_version, retry))]
@@ -164,6 +162,20 @@ class BufferCore:
         if lease is None:  # every epoch is issued, but outstanding prompts may still come back for re-issue
             return [(reply_to, LeaseRefused("full", admission.min_version, RETRY_FULL_S))]
         return [(reply_to, LeaseGrant(lease.lease_id, lease.deadline, dispenser.items(lease)))]
+
+    def _admit(self, request: LeaseRequest) -> Admission:
+        """`buffers.staleness.admit`; with buffer.filter on, a quota that counts each outstanding prompt at the share
+        of arrivals expected to carry signal (`buffers.filtering.signal_quota`; the stale refusal is unchanged)."""
+        settings = self.settings
+        v, eta, b = request.policy_version, settings.max_staleness, settings.groups_per_step
+        admitted = self._admitted()
+        admission = admit(request.max_prompts, v, self.state.learner_version, eta, b, admitted)
+        if settings.filter == "none" or admission.refusal == "stale":
+            return admission
+        outstanding = self.state.dispenser.outstanding
+        keep = self.state.filter_window.keep(settings.max_filtered_share)
+        granted = min(request.max_prompts, signal_quota(v, eta, b, admitted - outstanding, outstanding, keep))
+        return Admission(max(granted, 0), "" if granted > 0 else "full", admission.min_version)
 
     def _admitted(self) -> int:
         """Groups in the learner's timeline: trained (since a rewind: re-based to V·B) + buffered + outstanding.
@@ -193,9 +205,26 @@ class BufferCore:
                 self.state.requeue(group.lease_id, [group.prompt_id], now)  # let another try come
         if problem is not None:
             return [(reply_to, self._reject_group(group, *problem, sender))]
-        self.state.accept(group, now)
         self.bytes_in += group_nbytes(group)
+        if self.settings.filter == "no_signal" and no_signal(group.rewards, self.settings.min_reward_spread):
+            self._filter_out(group, now)  # acked "accepted": its prompt is done, as for a stored group
+            return [(reply_to, GroupAck(group.lease_id, group.prompt_id, "accepted"))]
+        self.state.accept(group, now)
+        self._warn_if_mostly_filtered()
         return [(reply_to, GroupAck(group.lease_id, group.prompt_id, "accepted")), *self._serve_held(now)]
+
+    def _filter_out(self, group: RolloutGroup, now: float) -> None:
+        self.state.filter_out(group, now)
+        log.debug("group (lease %d, prompt %d): no reward spread, dropped", group.lease_id, group.prompt_id)
+        self._warn_if_mostly_filtered()
+
+    def _warn_if_mostly_filtered(self) -> None:
+        """At most once per buffer.filter_window arrivals, when more than buffer.max_filtered_share of them were
+        filtered (`buffers.filtering.FilterWindow.warn_due`)."""
+        window, cap = self.state.filter_window, self.settings.max_filtered_share
+        if self.settings.filter == "none" or not window.warn_due(cap):
+            return
+        log.warning(mostly_filtered_warning(window.share, window.size, cap))
 
     def _reject_group(self, group: RolloutGroup, kind: str, reason: str, sender: str) -> GroupAck:
         self.state.ledger.flow("arrived", group.size)
@@ -401,6 +430,8 @@ class BufferCore:
         values["buffer/leases_active"] = sum(1 for lease in leases if lease.state == "active")
         values["buffer/epoch"] = self.state.dispenser.epoch
         values["buffer/bytes_in"], values["buffer/bytes_out"] = self.bytes_in, self.bytes_out
+        if self.settings.filter != "none":
+            values["buffer/filtered_share"] = self.state.filter_window.share
         if self.staleness_count:
             values["buffer/staleness_mean"] = self.staleness_sum / self.staleness_count
             values["buffer/staleness_max"] = self.staleness_max

@@ -198,7 +198,8 @@ def _stop_on_signals() -> list[str]:
 
 
 def _summary(counters: dict[str, int]) -> str:
-    keys = ("arrived", "trained", "dropped_stale", "evicted", "rejected", "buffered", "duplicates", "leases_issued")
+    keys = ("arrived", "trained", "dropped_stale", "dropped_no_signal", "evicted", "rejected", "buffered", "duplicates")
+    keys += ("leases_issued",)
     if "eval_issued" in counters:  # evaluating: its accounting line too
         keys += ("eval_issued", "eval_done", "eval_requeued", "eval_outstanding", "eval_results_accepted")
         keys += ("eval_superseded", "eval_final_timed_out")

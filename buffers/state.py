@@ -8,9 +8,11 @@
 
 Live operations and journal replay go through the same `_apply_*` methods, so a restarted buffer holds
 exactly what the killed one had committed: its groups, their use counts, the leases, the cursor, the
-drawn-but-undelivered batches, the ledger, and the evaluation's rounds and eval leases (an `eval` record holds the
-whole `buffers.evaluation.EvalScheduler` snapshot, written after each change to it: `record_eval`). Decisions (which groups to evict, drop or draw; which prompts
-to lease; which leases expire) are made once, live, and recorded; replay applies the recorded outcome.
+drawn-but-undelivered batches, the ledger, the filtered-share window of dynamic sampling (a `filtered` record per
+group dropped at arrival for carrying no signal: `buffers.filtering`), and the evaluation's rounds and eval leases
+(an `eval` record holds the whole `buffers.evaluation.EvalScheduler` snapshot, written after each change to it:
+`record_eval`). Decisions (which groups to evict, drop, filter or draw; which prompts to lease; which leases expire)
+are made once, live, and recorded; replay applies the recorded outcome.
 Counters that are not flows of groups (duplicates, rejections) are restored from the last `counters` event
 (written every few seconds), so after a crash they may lag by those seconds; the ledger identity still holds.
 """
@@ -26,6 +28,7 @@ from buffers.accounting import Ledger
 from buffers.batches import BatchBook, DrawnBatch
 from buffers.checks import GroupLimits
 from buffers.evaluation import EvalScheduler
+from buffers.filtering import FilterWindow
 from buffers.journal import Journal
 from buffers.leases import Lease, PromptDispenser, PromptRecordLike
 from buffers.lengths import LengthCounts
@@ -60,6 +63,11 @@ class BufferSettings:
     max_model_len: int = 131072  # model.max_model_len
     max_abs_reward: float = 1e6  # buffer.max_abs_reward
     max_tokens: int = 128  # generator.max_tokens: the top edge of the length buckets (buffers.lengths)
+    # Dynamic sampling (buffers.filtering); the defaults are the config's (off).
+    filter: str = "none"  # buffer.filter: "none" or "no_signal"
+    min_reward_spread: float = 0.0  # buffer.min_reward_spread
+    max_filtered_share: float = 0.9  # buffer.max_filtered_share
+    filter_window: int = 32  # buffer.filter_window: arrivals in the filtered-share estimate
 
     @classmethod
     def from_config(cls, config: TandemConfig) -> BufferSettings:
@@ -82,6 +90,10 @@ class BufferSettings:
             config.model.max_model_len,
             b.max_abs_reward,
             max_tokens=config.generator.max_tokens,
+            filter=b.filter,
+            min_reward_spread=b.min_reward_spread,
+            max_filtered_share=b.max_filtered_share,
+            filter_window=b.filter_window,
         )
 
     @property
@@ -110,6 +122,7 @@ class BufferState:
         self.book = BatchBook()
         self.ledger = Ledger()
         self.lengths = LengthCounts(self.ledger, settings.max_tokens)  # samples by length bucket (ledger events)
+        self.filter_window = FilterWindow(settings.filter_window)  # arrivals kept or filtered (buffers.filtering)
         self.learner_version = 0  # V: the learner's step from its last VersionReport
         self.policy_version = 0  # the newest weights version it reported publishing
         # Trained groups that the learner's current timeline does not know: set when a learner reports an older step
@@ -126,6 +139,7 @@ class BufferState:
         self._appliers = {
             "grant": self._apply_grant,
             "group": self._apply_group,
+            "filtered": self._apply_filtered,
             "evict": self._apply_evict,
             "drop": self._apply_drop,
             "draw": self._apply_draw,
@@ -203,6 +217,13 @@ class BufferState:
         if victims:
             self.commit("evict", {"seqs": victims})
         return seq, evicted
+
+    def filter_out(self, group: RolloutGroup, now: float) -> None:
+        """Drop an accepted group (already checked) that carries no signal: its prompt is done (the lease completes
+        as for a stored group), it counts as arrived and dropped_no_signal, and its content is not kept (the
+        journal record holds only the ids and the size, enough for replay to do the same)."""
+        meta = {"lease_id": group.lease_id, "prompt_id": group.prompt_id, "samples": group.size, "t": now}
+        self.commit("filtered", meta)
 
     def drop_stale(self, step: int) -> int:
         """Drop every buffered group with a sample too stale for `step`; returns the samples dropped."""
@@ -288,7 +309,8 @@ class BufferState:
             )
         if self.evaluation is not None:
             yield "eval", {"snapshot": self.evaluation.snapshot(), "t": now}, []
-        yield "counters", {"counts": dict(self.ledger.counts), "next_seq": self.next_seq}, []
+        counters = {"counts": dict(self.ledger.counts), "next_seq": self.next_seq}
+        yield "counters", {**counters, "filter_window": self.filter_window.snapshot()}, []
 
     # ------------------------------------------------------------------------------------------ appliers
     def _apply_grant(self, meta: dict[str, Any], _: Any) -> Lease:
@@ -306,6 +328,13 @@ class BufferState:
             self.dispenser.complete(meta["lease_id"], meta["prompt_id"], meta["t"])
             self.ledger.flow("arrived", group.size)
             self.lengths.count("generated", [group])
+            self.filter_window.record(False)
+
+    def _apply_filtered(self, meta: dict[str, Any], _: Any) -> None:
+        self.dispenser.complete(meta["lease_id"], meta["prompt_id"], meta["t"])
+        self.ledger.flow("arrived", meta["samples"])
+        self.ledger.flow("dropped_no_signal", meta["samples"])
+        self.filter_window.record(True)
 
     def _apply_evict(self, meta: dict[str, Any], _: Any) -> int:
         removed = self.replay.remove(meta["seqs"])
@@ -362,6 +391,8 @@ class BufferState:
     def _apply_counters(self, meta: dict[str, Any], _: Any) -> None:
         self.ledger.replace(meta["counts"])
         self.next_seq = max(self.next_seq, meta["next_seq"])
+        if "filter_window" in meta:  # a compacted journal: its arrivals' records are gone, the window is here
+            self.filter_window.restore(meta["filter_window"])
 
     def _apply_leases(self, meta: dict[str, Any], _: Any) -> None:
         self.dispenser.restore(meta["snapshot"], meta["t"])

@@ -475,31 +475,6 @@ class AlgoConfig(_Section):
     clip_high: float = Field(0.28, description="PPO ratio upper clip: 1 + clip_high.", ge=0)
     dual_clip: float | None = Field(None, description="Dual-clip constant c > 1 for negative advantages.", gt=1)
     aggregation: Literal["token_mean", "seq_mean"] = Field("token_mean", description="Loss aggregation.")
-    ratio: Literal["token", "sequence"] = Field(
-        "token",
-        description="PPO importance ratio pi_theta / pi_prox: per token, or `sequence` = GSPO's (Zheng et al. 2025) "
-        "length-normalised ratio exp(mean of the per-token log-ratios), clipped per sequence. `sequence` needs "
-        "aggregation = `seq_mean` and one weight per sequence (correction = `none`, or `tis` with tis_level = "
-        "`sequence`). GSPO's paper clips far tighter than the token defaults (clip_low 3e-4, clip_high 4e-4): set "
-        "them; the defaults are not changed for it.",
-    )
-    overlong: Literal["none", "mask", "penalty"] = Field(
-        "none",
-        description="Completions cut at the token limit (finish reason `length`). `mask`: kept in the batch and in "
-        "their group's baseline, but no loss on their tokens. `penalty`: DAPO's soft overlong punishment added to "
-        "the reward before advantages (every estimator): 0 up to L_max - overlong_window model tokens, then "
-        "falling linearly to -overlong_penalty at L_max (generator.max_tokens; env.max_total_tokens with an "
-        "environment).",
-    )
-    overlong_window: int = Field(
-        0,
-        description="DAPO's L_cache, in tokens: the penalty's final window of the budget. 0 = a quarter of the "
-        "budget (at least 1 token). Must be at most the budget.",
-        ge=0,
-    )
-    overlong_penalty: float = Field(
-        1.0, description="Scale of the overlong penalty: the reward change at the full budget is -this.", ge=0
-    )
     kl_coef: float = Field(0.0, description="KL penalty against the reference model (0 = no reference).", ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
     kl_in_reward: bool = Field(
@@ -529,15 +504,6 @@ class AlgoConfig(_Section):
             raise ValueError(
                 "tis_level: 'sequence' needs correction = 'tis' (decoupled PPO weights each token); "
                 "set algo.tis_level = 'token' or algo.correction = 'tis'"
-            )
-        if self.ratio == "sequence" and self.correction != "none" and self.tis_level != "sequence":
-            raise ValueError(
-                "ratio: 'sequence' (GSPO) takes one importance weight per sequence; set algo.correction = 'tis' "
-                "with algo.tis_level = 'sequence', or algo.correction = 'none'"
-            )
-        if self.ratio == "sequence" and self.aggregation != "seq_mean":
-            raise ValueError(
-                "ratio: 'sequence' (GSPO) averages each sequence's loss; set algo.aggregation = 'seq_mean'"
             )
         if self.kl_in_reward and self.estimator not in KL_IN_REWARD_ESTIMATORS:
             raise ValueError(
@@ -655,6 +621,35 @@ class BufferConfig(_Section):
         "(2e6)^2 x 2^27 tokens ~ 5e20) far below float32's 3.4e38.",
         gt=0,
         allow_inf_nan=False,
+    )
+    filter: Literal["none", "no_signal"] = Field(
+        "none",
+        description="Dynamic sampling (DAPO). none: every valid group is stored. no_signal: a group whose rewards "
+        "carry no signal (max - min <= min_reward_spread, within 4 float32 ulps of the largest |reward|) is dropped "
+        "at arrival and counted as dropped_no_signal (its prompt is done), and admission leases more prompts so "
+        "batches still fill (each outstanding prompt counts at the recent share that carried signal).",
+    )
+    min_reward_spread: float = Field(
+        0.0,
+        description="With filter = no_signal: a group is dropped when max(reward) - min(reward) <= this (0 = only "
+        "groups whose rewards are all equal).",
+        ge=0,
+        allow_inf_nan=False,
+    )
+    max_filtered_share: float = Field(
+        0.9,
+        description="With filter = no_signal: warn (once per filter_window groups) when more than this share of "
+        "the last filter_window groups was filtered; admission also assumes at most this share, which bounds the "
+        "prompts outstanding at 1 / (1 - max_filtered_share) times the unfiltered quota.",
+        gt=0,
+        lt=1,
+    )
+    filter_window: int = Field(
+        32,
+        description="With filter = no_signal: the last arrivals (groups) over which the filtered share is "
+        "estimated, for admission and the warning.",
+        ge=1,
+        le=1_000_000,
     )
 
 
@@ -1154,18 +1149,6 @@ class TandemConfig(_Section):
         return self.eval.max_tokens or self.generator.max_tokens
 
     @property
-    def overlong_budget(self) -> int:
-        """L_max of the overlong penalty, in model-generated tokens: generator.max_tokens (one turn), or with a
-        multi-turn environment env.max_total_tokens (the episode's completion budget, which bounds its model tokens;
-        generator.max_tokens is then one turn's)."""
-        return self.env.max_total_tokens if self.env.environment else self.generator.max_tokens
-
-    @property
-    def overlong_window(self) -> int:
-        """DAPO's L_cache in tokens: algo.overlong_window, else a quarter of `overlong_budget` (at least 1)."""
-        return self.algo.overlong_window or max(1, self.overlong_budget // 4)
-
-    @property
     def reward_service(self) -> bool:
         """Whether this run has a reward service to start: env.reward_model is set and not scored in-process."""
         return bool(self.env.reward_model) and not self.reward.in_process
@@ -1288,6 +1271,11 @@ class TandemConfig(_Section):
                 f"buffer.capacity: must hold one batch = {self.learner.groups_per_step * self.algo.group_size} "
                 f"samples (got {self.buffer.capacity})"
             )
+        if self.buffer.filter == "no_signal" and self.algo.group_size < 2:
+            problems.append(
+                "buffer.filter: no_signal needs algo.group_size >= 2 (a group of one sample has no reward spread, "
+                'so every group would be dropped); raise algo.group_size, or buffer.filter = "none"'
+            )
         if 0 < self.ray.generator_gpus < self.generator.tensor_parallel_size:
             problems.append(
                 f"ray.generator_gpus: must be 0 (CPU) or >= generator.tensor_parallel_size = "
@@ -1297,12 +1285,6 @@ class TandemConfig(_Section):
             problems.append(
                 f"generator.max_tokens: must be < model.max_model_len = {self.model.max_model_len} "
                 f"(got {self.generator.max_tokens}); the prompt needs room in the context too"
-            )
-        if self.algo.overlong == "penalty" and self.algo.overlong_window > self.overlong_budget:
-            problems.append(
-                f"algo.overlong_window: must be <= the completion budget {self.overlong_budget} "
-                f"({'env.max_total_tokens' if self.env.environment else 'generator.max_tokens'}; got "
-                f"{self.algo.overlong_window}); lower it, or 0 for a quarter of the budget"
             )
         if self.eval.enabled:
             if self.env.environment:

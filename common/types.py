@@ -301,7 +301,8 @@ class StatsRequest:
 
 @message("stats")
 class BufferStats:
-    """The buffer's accounting: arrived = trained + dropped_stale + evicted + rejected + buffered (in samples)."""
+    """The buffer's accounting (`buffers.accounting`), in samples and in groups (`<key>_groups`):
+    arrived = trained + dropped_stale + dropped_no_signal + evicted + rejected + buffered."""
 
     counters: dict[str, int]
     learner_version: int = version()

@@ -243,7 +243,7 @@ def test_ledger_balances_and_no_served_sample_exceeds_eta(
         run.play(op, pick)
         assert core.state.ledger.gap(core.state.replay.samples, len(core.state.replay)) == (0, 0)
         counters = core.counters()
-        outflows = ("trained", "dropped_stale", "evicted", "rejected", "buffered")
+        outflows = ("trained", "dropped_stale", "dropped_no_signal", "evicted", "rejected", "buffered")
         assert counters["arrived"] == sum(counters[k] for k in outflows)
         assert counters["arrived_groups"] == sum(counters[f"{k}_groups"] for k in outflows)
         assert counters["admitted"] == sum(counters[k] for k in ("trained_groups", "buffered_groups", "outstanding"))
