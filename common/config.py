@@ -475,6 +475,31 @@ class AlgoConfig(_Section):
     clip_high: float = Field(0.28, description="PPO ratio upper clip: 1 + clip_high.", ge=0)
     dual_clip: float | None = Field(None, description="Dual-clip constant c > 1 for negative advantages.", gt=1)
     aggregation: Literal["token_mean", "seq_mean"] = Field("token_mean", description="Loss aggregation.")
+    ratio: Literal["token", "sequence"] = Field(
+        "token",
+        description="PPO importance ratio pi_theta / pi_prox: per token, or `sequence` = GSPO's (Zheng et al. 2025) "
+        "length-normalised ratio exp(mean of the per-token log-ratios), clipped per sequence. `sequence` needs "
+        "aggregation = `seq_mean` and one weight per sequence (correction = `none`, or `tis` with tis_level = "
+        "`sequence`). GSPO's paper clips far tighter than the token defaults (clip_low 3e-4, clip_high 4e-4): set "
+        "them; the defaults are not changed for it.",
+    )
+    overlong: Literal["none", "mask", "penalty"] = Field(
+        "none",
+        description="Completions cut at the token limit (finish reason `length`). `mask`: kept in the batch and in "
+        "their group's baseline, but no loss on their tokens. `penalty`: DAPO's soft overlong punishment added to "
+        "the reward before advantages (every estimator): 0 up to L_max - overlong_window model tokens, then "
+        "falling linearly to -overlong_penalty at L_max (generator.max_tokens; env.max_total_tokens with an "
+        "environment).",
+    )
+    overlong_window: int = Field(
+        0,
+        description="DAPO's L_cache, in tokens: the penalty's final window of the budget. 0 = a quarter of the "
+        "budget (at least 1 token). Must be at most the budget.",
+        ge=0,
+    )
+    overlong_penalty: float = Field(
+        1.0, description="Scale of the overlong penalty: the reward change at the full budget is -this.", ge=0
+    )
     kl_coef: float = Field(0.0, description="KL penalty against the reference model (0 = no reference).", ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
     kl_in_reward: bool = Field(
@@ -504,6 +529,15 @@ class AlgoConfig(_Section):
             raise ValueError(
                 "tis_level: 'sequence' needs correction = 'tis' (decoupled PPO weights each token); "
                 "set algo.tis_level = 'token' or algo.correction = 'tis'"
+            )
+        if self.ratio == "sequence" and self.correction != "none" and self.tis_level != "sequence":
+            raise ValueError(
+                "ratio: 'sequence' (GSPO) takes one importance weight per sequence; set algo.correction = 'tis' "
+                "with algo.tis_level = 'sequence', or algo.correction = 'none'"
+            )
+        if self.ratio == "sequence" and self.aggregation != "seq_mean":
+            raise ValueError(
+                "ratio: 'sequence' (GSPO) averages each sequence's loss; set algo.aggregation = 'seq_mean'"
             )
         if self.kl_in_reward and self.estimator not in KL_IN_REWARD_ESTIMATORS:
             raise ValueError(
@@ -1149,6 +1183,18 @@ class TandemConfig(_Section):
         return self.eval.max_tokens or self.generator.max_tokens
 
     @property
+    def overlong_budget(self) -> int:
+        """L_max of the overlong penalty, in model-generated tokens: generator.max_tokens (one turn), or with a
+        multi-turn environment env.max_total_tokens (the episode's completion budget, which bounds its model tokens;
+        generator.max_tokens is then one turn's)."""
+        return self.env.max_total_tokens if self.env.environment else self.generator.max_tokens
+
+    @property
+    def overlong_window(self) -> int:
+        """DAPO's L_cache in tokens: algo.overlong_window, else a quarter of `overlong_budget` (at least 1)."""
+        return self.algo.overlong_window or max(1, self.overlong_budget // 4)
+
+    @property
     def reward_service(self) -> bool:
         """Whether this run has a reward service to start: env.reward_model is set and not scored in-process."""
         return bool(self.env.reward_model) and not self.reward.in_process
@@ -1285,6 +1331,12 @@ class TandemConfig(_Section):
             problems.append(
                 f"generator.max_tokens: must be < model.max_model_len = {self.model.max_model_len} "
                 f"(got {self.generator.max_tokens}); the prompt needs room in the context too"
+            )
+        if self.algo.overlong == "penalty" and self.algo.overlong_window > self.overlong_budget:
+            problems.append(
+                f"algo.overlong_window: must be <= the completion budget {self.overlong_budget} "
+                f"({'env.max_total_tokens' if self.env.environment else 'generator.max_tokens'}; got "
+                f"{self.algo.overlong_window}); lower it, or 0 for a quarter of the budget"
             )
         if self.eval.enabled:
             if self.env.environment:
