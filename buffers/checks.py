@@ -7,6 +7,7 @@ what to change. They are pure functions of the message and the numbers they are 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -224,7 +225,8 @@ def version_report_problem(report: VersionReport) -> Problem:
 
 def journal_record_problem(kind: str, meta: dict[str, Any]) -> Problem:
     """The numbers of a journal record, checked on replay as the wire checks them on decode (`common.types`): every
-    integer within +-MAX_COUNT, and steps and versions within [0, MAX_VERSION]. A journal written before those
+    integer within +-MAX_COUNT, steps and versions within [0, MAX_VERSION], and the filtered rewards' sum finite
+    (a `filtered` record's reward_sum, a `counters` record's no_signal_reward_sum). A journal written before those
     bounds existed may hold a peer's hostile number (a VersionReport's step of 2**63, and the draws it allowed).
     Lease records (grant, expire, requeue, leases) are not checked: later records refer to their leases, and their
     numbers feed no arithmetic or metric."""
@@ -239,10 +241,14 @@ def journal_record_problem(kind: str, meta: dict[str, Any]) -> Problem:
         return "bad_version", f"policy_version {meta['policy_version']} > step {meta['step']}"
     if kind == "draw" and not (meta["world_size"] >= 1 and len(meta["seqs"]) % meta["world_size"] == 0):
         return "bad_draw", f"{len(meta['seqs'])} groups do not split into world_size {meta['world_size']} shares"
+    key = _REWARD_SUM_KEYS.get(kind)
+    if key in meta and not (type(meta[key]) in (int, float) and math.isfinite(meta[key])):
+        return "bad_number", f"{key} {meta[key]!r} is not a finite number"  # it reaches every Batch (wire: finite)
     return None
 
 
 _CHECKED_KINDS = ("version", "draw", "deliver", "pending_draw", "evict", "drop", "group", "filtered", "counters")
+_REWARD_SUM_KEYS = {"filtered": "reward_sum", "counters": "no_signal_reward_sum"}  # floats (dynamic sampling)
 _VERSION_KEYS = {
     "version": ("step", "policy_version"),
     "draw": ("step",),

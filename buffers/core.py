@@ -319,7 +319,16 @@ class BufferCore:
                 self.staleness_sum += int(lag.sum())
                 self.staleness_count += lag.size
                 self.staleness_max = max(self.staleness_max, int(lag.max()))
-        return Batch(request.step, request.rank, groups, staleness, self.state.ledger.counts["dropped_stale"])
+        counts = self.state.ledger.counts  # cumulative: the learner records them beside its step (learners.learner)
+        return Batch(
+            request.step,
+            request.rank,
+            groups,
+            staleness,
+            counts["dropped_stale"],
+            counts["dropped_no_signal"],
+            self.state.no_signal_reward_sum,
+        )
 
     def _draw(self, step: int, world_size: int, num_groups: int) -> DrawnBatch | None:
         dropped = self.state.drop_stale(step)
@@ -432,6 +441,7 @@ class BufferCore:
         values["buffer/bytes_in"], values["buffer/bytes_out"] = self.bytes_in, self.bytes_out
         if self.settings.filter != "none":
             values["buffer/filtered_share"] = self.state.filter_window.share
+            values["buffer/no_signal_reward_sum"] = self.state.no_signal_reward_sum
         if self.staleness_count:
             values["buffer/staleness_mean"] = self.staleness_sum / self.staleness_count
             values["buffer/staleness_max"] = self.staleness_max

@@ -25,9 +25,14 @@ for what is longer than M (multi-turn episodes: max_tokens bounds one turn). Log
 are skewed; the top bucket (M/2, M] holds the truncated completions. A sample's length is its model-token count
 (the sum of its loss_mask: the completion length for a single-turn sample, its own turns for an episode).
 
-The counts are ledger events (`len_<kind>/<bucket>` in samples and `len_<kind>/tokens`, their token sum), counted
-by the state's appliers, so a restarted buffer restores them with the ledger (`buffers.state`). `trained` counts
-every draw (a group served max_reuse times counts that often: the learner trains on it that often).
+The counts are ledger events (`len_<kind>/<bucket>` in samples, `len_<kind>/tokens`, their token sum, and
+`len_<kind>/truncated`, the samples whose finish reason is TRUNCATED: cut at generator.max_tokens), counted by the
+state's appliers, so a restarted buffer restores them with the ledger (`buffers.state`). `trained` counts every
+draw (a group served max_reuse times counts that often: the learner trains on it that often). `generated` counts
+every group that passed its checks, dynamic sampling's filtered groups included (their `filtered` journal record
+holds the group's `tally`, since it holds no content): what the generators produced, not what the buffer kept.
+The truncated share of generated samples (`buffer/truncated_share_generated`) is the issue's "truncated share,
+generated"; the learner's `rollout/truncated_share` is the trained one.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from buffers.accounting import Ledger
+from common.eval_metrics import TRUNCATED
 from common.types import RolloutGroup
 
 NUM_BUCKETS = 6  # edges M/32 .. M: on the demo's M = 64 the first bucket holds 0-2 tokens
@@ -75,20 +81,31 @@ class LengthCounts:
         self.edges = length_edges(max_tokens)
         self.names = bucket_names(self.edges)
 
-    def count(self, kind: str, groups: Iterable[RolloutGroup]) -> None:
+    def tally(self, group: RolloutGroup) -> dict[str, int]:
+        """What `count` adds for one group: its samples per bucket (the non-empty buckets), `tokens` (their sum) and
+        `truncated` (samples with finish reason TRUNCATED). Plain ints, so a journal record can hold it."""
+        lengths = sample_lengths(group)
+        out = {name: int(n) for name, n in zip(self.names, bucket_counts(lengths, self.edges)) if n}
+        out["tokens"] = int(lengths.sum())
+        out["truncated"] = sum(reason == TRUNCATED for reason in group.finish_reasons)
+        return out
+
+    def add(self, kind: str, tally: Mapping[str, int]) -> None:
+        """Count one group's `tally` under `kind` (a zero count adds no key, as `count` never did)."""
         if kind not in KINDS:
             raise KeyError(f"{kind!r} is not a length kind (one of {KINDS})")
+        for key, value in tally.items():
+            if value or key == "tokens":
+                self.ledger.event(f"len_{kind}/{key}", int(value))
+
+    def count(self, kind: str, groups: Iterable[RolloutGroup]) -> None:
         for group in groups:
-            lengths = sample_lengths(group)
-            for name, count in zip(self.names, bucket_counts(lengths, self.edges)):
-                if count:
-                    self.ledger.event(f"len_{kind}/{name}", int(count))
-            self.ledger.event(f"len_{kind}/tokens", int(lengths.sum()))
+            self.add(kind, self.tally(group))
 
 
 def length_metrics(counts: Mapping[str, int], edges: list[int]) -> dict[str, float]:
-    """`buffer/len_<kind>/<bucket>` for every bucket (0 where none yet), the mean length of each kind that has
-    samples (`buffer/len_<kind>_mean`), and the drop rate (samples dropped as stale / generated) of the shortest and
+    """`buffer/len_<kind>/<bucket>` for every bucket (0 where none yet), the mean length and the truncated share of
+    each kind that has samples (`buffer/len_<kind>_mean`, `buffer/truncated_share_<kind>`), and the drop rate (samples dropped as stale / generated) of the shortest and
     of the longest bucket that has generated samples (`buffer/len_drop_rate_shortest`, `..._longest`)."""
     names = bucket_names(edges)
     values: dict[str, float] = {}
@@ -97,6 +114,7 @@ def length_metrics(counts: Mapping[str, int], edges: list[int]) -> dict[str, flo
         values.update({f"buffer/len_{kind}/{name}": count for name, count in zip(names, per_bucket)})
         if sum(per_bucket):
             values[f"buffer/len_{kind}_mean"] = counts.get(f"len_{kind}/tokens", 0) / sum(per_bucket)
+            values[f"buffer/truncated_share_{kind}"] = counts.get(f"len_{kind}/truncated", 0) / sum(per_bucket)
     filled = [name for name in names if counts.get(f"len_generated/{name}", 0)]
     if filled:
         for which, name in (("shortest", filled[0]), ("longest", filled[-1])):

@@ -9,7 +9,8 @@
 Live operations and journal replay go through the same `_apply_*` methods, so a restarted buffer holds
 exactly what the killed one had committed: its groups, their use counts, the leases, the cursor, the
 drawn-but-undelivered batches, the ledger, the filtered-share window of dynamic sampling (a `filtered` record per
-group dropped at arrival for carrying no signal: `buffers.filtering`), and the evaluation's rounds and eval leases
+group dropped at arrival for carrying no signal: `buffers.filtering`; it holds the group's reward sum and length
+tally, so that `no_signal_reward_sum` and the generated length histograms are restored exactly), and the evaluation's rounds and eval leases
 (an `eval` record holds the whole `buffers.evaluation.EvalScheduler` snapshot, written after each change to it:
 `record_eval`). Decisions (which groups to evict, drop, filter or draw; which prompts to lease; which leases expire)
 are made once, live, and recorded; replay applies the recorded outcome.
@@ -23,6 +24,8 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from buffers.accounting import Ledger
 from buffers.batches import BatchBook, DrawnBatch
@@ -123,6 +126,9 @@ class BufferState:
         self.ledger = Ledger()
         self.lengths = LengthCounts(self.ledger, settings.max_tokens)  # samples by length bucket (ledger events)
         self.filter_window = FilterWindow(settings.filter_window)  # arrivals kept or filtered (buffers.filtering)
+        # The rewards of every filtered sample, summed in float64 (a float: the ledger counts integers). With
+        # dropped_no_signal it gives back the mean reward of all generated samples (benchmarks.time_to_reward).
+        self.no_signal_reward_sum = 0.0
         self.learner_version = 0  # V: the learner's step from its last VersionReport
         self.policy_version = 0  # the newest weights version it reported publishing
         # Trained groups that the learner's current timeline does not know: set when a learner reports an older step
@@ -221,8 +227,16 @@ class BufferState:
     def filter_out(self, group: RolloutGroup, now: float) -> None:
         """Drop an accepted group (already checked) that carries no signal: its prompt is done (the lease completes
         as for a stored group), it counts as arrived and dropped_no_signal, and its content is not kept (the
-        journal record holds only the ids and the size, enough for replay to do the same)."""
-        meta = {"lease_id": group.lease_id, "prompt_id": group.prompt_id, "samples": group.size, "t": now}
+        journal record holds the ids, the size, the rewards' float64 sum and the length tally: enough for replay
+        to do the same and to count the same sums)."""
+        meta = {
+            "lease_id": group.lease_id,
+            "prompt_id": group.prompt_id,
+            "samples": group.size,
+            "reward_sum": float(np.sum(group.rewards, dtype=np.float64)),
+            "lengths": self.lengths.tally(group),
+            "t": now,
+        }
         self.commit("filtered", meta)
 
     def drop_stale(self, step: int) -> int:
@@ -261,8 +275,9 @@ class BufferState:
     def save_counters(self) -> None:
         """Record the ledger if it changed (so counters that are not group flows survive a restart)."""
         counts = dict(self.ledger.counts)
-        if self.journal is not None and counts != self._saved_counts:
-            self.commit("counters", {"counts": counts, "next_seq": self.next_seq})
+        if self.journal is not None and counts != self._saved_counts:  # a filtered group changes counts and sum
+            meta = {"counts": counts, "next_seq": self.next_seq, "no_signal_reward_sum": self.no_signal_reward_sum}
+            self.commit("counters", meta)
             self._saved_counts = counts
 
     def compact(self, now: float) -> None:
@@ -309,7 +324,11 @@ class BufferState:
             )
         if self.evaluation is not None:
             yield "eval", {"snapshot": self.evaluation.snapshot(), "t": now}, []
-        counters = {"counts": dict(self.ledger.counts), "next_seq": self.next_seq}
+        counters = {
+            "counts": dict(self.ledger.counts),
+            "next_seq": self.next_seq,
+            "no_signal_reward_sum": self.no_signal_reward_sum,
+        }
         yield "counters", {**counters, "filter_window": self.filter_window.snapshot()}, []
 
     # ------------------------------------------------------------------------------------------ appliers
@@ -334,6 +353,9 @@ class BufferState:
         self.dispenser.complete(meta["lease_id"], meta["prompt_id"], meta["t"])
         self.ledger.flow("arrived", meta["samples"])
         self.ledger.flow("dropped_no_signal", meta["samples"])
+        self.no_signal_reward_sum += meta.get("reward_sum", 0.0)  # a record written before the sum was kept: 0
+        if "lengths" in meta:  # likewise: such a record's group is missing from the generated lengths
+            self.lengths.add("generated", meta["lengths"])
         self.filter_window.record(True)
 
     def _apply_evict(self, meta: dict[str, Any], _: Any) -> int:
@@ -391,6 +413,8 @@ class BufferState:
     def _apply_counters(self, meta: dict[str, Any], _: Any) -> None:
         self.ledger.replace(meta["counts"])
         self.next_seq = max(self.next_seq, meta["next_seq"])
+        if "no_signal_reward_sum" in meta:  # the live sum when written (replay summed the same records to it)
+            self.no_signal_reward_sum = float(meta["no_signal_reward_sum"])
         if "filter_window" in meta:  # a compacted journal: its arrivals' records are gone, the window is here
             self.filter_window.restore(meta["filter_window"])
 

@@ -68,6 +68,11 @@ def count(low: int = 0, high: int = MAX_COUNT) -> Any:
     return field(metadata={"low": low, "high": high})
 
 
+def _default(value: Any, low: int = 0, high: int = MAX_COUNT) -> Any:
+    """An integer field with a default (older peers may omit it), decoded within [low, high]."""
+    return field(default=value, metadata={"low": low, "high": high})
+
+
 def version(low: int = 0) -> Any:
     """A policy version or learner step: within [low, MAX_VERSION] (low = -1 where -1 means "none")."""
     return count(low, MAX_VERSION)
@@ -245,6 +250,12 @@ class Batch:
     groups: list[RolloutGroup]
     staleness: list[np.ndarray]  # per group: int32 [n] = step - group.versions
     dropped_stale: int = count()  # samples dropped as too stale so far (cumulative counter of the buffer)
+    # Dynamic sampling (buffer.filter = "no_signal"), cumulative like dropped_stale: samples filtered at arrival so
+    # far, and the float64 sum of their rewards (finite, as every float on the wire; rewards may be negative). With
+    # the learner's own reward/mean they give the mean reward of every generated sample (benchmarks.time_to_reward).
+    # Defaults: a buffer from before them omits them (0: nothing filtered).
+    dropped_no_signal: int = _default(0)
+    no_signal_reward_sum: float = 0.0
 
 
 @message("batch_not_ready")
@@ -414,11 +425,6 @@ class TensorSpec:
     bucket: int = count()  # index of the bucket (frame) that holds it
     offset: int = count()  # byte offset inside that bucket
     nbytes: int = count()
-
-
-def _default(value: Any, low: int = 0, high: int = MAX_COUNT) -> Any:
-    """An integer field with a default (older peers may omit it), decoded within [low, high]."""
-    return field(default=value, metadata={"low": low, "high": high})
 
 
 MAX_ADDRESS_CHARS = 300  # host:port, or "host:<generator id>" for a host copy

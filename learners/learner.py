@@ -51,7 +51,7 @@ from common.config import TandemConfig, write_resolved
 from common.logs import setup_logging
 from common.run_dir import reuse_problem
 from common.sockets import SocketSecurity
-from common.types import RolloutGroup
+from common.types import Batch, RolloutGroup
 from learners.buffer_link import BufferLink, BufferRefused, LinkInterrupted
 from learners.checkpoint import CheckpointManager, LearnerState
 from learners.publisher import WeightsPublisher, open_weights_publisher
@@ -146,7 +146,7 @@ def run(config: TandemConfig) -> int:
             if publisher is not None:  # bytes out of rank 0 for weights so far: k x the model per update by relay
                 timings["weights/publisher_bytes"] = float(getattr(publisher, "counters", {}).get("served_bytes", 0))
             if reporter is not None:
-                reporter.report(state.step, _record(stats, timings, state, batch.dropped_stale))
+                reporter.report(state.step, _record(stats, timings, state, *_buffer_counters(batch)))
             saves.after_step(state)
         interrupted = saves.finish(state, stop, learner.total_steps, log)
         if interrupted is not None:
@@ -273,15 +273,30 @@ def _count_consumed(state: LearnerState, stats: dict[str, float]) -> None:
     state.groups_trained += int(stats["perf/groups"])
 
 
+def _buffer_counters(batch: Batch) -> tuple[int, int, float]:
+    """The buffer's cumulative counters a batch carries: dropped_stale, dropped_no_signal, no_signal_reward_sum."""
+    return batch.dropped_stale, batch.dropped_no_signal, batch.no_signal_reward_sum
+
+
 def _record(
-    stats: dict[str, float], timings: dict[str, float], state: LearnerState, dropped_stale: int
+    stats: dict[str, float],
+    timings: dict[str, float],
+    state: LearnerState,
+    dropped_stale: int,
+    dropped_no_signal: int = 0,
+    no_signal_reward_sum: float = 0.0,
 ) -> dict[str, Any]:
+    """The step's metrics record. The buffer's counters are cumulative, as of the batch's draw: with dynamic
+    sampling, the filtered samples and their reward sum give benchmarks.time_to_reward the mean reward of every
+    generated sample (reward/mean covers only the groups with signal)."""
     return {
         "policy_version": state.policy_version,
         **stats,
         **timings,
         "perf/train_tokens_per_s": stats["perf/tokens"] / max(timings["perf/train_s"], 1e-9),
         "buffer/dropped_stale": dropped_stale,
+        "buffer/dropped_no_signal": dropped_no_signal,
+        "buffer/no_signal_reward_sum": no_signal_reward_sum,
         "learner/samples_trained": state.samples_trained,
         "learner/tokens_trained": state.tokens_trained,
     }

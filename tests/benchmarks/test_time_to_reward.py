@@ -4,6 +4,7 @@ fraction of it), from the kept demo runs (the issue's figures), and one tiny SIM
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -146,3 +147,30 @@ def test_one_simulated_grid_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert result["headline"]["async_fraction_of_bound"] is None  # no eta2 run to pair with
     with pytest.raises(SystemExit, match="exists"):  # a second grid into the same folder would resume the runs
         ttr.main([*argv, "--runs-dir", str(tmp_path / "runs")])
+
+
+def test_a_filtered_run_recorded_by_the_learner_is_counted_back_in(tmp_path: Path) -> None:
+    """The records written as the learner writes them (`learners.learner._record` from a `Batch`, then its
+    StepReporter), so the names the benchmark reads are the learner's own. 8 samples trained a step at reward/mean
+    0.75 (can never reach 0.8); the buffer's cumulative (filtered samples, their reward sum): (0, 0), (8, 8.0) (two
+    all-right groups of 4), (12, 12.0) (one more). Every generated sample: 0.75; (6 + 8) / 16 = 0.875;
+    (6 + 4) / 12 = 0.8333. Trailing at step 3: (0.75 + 0.875 + 0.8333) / 3 = 0.8194 >= 0.8."""
+    from common.types import Batch
+    from learners.checkpoint import LearnerState
+    from learners.learner import _buffer_counters, _record
+    from learners.reporting import StepReporter
+
+    run_dir = tmp_path / "runs" / "eta2-ds-seed0"
+    clock = iter([0.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0])
+    reporter = StepReporter(run_dir, 3, 0, logging.getLogger("test.ttr"), clock=lambda: next(clock))
+    timings = {"perf/wait_s": 0.0, "perf/train_s": 9.0, "perf/publish_s": 1.0, "perf/step_s": 10.0}
+    stats = {"perf/samples": 8, "perf/tokens": 80, "perf/groups": 2, "reward/mean": 0.75, "staleness/mean": 0}
+    for step, (filtered, reward_sum) in enumerate([(0, 0.0), (8, 8.0), (12, 12.0)], start=1):
+        batch = Batch(step - 1, 0, [], [], 0, filtered, reward_sum)
+        reporter.report(step, _record(stats, timings, LearnerState(step=step), *_buffer_counters(batch)))
+    reporter.close()
+    (run,) = ttr.load_runs(tmp_path / "runs", target=0.8)
+    reached = run["time_to_target"]
+    assert (run["cell"], reached["reward_key"], reached["step"]) == ("eta2-ds", ttr.GENERATED_REWARD_KEY, 3)
+    assert [p["reward"] for p in reached["curve"]] == pytest.approx([0.75, 0.875, 10 / 12])
+    assert reached["trailing_mean_at_target"] == pytest.approx((0.75 + 0.875 + 10 / 12) / 3)

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from buffers.checks import journal_record_problem
 from buffers.core import BufferCore
 from buffers.filtering import FilterWindow, keep_fraction, no_signal, signal_quota, spread_tolerance
 from buffers.journal import Journal
@@ -25,6 +26,7 @@ from buffers.staleness import admission_quota
 from buffers.state import BufferSettings
 from common.config import ConfigError, load_config
 from common.types import Batch, BatchRequest, LeaseGrant, LeaseRefused, LeaseRequest, RolloutGroup, VersionReport
+from common.wire import decode, encode
 from tests.buffers.fakes import GROUP, OP_MIX, RandomRun, advance_learner, ask, make_core, make_group
 
 EPS32 = 2.0**-23
@@ -217,6 +219,65 @@ def test_mostly_filtered_warns_once_per_window(caplog: pytest.LogCaptureFixture)
     assert "100% of the last 4 groups" in warnings[0] and "too easy or too hard" in warnings[0]
 
 
+def test_filtered_rewards_lengths_and_truncation_are_summed_carried_and_restored(tmp_path: Path) -> None:
+    """Three flat groups filtered, one kept (B = 2, η = 1, max_tokens 8: buckets le_1, le_2, le_4, le_8, gt_8):
+        [0.25] x 4, 8 tokens, all truncated          reward sum  1.0
+        [-1.5] x 4, 2 tokens, none truncated         reward sum -6.0
+        [f32(0.1)] x 4, 8 tokens, 1 truncated        reward sum 4 x 0.100000001490116119384765625 = 0.40000000596...
+    no_signal_reward_sum = 1 - 6 + 0.4000000059604644775390625 = -4.5999999940395355224609375 (exact in float64:
+    -154350387 x 2^-25). The kept [0, 1, 0, 1] group (8 tokens, 2 truncated) and a later [1, 0, 0, 0] (8, none)
+    fill the batch. Generated lengths count the filtered groups too: le_8 = 4 + 4 + 4 + 4 = 16, le_2 = 4; truncated
+    4 + 0 + 1 + 2 + 0 = 7 of 20 = 0.35; mean (16 x 8 + 4 x 2) / 20 = 6.8."""
+    path, config = tmp_path / "journal.bin", {"max_tokens": 8, **FILTERED}
+    core = make_core(journal=Journal(path), **config)
+    core.state.restore(0.0)
+    grant = ask(core, LeaseRequest(0, 4, 0))
+    cases = [
+        ([0.25] * 4, 8, ["length"] * 4),
+        ([-1.5] * 4, 2, ["stop"] * 4),
+        ([0.1] * 4, 8, ["length", "stop", "stop", "stop"]),
+        ([0, 1, 0, 1], 8, ["length", "length", "stop", "stop"]),
+    ]
+    for prompt, (values, tokens, reasons) in zip(grant.prompts, cases):
+        group = make_group(grant.lease_id, prompt, 0, GROUP, tokens=tokens)
+        assert ask(core, dataclasses.replace(with_rewards(group, values), finish_reasons=reasons)).status == "accepted"
+    last = ask(core, LeaseRequest(0, 1, 0))
+    ask(core, with_rewards(make_group(last.lease_id, last.prompts[0], 0, GROUP, tokens=8), [1, 0, 0, 0]))
+    expected = -4.5999999940395355224609375
+    assert expected == -154350387 * 2.0**-25 and core.state.no_signal_reward_sum == expected
+    batch = ask(core, BatchRequest(0, 0, 1, 2, 0.0))
+    assert (batch.dropped_stale, batch.dropped_no_signal, batch.no_signal_reward_sum) == (0, 12, expected)
+    decoded, _ = decode([bytes(f) for f in encode(batch)])  # the learner's view: the same numbers, bit for bit
+    assert (decoded.dropped_no_signal, decoded.no_signal_reward_sum) == (12, expected)
+    metrics = core.metrics()
+    assert metrics["buffer/no_signal_reward_sum"] == expected and metrics["buffer/dropped_no_signal"] == 12
+    assert (metrics["buffer/len_generated/le_8"], metrics["buffer/len_generated/le_2"]) == (16, 4)
+    assert metrics["buffer/truncated_share_generated"] == 7 / 20
+    assert metrics["buffer/len_generated_mean"] == pytest.approx(6.8)  # 136 / 20
+    core.state.journal.close()
+    for compact in (False, True):  # replayed from the filtered records, then from the compacted counters record
+        restarted = make_core(journal=Journal(path), **config)
+        restarted.state.restore(1.0)
+        assert restarted.state.no_signal_reward_sum == expected
+        assert journalled(restarted.metrics()) == journalled(metrics)
+        if not compact:
+            restarted.state.compact(1.0)
+        restarted.state.journal.close()
+
+
+def journalled(metrics: dict[str, float]) -> dict[str, float]:
+    """The buffer's metrics that its journal restores (not the bytes or the staleness of this process's serves)."""
+    return {k: v for k, v in metrics.items() if "bytes" not in k and "staleness_" not in k}
+
+
+def test_a_journal_record_with_a_non_finite_reward_sum_is_refused() -> None:
+    meta = {"lease_id": 1, "prompt_id": 2, "samples": 4, "reward_sum": float("nan"), "t": 0.0}
+    assert journal_record_problem("filtered", meta)[0] == "bad_number"
+    assert journal_record_problem("filtered", {**meta, "reward_sum": -6.0}) is None
+    counters = {"counts": {}, "next_seq": 1, "no_signal_reward_sum": float("inf")}
+    assert journal_record_problem("counters", counters)[0] == "bad_number"
+
+
 # ------------------------------------------------------------------------------------------------ properties
 class EveryOtherFlat:
     """A core whose every other arriving group (valid or not) has all-equal rewards: RandomRun drives it unchanged."""
@@ -262,6 +323,7 @@ def fingerprint(core: BufferCore) -> dict[str, Any]:
         "dispenser": state.dispenser.snapshot(),
         "live": state.dispenser.live,
         "window": state.filter_window.snapshot(),
+        "reward_sum": state.no_signal_reward_sum,  # exactly: float64 sums in the same order
         "versions": (state.learner_version, state.policy_version, state.next_seq),
     }
 

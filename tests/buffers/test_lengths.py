@@ -50,6 +50,25 @@ def test_a_sample_is_as_long_as_its_model_tokens() -> None:
     assert sample_lengths(group).tolist() == [2, 0, 2]
 
 
+def test_the_truncated_share_counts_finish_reason_length_per_kind() -> None:
+    """Generated: 4 short samples, 1 truncated; 4 long, 3 truncated (one "error: ..." is not truncated): 4 / 8.
+    Trained: only the short group, 1 / 4. A group's `tally` is what `count` adds for it."""
+    ledger = Ledger()
+    lengths = LengthCounts(ledger, max_tokens=8)  # edges 1, 2, 4, 8
+    short = dataclasses.replace(make_group(1, (0, 0), tokens=2), finish_reasons=["length", "stop", "stop", "stop"])
+    long_ = dataclasses.replace(
+        make_group(1, (1, 0), tokens=8), finish_reasons=["length", "length", "error: engine", "length"]
+    )
+    assert lengths.tally(long_) == {"le_8": 4, "tokens": 32, "truncated": 3}  # 4 samples x 8 tokens
+    lengths.count("generated", [short, long_])
+    lengths.count("trained", [short])
+    values = length_metrics(ledger.counts, lengths.edges)
+    assert values["buffer/truncated_share_generated"] == 0.5  # (1 + 3) / 8
+    assert values["buffer/truncated_share_trained"] == 0.25  # 1 / 4
+    assert "buffer/truncated_share_dropped_stale" not in values  # no sample dropped: no share
+    assert ledger.counts["len_trained/truncated"] == 1 and "len_trained/le_8" not in ledger.counts
+
+
 def test_length_metrics_fill_every_bucket_and_give_means_and_drop_rates() -> None:
     ledger = Ledger()
     lengths = LengthCounts(ledger, max_tokens=8)  # edges 1, 2, 4, 8 (⌈8/32⌉ = ⌈8/16⌉ = ⌈8/8⌉ = 1)

@@ -4,6 +4,7 @@ raise only `WireError`; nothing decoded is half-valid."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import msgpack
 import numpy as np
@@ -149,10 +150,31 @@ def test_every_message_round_trips(message: object) -> None:
 @given(st.lists(groups(), min_size=1, max_size=3))
 def test_batch_round_trips_with_nested_groups(group_list: list[t.RolloutGroup]) -> None:
     batch = t.Batch(
-        step=3, rank=0, groups=group_list, staleness=[g.versions.copy() for g in group_list], dropped_stale=2
+        step=3,
+        rank=0,
+        groups=group_list,
+        staleness=[g.versions.copy() for g in group_list],
+        dropped_stale=2,
+        dropped_no_signal=8,
+        no_signal_reward_sum=-4.5999999940395355,
     )
     decoded, _ = decode([bytes(f) for f in encode(batch)])
     assert_equal(decoded, batch)
+
+
+def test_a_batch_without_the_filter_counters_decodes_and_bad_ones_are_refused() -> None:
+    """A buffer from before dynamic sampling sends no dropped_no_signal / no_signal_reward_sum: 0 and 0.0. A
+    negative count or a non-finite sum is refused on decode."""
+    group = next_group()
+    fields = t.to_fields(t.Batch(step=1, rank=0, groups=[group], staleness=[group.versions.copy()], dropped_stale=3))
+    old = {k: v for k, v in fields.items() if k not in ("dropped_no_signal", "no_signal_reward_sum")}
+    decoded = t.from_fields(t.Batch, old)
+    assert (decoded.dropped_stale, decoded.dropped_no_signal, decoded.no_signal_reward_sum) == (3, 0, 0.0)
+    with pytest.raises(t.ContractError, match=r"dropped_no_signal: -1 is outside \[0, "):
+        t.from_fields(t.Batch, {**old, "dropped_no_signal": -1})
+    for bad in (math.nan, math.inf):
+        with pytest.raises(t.ContractError, match="no_signal_reward_sum: must be finite"):
+            t.from_fields(t.Batch, {**old, "no_signal_reward_sum": bad})
 
 
 def test_payload_frames_are_returned_raw() -> None:

@@ -95,7 +95,10 @@ class SyntheticBuffer(ServerThread):
     the gate now opens is answered at once, its groups fed then, as a buffer serves a held request once enough
     groups arrive, instead of at its timeout, the learner's hold_s of 5 s). With `stale_at` = s, one extra group of
     version 0 goes in first at step s: the core drops it as too stale (η = MAX_STALENESS), so `Batch.dropped_stale`
-    counts its samples from then on. Everything else (shares by rank, held requests, the step a VersionReport
+    counts its samples from then on. With `flat_at` = s the core filters (buffer.filter = "no_signal") and one extra
+    group of rewards all 1.0 goes in at step s: it is filtered at arrival, so `Batch.dropped_no_signal` counts its
+    samples and `Batch.no_signal_reward_sum` their rewards (group_size x 1.0) from then on (the synthetic groups'
+    random rewards always have a spread: they are kept). Everything else (shares by rank, held requests, the step a VersionReport
     allows, the rejections) is the core's. Records every BatchRequest and VersionReport. Started on construction.
     """
 
@@ -103,7 +106,13 @@ class SyntheticBuffer(ServerThread):
     MAX_STALENESS = 2
 
     def __init__(
-        self, port: int, groups_per_step: int, group_size: int, gate: int | None = None, stale_at: int | None = None
+        self,
+        port: int,
+        groups_per_step: int,
+        group_size: int,
+        gate: int | None = None,
+        stale_at: int | None = None,
+        flat_at: int | None = None,
     ) -> None:
         super().__init__(port)
         settings = BufferSettings(
@@ -118,9 +127,10 @@ class SyntheticBuffer(ServerThread):
             groups_per_step=groups_per_step,
             sync_every=1,
             seed=0,
+            filter="none" if flat_at is None else "no_signal",
         )
         self.core = BufferCore(BufferState(settings, fake_prompts(1 << 12), journal=None))
-        self.group_size, self.gate, self.stale_at = group_size, gate, stale_at
+        self.group_size, self.gate, self.stale_at, self.flat_at = group_size, gate, stale_at, flat_at
         self.fed: set[int] = set()  # steps whose groups are in the core
         self.gated: dict[int, int] = {}  # step -> num_groups of a held request the gate kept from being fed
         self.serve_held = False
@@ -168,6 +178,9 @@ class SyntheticBuffer(ServerThread):
         groups = synthetic_batch(step, num_groups, self.group_size, version=step)
         if step == self.stale_at:
             groups.insert(0, synthetic_batch(1_000_000 + step, 1, self.group_size, version=0)[0])  # another seed
+        if step == self.flat_at:
+            flat = synthetic_batch(2_000_000 + step, 1, self.group_size, version=step)[0]
+            groups.insert(0, dataclasses.replace(flat, rewards=np.ones(self.group_size, np.float32)))
         now = time.time()
         ((_, grant),) = self.core.handle(LeaseRequest(0, len(groups), step), None, "fake-generator", now)
         if not isinstance(grant, LeaseGrant) or len(grant.prompts) != len(groups):

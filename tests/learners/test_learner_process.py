@@ -36,6 +36,8 @@ REQUIRED_METRICS = [
     "staleness/frac_0",
     "staleness/frac_1",
     "buffer/dropped_stale",
+    "buffer/dropped_no_signal",
+    "buffer/no_signal_reward_sum",
     "perf/train_tokens_per_s",
     "perf/interval_s",
     "throughput/samples_per_s",
@@ -72,7 +74,7 @@ def test_learner_trains_publishes_checkpoints_survives_sigkill_and_resumes(tiny_
         learner__save_every=2,
     )
     checkpoints = tmp_path / "run" / "checkpoints"
-    buffer = SyntheticBuffer(config.buffer.port, groups_per_step=2, group_size=4, gate=0, stale_at=3)
+    buffer = SyntheticBuffer(config.buffer.port, groups_per_step=2, group_size=4, gate=0, stale_at=3, flat_at=3)
     generator = Client(config.generator.weights_address, SocketSecurity(), identity="fake-generator", role="generator")
     try:
         with RoleUnderTest(config, "learner") as learner:
@@ -119,6 +121,9 @@ def test_learner_trains_publishes_checkpoints_survives_sigkill_and_resumes(tiny_
             assert all(r.get(key) is not None for r in records), key
         # the buffer dropped one group of 4 samples as too stale at step 3 (stale_at): its count reaches the metrics
         assert records[-1]["buffer/dropped_stale"] == 4 and records[-1]["policy_version"] == 5
+        # and filtered one group of 4 samples of reward 1.0 at step 3 (flat_at): 4 samples, reward sum 4.0
+        assert records[-1]["buffer/dropped_no_signal"] == 4 and records[-1]["buffer/no_signal_reward_sum"] == 4.0
+        assert records[0]["buffer/dropped_no_signal"] == 0 and records[0]["buffer/no_signal_reward_sum"] == 0.0
     finally:
         generator.close()
         buffer.close()

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from common.metrics import read_metrics
+from common.types import Batch
 from learners.checkpoint import LearnerState
-from learners.learner import _count_consumed, _record
+from learners.learner import _buffer_counters, _count_consumed, _record
 from learners.reporting import StepReporter, WallClockRates
 
 
@@ -80,3 +81,20 @@ def test_the_log_line_shows_end_to_end_and_compute_rates(tmp_path: Path, caplog:
     reporter.close()
     assert "4.0 samples/s 500 tok/s (train 2,000 tok/s)" in caplog.text
     assert "simulation" not in read_metrics(tmp_path / "metrics.jsonl")[0]  # only a simulated run says SIMULATION
+
+
+def test_the_record_carries_the_buffers_cumulative_counters_from_the_batch(tmp_path: Path) -> None:
+    """The Batch's dropped_stale, dropped_no_signal and no_signal_reward_sum reach the step's record as they came
+    (12 filtered samples of reward sum -4.6 here), the names benchmarks.time_to_reward reads."""
+    batch = Batch(
+        step=1, rank=0, groups=[], staleness=[], dropped_stale=4, dropped_no_signal=12, no_signal_reward_sum=-4.6
+    )
+    assert _buffer_counters(batch) == (4, 12, -4.6)
+    stats = _step_stats(8, 1000)
+    timings = {"perf/wait_s": 1.5, "perf/train_s": 0.5, "perf/publish_s": 0.0, "perf/step_s": 2.0}
+    reporter = StepReporter(tmp_path, 1, 0, logging.getLogger("test.reporting"), clock=FakeClock())
+    reporter.report(1, _record(stats, timings, LearnerState(step=1), *_buffer_counters(batch)))
+    reporter.close()
+    (record,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert record["buffer/dropped_stale"] == 4 and record["buffer/dropped_no_signal"] == 12
+    assert record["buffer/no_signal_reward_sum"] == -4.6
