@@ -10,8 +10,9 @@
             driver.on_turn(sample)                        # a model turn finished: its env step is submitted
 
 An episode, phase by phase (the generator's single thread drives it; env calls run in the `EnvRunner`):
-  resetting   factory() (on the loop: keep it cheap), then reset(task) in the runner; the observation is rendered
-              with the chat template and the generation prompt: the episode's prompt tokens
+  resetting   factory() (on the loop: keep it cheap), then reset(task) in the runner; the observation (with the
+              tools block when the environment declares `tools`, see common.envs) is rendered with the chat template
+              and the generation prompt: the episode's prompt tokens
   queued      waits for `advance(submit=True)` (the generator holds it while it drains the engine for weights)
   generating  one engine request: prompt = the whole token prefix, max_tokens = min(generator.max_tokens, room)
   stepping    step(text of the turn) in the runner; the observation becomes environment tokens (`render_turn`)
@@ -54,6 +55,7 @@ from actors.env_runner import CallOutcome, EnvCall, EnvRunner
 from actors.trajectory import EpisodeResult, Trajectory
 from common.config import TandemConfig
 from common.envs import EnvironmentFactory, check_first_observation, check_step_result
+from common.tool_calls import check_tools, with_tools
 from common.types import PromptItem
 
 log = logging.getLogger("tandem.actors.episodes")
@@ -271,7 +273,7 @@ class EpisodeDriver:
         return None
 
     def _on_reset(self, episode: _Episode, outcome: CallOutcome, now: float) -> None:
-        messages = self._checked(episode, outcome, now, "reset", check_first_observation)
+        messages = self._checked(episode, outcome, now, "reset", lambda value: _first_chat(episode.env, value))
         if messages is None:
             return
         tokens = self.engine.render(dataclasses.replace(episode.group.prompt, messages=messages))
@@ -383,6 +385,14 @@ class EpisodeDriver:
             self.stats.failures += 1
         elif reason in ("env_timeout", "episode_timeout"):
             self.stats.timeouts += 1
+
+
+def _first_chat(env: Any, observation: Any) -> list[dict[str, Any]]:
+    """The first observation, checked, with the Hermes tools block (common.tool_calls) in its system message when
+    the environment declares `tools`; TypeError/ValueError (-> env_error) for a bad observation or tool list."""
+    messages = check_first_observation(observation)
+    tools = getattr(env, "tools", None)
+    return with_tools(messages, check_tools(tools)) if tools else messages
 
 
 def _earned(episode: _Episode, reason: str) -> dict[str, float]:

@@ -224,3 +224,25 @@ def test_a_reward_the_buffer_would_refuse_fails_only_its_own_episode(tokenizer, 
     assert group.finish_reasons[0] == "done"
     assert group.finish_reasons[1].startswith("env_error: reward total 1.2e+06 outside [-1e+06, 1e+06]")
     assert group.finish_reasons[2].startswith("env_error: reward terminal 1e+39 outside")
+
+
+def test_declared_tools_join_the_first_observation_and_a_bad_list_is_an_env_error(tokenizer, runner) -> None:
+    """An environment's `tools` attribute puts the Hermes tools block into the system message of its first
+    observation (a new first system message here: the task has none); a malformed list fails that episode."""
+    from common.tool_calls import tools_system_prompt, with_tools
+
+    tools = [{"type": "function", "function": {"name": "calculate", "parameters": {"type": "object"}}}]
+    engine = ScriptedEngine(tokenizer, seed=5)
+    envs = [ScriptedEnv([Turn(reward=1.0, done=True)]) for _ in range(3)]
+    envs[0].tools = tools
+    envs[1].tools = [{"type": "function", "function": {"name": "two words"}}]
+    group = run_group(engine, envs, runner, limits())
+    (first_request,) = [r for rid, r in engine.requests.items() if rid.startswith("3:7:0:")]
+    expected = with_tools(TASK.messages, tools)
+    assert expected[0] == {"role": "system", "content": tools_system_prompt(tools)}
+    assert first_request.prompt == engine.render(PromptItem(7, 0, expected, {}))
+    (plain_request,) = [r for rid, r in engine.requests.items() if rid.startswith("3:7:2:")]
+    assert plain_request.prompt == engine.render(TASK)
+    assert group.finish_reasons[0] == "done" and group.finish_reasons[2] == "done"
+    assert group.finish_reasons[1].startswith("env_error: reset: tools[0].function.name must match")
+    assert group.rewards.tolist() == [1.0, -1.0, 1.0]
