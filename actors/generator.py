@@ -24,16 +24,15 @@ One loop, one thread, each pass in this order (`run` below):
      the eval lease is taken (at most one at a time) and training prompts are asked for again at once.
   6. add the eval lease's requests before the leased prompts (each prompt's greedy request, temperature 0, then
      `samples` at the eval temperature, all with the current policy version, once it is the grant's or newer; at
-     `EVAL_PRIORITY`, so the engine runs them in the batch slots training requests leave free);
-     then add leased prompts to the engine (n requests each, stamped with the current policy version); with a
-     multi-turn environment (`env.environment`), open n episodes each instead (`actors.episodes`): their
-     environment calls run off this loop, and this phase also takes in finished calls and adds the episodes' next
-     turns. Neither is added while a default-mode weights load waits for the engine to drain.
-  7. one engine step; finished eval samples go to the eval lease (scored once all are in, with one version each
-     token, else redone); finished groups are scored (`actors.group_rewards`: the reward function, and the learned
-     reward model in this process or in the reward service, whose answers this phase also collects) and built
-     into `RolloutGroup`s for the outbox (multi-turn: each finished turn goes to its episode, and a group is built
-     once its n episodes have ended). A group waiting for the reward service stays in flight (it holds its lease).
+     `EVAL_PRIORITY`, so the engine runs them in the batch slots training requests leave free); then start the
+     leased prompts' rollouts (`actors.rollouts`: single-turn, n engine requests each, stamped with the current
+     policy version; with a multi-turn environment, `env.environment`, n episodes each, whose environment calls
+     run off this loop). Neither is added while a default-mode weights load waits for the engine to drain.
+  7. the rollouts take in finished environment calls and add the episodes' next turns (held likewise); one engine
+     step; finished eval samples go to the eval lease (scored once all are in, with one version each token, else
+     redone), every other sample to the rollouts; groups that are complete and scored (the reward function, the
+     learned reward model in this process or in the reward service, or the episodes' environments) go to the
+     outbox. A group waiting for the reward service stays in flight (it holds its lease).
   8. metrics (`actor/...`) every `REPORT_S` to `<run_dir>/generator-<i>.jsonl` and TensorBoard, with the policy
      version sampled with as the step (the learner's step counts the same thing, so the curves line up; several
      reports of one version share a step) and the report's number as `actor/report`.
@@ -49,16 +48,14 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from actors.engine_api import Engine, SamplingSettings
-from actors.env_runner import EnvRunner
-from actors.episodes import EpisodeDriver, EpisodeLimits
 from actors.evaluation import Evaluator, is_eval_request
-from actors.group_rewards import GroupRewards
-from actors.groups import LeaseBook, PendingGroup, build_group, sample_request_id
+from actors.groups import LeaseBook
 from actors.outbox import BufferLink, Outbox
-from actors.trajectory import build_episode_group
+from actors.rollouts import Rollouts, rollouts_maker
 from actors.weights import (
     WeightsPoller,
     WeightsRejected,
@@ -68,7 +65,6 @@ from actors.weights import (
     weights_store_dir,
 )
 from common.config import TandemConfig
-from common.envs import EnvironmentFactory, environment_factory
 from common.logs import setup_logging
 from common.metrics import MetricsSink
 from common.sockets import SocketSecurity
@@ -96,13 +92,26 @@ log = logging.getLogger("tandem.actors.generator")
 def run(config: TandemConfig) -> int:
     """Run one generator until the run is over (`RunOver`), the buffer's prompts are exhausted, or SIGTERM;
     returns the exit status (0)."""
-    index = config.generator.index
-    setup_logging("generator", index, config.run.run_dir, simulation=config.run.simulate)
+    gen = config.generator
+    setup_logging("generator", gen.index, config.run.run_dir, simulation=config.run.simulate)
     stop = _StopSignal()  # before the engine's slow start: a SIGTERM then still exits cleanly
-    rewards = GroupRewards.from_config(config, f"generator-{index}")  # a misnamed reward function fails now
-    environments = environment_factory(config.env) if config.env.environment else None  # ... and environment
+    make_rollouts = rollouts_maker(config, gen.index)  # a misnamed reward function or environment fails now
     engine = open_engine(config)
-    actor = Generator(config, engine, rewards, environments)
+    security = SocketSecurity.from_run(config.run)
+    store = weights_store_dir(config.run.run_dir)
+    actor = Generator(
+        GeneratorSettings.from_config(config),
+        engine,
+        make_rollouts(engine),
+        BufferLink(gen.buffer_address, security, gen.index, gen.reconnect_max_s),
+        WeightsPoller(
+            open_weights_source(config.weights, gen.weights_address, security, gen.index, store),
+            WEIGHTS_POLL_S,
+            gen.reconnect_max_s,
+        ),
+        Evaluator.from_config(config, engine),  # None: no eval sets, or multi-turn
+        MetricsSink(config.run.run_dir, f"generator-{gen.index}", simulation=config.run.simulate),
+    )
     try:
         actor.sync_weights_at_start()
         while not actor.done():
@@ -121,8 +130,27 @@ def run(config: TandemConfig) -> int:
     finally:
         actor.close()
         stop.restore()
-    log.info("generator %d exits: %d groups delivered, %d unsent", index, actor.outbox.acks.total(), len(actor.outbox))
+    delivered, unsent = actor.outbox.acks.total(), len(actor.outbox)
+    log.info("generator %d exits: %d groups delivered, %d unsent", gen.index, delivered, unsent)
     return 0
+
+
+@dataclass(frozen=True)
+class GeneratorSettings:
+    """What the generator's loop itself reads of the run config (its parts get their own, see `run`)."""
+
+    index: int
+    prompts_in_flight: int
+    inflight_weight_update: bool
+    drain_timeout_s: float
+    max_unsent_groups: int
+
+    @classmethod
+    def from_config(cls, config: TandemConfig) -> GeneratorSettings:
+        gen = config.generator
+        return cls(
+            gen.index, gen.prompts_in_flight, gen.inflight_weight_update, gen.drain_timeout_s, gen.max_unsent_groups
+        )
 
 
 def adapter_rank(config: TandemConfig) -> int:
@@ -174,35 +202,24 @@ class Generator:
 
     def __init__(
         self,
-        config: TandemConfig,
+        settings: GeneratorSettings,
         engine: Engine,
-        rewards: GroupRewards,
-        environments: EnvironmentFactory | None = None,
+        rollouts: Rollouts,
+        link: BufferLink,
+        weights: WeightsPoller,
+        evaluation: Evaluator | None,
+        metrics: MetricsSink,
     ) -> None:
-        gen = config.generator
-        self.config = config
-        self.index = gen.index
+        self.settings = settings
+        self.index = settings.index
         self.engine = engine
-        security = SocketSecurity.from_run(config.run)
-        self.link = BufferLink(gen.buffer_address, security, gen.index, gen.reconnect_max_s)
-        self.outbox = Outbox(gen.max_unsent_groups)
-        self.weights = WeightsPoller(
-            open_weights_source(
-                config.weights, gen.weights_address, security, gen.index, weights_store_dir(config.run.run_dir)
-            ),
-            WEIGHTS_POLL_S,
-            gen.reconnect_max_s,
-        )
-        self.rewards = rewards
-        self.scoring: dict[tuple[int, int], PendingGroup] = {}  # (lease, prompt) -> group waiting for its rewards
-        self.book = LeaseBook(config.algo.group_size)
-        self.episodes: EpisodeDriver | None = None  # multi-turn mode when an environment is configured
-        if environments is not None:
-            runner = EnvRunner(config.env.env_workers)
-            limits = EpisodeLimits.from_config(config)
-            self.episodes = EpisodeDriver(engine, environments, limits, runner, config.algo.group_size)
-        self.evaluation = Evaluator.from_config(config, engine)  # None: no eval sets, or multi-turn
-        self.metrics = MetricsSink(config.run.run_dir, f"generator-{gen.index}", simulation=config.run.simulate)
+        self.rollouts = rollouts
+        self.link = link
+        self.outbox = Outbox(settings.max_unsent_groups)
+        self.weights = weights
+        self.book = LeaseBook()
+        self.evaluation = evaluation
+        self.metrics = metrics
         self.pending_update: WeightsUpdate | None = None
         self.draining = False
         self.exhausted = False
@@ -221,7 +238,7 @@ class Generator:
             self._load(update)
 
     def begin_drain(self, now: float, why: str) -> None:
-        timeout = self.config.generator.drain_timeout_s
+        timeout = self.settings.drain_timeout_s
         log.info(
             "%s: no more leases; finishing %d prompts in flight (at most %.0fs)", why, self.book.in_flight(), timeout
         )
@@ -236,8 +253,7 @@ class Generator:
         if self.run_over:  # in-flight samples are aborted and returned: no learner will train them
             return True
         if self.draining:  # queued prompts will not run: they are returned
-            running = bool(self.book.running) or bool(self.scoring)
-            running = running or (self.episodes is not None and self.episodes.active())
+            running = self.rollouts.active()
             return time.monotonic() >= self.drain_deadline or (not running and len(self.outbox) == 0)
         evaluating = self.evaluation is not None and self.evaluation.busy  # bounded by its grant's deadline
         return self.exhausted and self.book.in_flight() == 0 and len(self.outbox) == 0 and not evaluating
@@ -246,11 +262,9 @@ class Generator:
         """Give back what was not delivered, so the buffer re-issues it now rather than at the lease timeout:
         prompts still generating, and groups built but never acknowledged (the drain deadline can pass while the
         outbox still holds some). A group that reaches the buffer after all is de-duplicated there."""
-        self.engine.abort(self.book.running_request_ids())
+        self.engine.abort(self.rollouts.request_ids())
         if self.evaluation is not None:
             self.evaluation.drop("the generator exits")
-        if self.episodes is not None:
-            self.engine.abort(self.episodes.request_ids())
         self.outbox.flush(self.link)  # a last attempt for what is already built
         unfinished = self.book.unfinished()
         for group in self.outbox.groups:
@@ -268,9 +282,7 @@ class Generator:
     def close(self) -> None:
         self.report(time.monotonic(), force=True)
         self.engine.shutdown()
-        self.rewards.close()
-        if self.episodes is not None:
-            self.episodes.close()
+        self.rollouts.close()
         self.link.close()
         self.weights.close()
         self.metrics.close()
@@ -290,7 +302,7 @@ class Generator:
             return
         if self.pending_update is None:
             self.pending_update = self.weights.poll(now, self.engine.policy_version)
-        inflight = self.config.generator.inflight_weight_update
+        inflight = self.settings.inflight_weight_update
         held = self.evaluation is not None and self.evaluation.holds_weights()
         if self.pending_update is not None and ((inflight and not held) or self.engine.num_unfinished() == 0):
             update, self.pending_update = self.pending_update, None
@@ -306,7 +318,7 @@ class Generator:
         if self.evaluation is not None:
             self.evaluation.before_load()
         try:
-            self.engine.load_weights(update, inflight=self.config.generator.inflight_weight_update)
+            self.engine.load_weights(update, inflight=self.settings.inflight_weight_update)
         except WeightsRejected as error:
             self.weights.reject(update, error)
             return
@@ -322,7 +334,7 @@ class Generator:
         )
 
     def lease_prompts(self, now: float) -> None:
-        wanted = self.config.generator.prompts_in_flight - self.book.in_flight()
+        wanted = self.settings.prompts_in_flight - self.book.in_flight()
         if wanted <= 0 or self.draining or self.exhausted or self.run_over:
             return
         if self.stats.wanting_since is None:
@@ -387,85 +399,43 @@ class Generator:
             self.next_lease = now + refusal.retry_after_s
 
     def submit_prompts(self) -> None:
-        """The eval lease's requests, then leased prompts -> engine requests, unless draining or waiting to load
-        weights (default mode)."""
-        if self.draining or (self.pending_update is not None and not self.config.generator.inflight_weight_update):
+        """The eval lease's requests, then leased prompts -> rollouts, unless draining or waiting to load weights
+        (default mode)."""
+        if self.draining or self._holding_for_weights():
             return
         if self.evaluation is not None:
             self.evaluation.submit()
-        max_len = self.config.model.max_model_len
         while (item := self.book.take_queued()) is not None:
             lease_id, prompt = item
-            if self.episodes is not None:  # the episodes render their own first observations (reset)
-                self.episodes.start_group(lease_id, prompt)
-                continue
-            tokens = self.engine.render(prompt)
-            if len(tokens) >= max_len:
-                self.stats.prompts_too_long += 1
-                log.error(
-                    "prompt %d has %d tokens, model.max_model_len is %d: skipped (raise model.max_model_len)",
-                    prompt.prompt_id,
-                    len(tokens),
-                    max_len,
-                )
+            if not self.rollouts.start(lease_id, prompt):  # it cannot run (too long for the model): given up
                 self.book.close_prompt(lease_id, prompt.prompt_id)
-                continue
-            self.book.start(lease_id, prompt, tokens)
-            for i in range(self.config.algo.group_size):
-                self.engine.add(sample_request_id(lease_id, prompt.prompt_id, i), tokens)
+
+    def _holding_for_weights(self) -> bool:
+        """A default-mode weights load waits for the engine to drain: no new requests until it is done."""
+        return self.pending_update is not None and not self.settings.inflight_weight_update
 
     def advance_engine(self, now: float) -> None:
         """One engine step (or a short idle wait); complete groups are scored, built and put in the outbox."""
         if self.draining and now >= self.drain_deadline:
             return
-        if self.episodes is not None:
-            self._advance_episodes()
-        if self.scoring:
-            self._build_scored_groups(now)
+        self.rollouts.advance(submit=not self._holding_for_weights())
         if self.engine.num_unfinished() == 0:
-            if self.episodes is not None:
-                self.episodes.wait(IDLE_WAIT_S)  # wakes as soon as an environment call finishes
+            if self.rollouts.background():
+                self.rollouts.wait(IDLE_WAIT_S)  # wakes as soon as an environment call finishes
             else:
                 self.weights.idle_wait(IDLE_WAIT_S)  # wakes as soon as a weights fetch finishes
             self.stats.idle_s += time.monotonic() - now
-            return
-        for sample in self.engine.step():
-            self.stats.tokens += len(sample.completion_tokens)  # eval tokens too: the engine's throughput
-            if self.evaluation is not None and is_eval_request(sample.request_id):
-                self.evaluation.on_sample(sample)
-                continue
-            if self.episodes is not None:
-                self.episodes.on_turn(sample)
-                continue
-            self.stats.samples += 1
-            pending = self.book.record(sample)
-            if pending is not None:
-                self._finish_group(pending)
-
-    def _advance_episodes(self) -> None:
-        """Finished environment calls in, next turns out (held while the engine drains for a weights load);
-        groups whose n episodes all ended are built for the outbox."""
-        hold = self.pending_update is not None and not self.config.generator.inflight_weight_update
-        for group in self.episodes.advance(submit=not hold):
-            self.stats.samples += len(group.results)
-            self.outbox.add(
-                build_episode_group(group.lease_id, group.prompt, group.results, self.index, group.started_at)
-            )
-            self.book.close_prompt(group.lease_id, group.prompt.prompt_id)
-
-    def _finish_group(self, pending: PendingGroup) -> None:
-        prompt = pending.prompt
-        texts = [self.engine.decode(s.completion_tokens) for s in pending.samples]
-        key = (pending.lease_id, prompt.prompt_id)
-        self.scoring[key] = pending
-        self.rewards.submit(key, prompt.messages, texts, prompt.metadata, time.monotonic())
-        self._build_scored_groups(time.monotonic())
-
-    def _build_scored_groups(self, now: float) -> None:
-        for key, scores in self.rewards.finished(now):
-            pending = self.scoring.pop(key)
-            self.outbox.add(build_group(pending, scores, self.index))
-            self.book.close_prompt(pending.lease_id, pending.prompt.prompt_id)
+        else:
+            for sample in self.engine.step():
+                self.stats.tokens += len(sample.completion_tokens)  # eval tokens too: the engine's throughput
+                if self.evaluation is not None and is_eval_request(sample.request_id):
+                    self.evaluation.on_sample(sample)
+                else:
+                    self.rollouts.on_sample(sample)
+        for group in self.rollouts.finished(time.monotonic()):
+            self.stats.samples += len(group.rewards)
+            self.outbox.add(group)
+            self.book.close_prompt(group.lease_id, group.prompt_id)
 
     def report(self, now: float, force: bool = False) -> None:
         if not force and now - self.stats.since < REPORT_S:
@@ -481,11 +451,9 @@ class Generator:
                 "actor/buffer_reconnects": self.link.reconnects,
                 "actor/weight_fetch_failures": sum(self.weights.failures.values()),
                 **relay_metrics(self.weights.source),
-                **self.rewards.metrics(),
+                **self.rollouts.metrics(),
             }
         )
-        if self.episodes is not None:
-            values.update(self.episodes.metrics())
         if self.evaluation is not None:
             values.update(self.evaluation.metrics())
         values["actor/report"] = self.stats.reports
@@ -511,7 +479,6 @@ class _Stats:
         self.wanting_since: float | None = None
         self.weight_load_s = 0.0
         self.refusals: dict[str, int] = {}
-        self.prompts_too_long = 0
 
     def drain(self, now: float) -> dict[str, float]:
         elapsed = max(now - self.since, 1e-9)
@@ -521,7 +488,6 @@ class _Stats:
             "actor/engine_idle_frac": min(1.0, self.idle_s / elapsed),
             "actor/lease_wait_s": sum(self.lease_waits) / len(self.lease_waits) if self.lease_waits else 0.0,
             "actor/weight_load_s": self.weight_load_s,
-            "actor/prompts_too_long": self.prompts_too_long,
             **{f"actor/refused_{reason}": count for reason, count in self.refusals.items()},
         }
         self.since, self.samples, self.tokens, self.idle_s, self.lease_waits = now, 0, 0, 0.0, []

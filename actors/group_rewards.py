@@ -14,9 +14,9 @@ reward model alone shows the verifier's verdict beside it (reward/<name> in the 
 Where the reward model runs: nowhere (env.reward_model empty); in this process (reward.in_process: the generator
 loads actors.reward_model itself, scoring is synchronous); or in the reward service (actors.reward_client: the
 group waits, the generator's loop goes on). Failures fall back per source, are counted and logged, and mark the
-sample's finish reason `error: reward: ...`: a function that raises gives env.fallback_reward as the function's
+sample's finish reason `env_error: reward: ...`: a function that raises gives env.failure_reward as the function's
 reward (no components), the reward model that cannot score (service down or slow, a scoring error) gives
-env.fallback_reward as the `reward_model` component (`model_fallbacks`, groups).
+env.failure_reward as the `reward_model` component (`model_fallbacks`, groups).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class GroupRewards:
 
     def _combine(self, n: int, function: list[Score] | None, model: list[float] | None, error: str) -> list[Score]:
         env = self.env
-        return combine(n, function, model, error, env.reward_fn_weight, self.reward.weight, env.fallback_reward)
+        return combine(n, function, model, error, env.reward_fn_weight, self.reward.weight, env.failure_reward)
 
     def pending(self) -> int:
         """Groups submitted and not yet returned by `finished`."""

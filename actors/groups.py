@@ -1,9 +1,10 @@
 """Turning finished samples into the columnar `RolloutGroup` the buffer ingests, and the prompt lifecycle around it.
 
-A prompt goes: leased (`LeaseBook.add_grant`) -> queued -> in the engine as `n` requests (`start`) -> each
-finished sample recorded (`record`) -> when all `n` are back the `PendingGroup` is scored and built
-(`build_group`) -> pushed. `LeaseBook.in_flight()` counts prompts leased and not yet built into a group: the
-generator leases more whenever it is below `prompts_in_flight`.
+A prompt goes: leased (`LeaseBook.add_grant`) -> queued -> rolled out (`actors.rollouts`; single-turn: in the
+engine as `n` requests, `PendingGroups.start`, each finished sample recorded, `record`, and once all `n` are back
+the `PendingGroup` is scored and built, `build_group`) -> pushed -> `LeaseBook.close_prompt`.
+`LeaseBook.in_flight()` counts prompts leased and not yet built into a group: the generator leases more whenever
+it is below `prompts_in_flight`.
 
 Request ids are `"<lease_id>:<prompt_id>:<sample index>"`: unique while a lease lives, and they say which group a
 sample belongs to without a lookup table in the engine.
@@ -56,7 +57,7 @@ def build_group(pending: PendingGroup, scores: list[Score], generator_id: int) -
 
     Single-turn: every completion token is a model action (loss_mask 1). `versions[i]` is the version sample i
     started with, which is the oldest among its tokens (versions only rise). A sample whose reward failed keeps
-    its tokens, gets the fallback reward in `scores`, and its finish reason becomes `"error: reward: ..."`.
+    its tokens, gets env.failure_reward in `scores`, and its finish reason becomes `"env_error: reward: ..."`.
     Component names are the union over the group; a sample without a component has 0 for it.
     """
     samples = [s for s in pending.samples if s is not None]
@@ -81,7 +82,7 @@ def build_group(pending: PendingGroup, scores: list[Score], generator_id: int) -
             name: np.asarray([score.components.get(name, 0.0) for score in scores], dtype=np.float32) for name in names
         },
         finish_reasons=[
-            s.finish_reason if score.error is None else f"error: reward: {score.error}"
+            s.finish_reason if score.error is None else f"env_error: reward: {score.error}"
             for s, score in zip(samples, scores)
         ],
         started_at=pending.started_at,
@@ -92,11 +93,9 @@ def build_group(pending: PendingGroup, scores: list[Score], generator_id: int) -
 class LeaseBook:
     """The prompts this generator holds, from lease to built group (see the module docstring). One thread."""
 
-    def __init__(self, group_size: int) -> None:
-        self.group_size = group_size
+    def __init__(self) -> None:
         self.leases: dict[int, dict[int, PromptItem]] = {}  # lease_id -> prompt_id -> prompt, until built
         self.queued: deque[tuple[int, PromptItem]] = deque()
-        self.running: dict[tuple[int, int], PendingGroup] = {}
 
     def add_grant(self, grant: LeaseGrant) -> None:
         lease = self.leases.setdefault(grant.lease_id, {})
@@ -105,7 +104,7 @@ class LeaseBook:
             self.queued.append((grant.lease_id, prompt))
 
     def in_flight(self) -> int:
-        """Prompts leased and not yet built into a group (queued + in the engine)."""
+        """Prompts leased and not yet built into a group (queued + being rolled out)."""
         return sum(len(lease) for lease in self.leases.values())
 
     def lease_ids(self) -> list[int]:
@@ -113,6 +112,28 @@ class LeaseBook:
 
     def take_queued(self) -> tuple[int, PromptItem] | None:
         return self.queued.popleft() if self.queued else None
+
+    def close_prompt(self, lease_id: int, prompt_id: int) -> None:
+        """The prompt's group is built (or the prompt is given up): it no longer counts as in flight."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return
+        lease.pop(prompt_id, None)
+        if not lease:
+            del self.leases[lease_id]
+
+    def unfinished(self) -> dict[int, list[int]]:
+        """lease_id -> prompt ids not yet built into a group (what `LeaseReturn` gives back on shutdown)."""
+        return {lease_id: sorted(lease) for lease_id, lease in self.leases.items() if lease}
+
+
+class PendingGroups:
+    """Single-turn groups while their `n` samples generate: `start` when the requests are added, `record` each
+    finished sample. One thread."""
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+        self.running: dict[tuple[int, int], PendingGroup] = {}
 
     def start(self, lease_id: int, prompt: PromptItem, prompt_tokens: list[int]) -> PendingGroup:
         """Register a prompt whose `n` requests are being added to the engine."""
@@ -133,18 +154,5 @@ class LeaseBook:
         del self.running[(lease_id, prompt_id)]
         return pending
 
-    def close_prompt(self, lease_id: int, prompt_id: int) -> None:
-        """The prompt's group is built (or the prompt is given up): it no longer counts as in flight."""
-        lease = self.leases.get(lease_id)
-        if lease is None:
-            return
-        lease.pop(prompt_id, None)
-        if not lease:
-            del self.leases[lease_id]
-
-    def unfinished(self) -> dict[int, list[int]]:
-        """lease_id -> prompt ids not yet built into a group (what `LeaseReturn` gives back on shutdown)."""
-        return {lease_id: sorted(lease) for lease_id, lease in self.leases.items() if lease}
-
-    def running_request_ids(self) -> list[str]:
+    def request_ids(self) -> list[str]:
         return [rid for pending in self.running.values() for rid in pending.request_ids]

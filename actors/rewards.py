@@ -8,7 +8,7 @@ HTTP protocol: POST `{"completion": str, "metadata": {...}}` as JSON to `reward_
 `{"reward": float, "components": {name: float}}` (components optional), within `reward_timeout_s`.
 
 Failure mode (deliberately survived): a reward function that raises, an endpoint that fails, times out or answers
-garbage, or a non-finite reward gives the sample `env.fallback_reward` and no components; `score.error` says what
+garbage, or a non-finite reward gives the sample `env.failure_reward` and no components; `score.error` says what
 happened, `errors` counts it, and it is logged. The generator stays up.
 """
 
@@ -31,7 +31,7 @@ log = logging.getLogger("tandem.actors.rewards")
 class Score:
     reward: float
     components: dict[str, float] = field(default_factory=dict)
-    error: str | None = None  # "ValueError: ..." when the reward fell back to `env.fallback_reward`
+    error: str | None = None  # "ValueError: ..." when the reward fell back to `env.failure_reward`
 
 
 class RewardScorer:
@@ -60,7 +60,7 @@ class RewardScorer:
         except Exception as error:  # noqa: BLE001 - a user reward function may raise anything: fall back, count, log
             self.errors += 1
             message = f"{type(error).__name__}: {error}"[:300]
-            fallback = self.env.fallback_reward
+            fallback = self.env.failure_reward
             log.warning("reward failed (%d so far), using fallback %.3f: %s", self.errors, fallback, message)
             return Score(fallback, {}, message)
         return Score(reward, components)

@@ -392,7 +392,11 @@ class EnvConfig(_Section):
         "", description="HTTP reward endpoint (POST JSON); when set it is used instead of reward_fn."
     )
     reward_timeout_s: float = Field(10.0, description="Timeout of one reward call.", gt=0, le=MAX_TIMEOUT_S)
-    fallback_reward: float = Field(0.0, description="Reward given to a sample whose reward call raised.")
+    fallback_reward: float | None = Field(
+        None,
+        description="Deprecated: the old name of env.failure_reward, which now covers single-turn reward failures "
+        "too (one rule, actors/rollouts.py). Set, it is copied there; both set to different values is refused.",
+    )
     environment: str = Field(
         "",
         description="Multi-turn environment: `module:factory`, called with `environment_args` once per episode, "
@@ -431,7 +435,10 @@ class EnvConfig(_Section):
         le=MAX_TIMEOUT_S,
     )
     failure_reward: float = Field(
-        0.0, description="Reward of an episode ended by an environment error or timeout (replaces its rewards)."
+        0.0,
+        description="Reward of a sample whose reward cannot be had: its reward function raised or returned "
+        "garbage, its environment raised, broke the contract or timed out (replaces its rewards); also the "
+        "`reward_model` component when the learned reward model cannot score.",
     )
     env_workers: int = Field(
         32, description="Threads that run plain-function (non-async) environment calls concurrently.", ge=1
@@ -451,6 +458,14 @@ class EnvConfig(_Section):
                 "reward_model: scores single-turn completions only, and env.environment is set (a multi-turn "
                 "environment gives its own rewards): leave one of them empty"
             )
+        if self.fallback_reward is not None:
+            if "failure_reward" in self.model_fields_set and self.failure_reward != self.fallback_reward:
+                raise ValueError(
+                    f"fallback_reward = {self.fallback_reward:g} and failure_reward = {self.failure_reward:g}: "
+                    "fallback_reward is the old name of failure_reward (one value for every failed reward): "
+                    "keep failure_reward only"
+                )
+            self.__dict__["failure_reward"] = self.fallback_reward  # not setattr: validate_assignment re-enters
         return self
 
 

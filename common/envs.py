@@ -131,7 +131,8 @@ class RewardFnEnvironment:
 
     reset -> the task's messages; step -> done, with the reward `common.tasks.total_reward` makes of what `fn`
     returned (its components are in `info["components"]`). A raising reward function raises out of `step`, which
-    the driver records as `env_error` (the single-turn generator path uses `env.fallback_reward` instead).
+    the driver records as `env_error: step: ...` with `env.failure_reward`: the rule of the generator's fast
+    single-turn path too (`actors.rollouts`), whose reason reads `env_error: reward: ...`.
     """
 
     def __init__(self, reward_fn: Callable[[str, Mapping[str, Any]], Any]) -> None:

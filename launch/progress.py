@@ -253,7 +253,7 @@ def reward_sources(records: list[dict[str, Any]], run_dir: Path) -> list[str]:
         if generator and "actor/reward_model_fallbacks" in generator[-1]:
             fallbacks = (fallbacks or 0) + int(generator[-1]["actor/reward_model_fallbacks"])
     if fallbacks is not None:
-        lines.append(f"  reward model fallbacks {fallbacks} groups (env.fallback_reward given)")
+        lines.append(f"  reward model fallbacks {fallbacks} groups (env.failure_reward given)")
     return lines
 
 

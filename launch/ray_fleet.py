@@ -32,7 +32,7 @@ well: each member's pending `wait_exit` ref resolves when its role exits or its 
   - the buffer exits otherwise or dies -> the run ends, code 1;
   - the reward service exits or dies -> restarted in the same slot (same node) on the SAME port, within
     `ray.max_reward_restarts`: the generators' reward.address stays right, so nothing is re-announced; they
-    score with env.fallback_reward meanwhile (counted) and reconnect by themselves. Not waited for: a
+    score with env.failure_reward meanwhile (counted) and reconnect by themselves. Not waited for: a
     replacement that cannot bind (its port taken meanwhile) exits, and that is one more restart. If its slot
     was moved to another node (the node was lost) the address would change: the run ends, code 1, saying so;
   - the learner restarts from a checkpoint -> the reward service keeps running (it holds no run state);

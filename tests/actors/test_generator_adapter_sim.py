@@ -33,7 +33,7 @@ def test_an_adapter_generator_refuses_full_weights_then_samples_with_the_adapter
         ports=ports,
         run={"simulate": True},
         algo={"group_size": GROUP_SIZE},
-        env={"fallback_reward": -1.0, "reward_fn": REWARD_FN},
+        env={"failure_reward": -1.0, "reward_fn": REWARD_FN},
         generator={"sim_tokens": 6, "sim_token_s": 0.002, "prompts_in_flight": 4, "reconnect_max_s": 0.5},
         learner={"lora.rank": RANK, "lora.sync": "adapter", "lora.target_modules": TARGETS},
     )

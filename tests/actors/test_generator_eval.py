@@ -23,11 +23,12 @@ import pytest
 
 from actors.engine_api import EVAL_PRIORITY, TRAINING_PRIORITY, FinishedSample
 from actors.evaluation import Evaluator, is_eval_request
-from actors.generator import Generator
-from actors.group_rewards import GroupRewards
+from actors.generator import Generator, GeneratorSettings
+from actors.rollouts import rollouts_maker
 from actors.sim_engine import SimEngine
 from actors.weights import WeightsUpdate
 from common.eval_metrics import result_metrics
+from common.metrics import MetricsSink
 from common.types import (
     EvalAck,
     EvalGrant,
@@ -262,11 +263,15 @@ def make_generator(
         eval={"sets": ["arithmetic"] if evaluate else [], "reward_fn": eval_reward_fn},
         generator={"prompts_in_flight": 2, "sim_tokens": SIM_TOKENS, **generator},
     )
-    actor = Generator(config, engine, GroupRewards.from_config(config, "generator-0"))
-    actor.link.close()
-    actor.weights.close()
-    actor.link, actor.weights = link, FakeWeights()  # type: ignore[assignment]
-    return actor
+    return Generator(
+        GeneratorSettings.from_config(config),
+        engine,
+        rollouts_maker(config, 0)(engine),
+        link,  # type: ignore[arg-type]
+        FakeWeights(),  # type: ignore[arg-type]
+        Evaluator.from_config(config, engine),
+        MetricsSink(config.run.run_dir, "generator-0", simulation=True),
+    )
 
 
 def _pass(actor: Generator) -> None:

@@ -33,7 +33,7 @@ def _config(tmp_path: Path, ports: tuple[int, int], base: Path | None = None, **
         ports=ports,
         run={"simulate": True},
         algo={"group_size": GROUP_SIZE},
-        env={"fallback_reward": -1.0, **({} if base else {"reward_fn": REWARD_FN})},
+        env={"failure_reward": -1.0, **({} if base else {"reward_fn": REWARD_FN})},
         generator={"sim_tokens": 6, "sim_token_s": 0.002, "prompts_in_flight": 4, "reconnect_max_s": 0.5, **generator},
     )
 
@@ -86,7 +86,7 @@ def test_serves_all_prompts_survives_a_raising_reward_and_exits_when_exhausted(t
         _check_group(group)
         exploded = group.prompt_id % 4 == 0
         assert (group.rewards == -1.0).all() == exploded
-        assert all(r.startswith("error: reward: RuntimeError") for r in group.finish_reasons) == exploded
+        assert all(r.startswith("env_error: reward: RuntimeError") for r in group.finish_reasons) == exploded
     assert buffer.heartbeats and publisher.requests[0].have_version == 0  # weights asked for before the first lease
     records = read_metrics(tmp_path / "runs" / "gen" / "generator-0.jsonl")
     assert records[-1]["actor/reward_errors"] == 3 * GROUP_SIZE  # prompts 0, 4, 8 raise

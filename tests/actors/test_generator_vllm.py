@@ -122,7 +122,7 @@ def rig(tiny_model_dir: Path, tmp_path: Path):
         # against admission ((v + η + 1)·B), so with the default η = 2 the generator was refused "full" in phase C and
         # could load v2 idle, with no sample left to straddle the switch
         algo={"group_size": GROUP_SIZE, "max_staleness": 1000},
-        env={"reward_fn": "tests.actors.reward_fns:explode_or_length", "fallback_reward": -1.0},
+        env={"reward_fn": "tests.actors.reward_fns:explode_or_length", "failure_reward": -1.0},
         generator={
             "max_tokens": MAX_TOKENS,
             "temperature": TEMPERATURE,
@@ -244,7 +244,7 @@ def _phase_c_inflight_update_stamps_each_token_with_its_weights(rig):
         _check_logprobs(reference, group)
         exploded = group.prompt_id in (200, 205, 210)
         assert (group.rewards == -1.0).all() == exploded
-        assert all(r.startswith("error: reward: RuntimeError") for r in group.finish_reasons) == exploded
+        assert all(r.startswith("env_error: reward: RuntimeError") for r in group.finish_reasons) == exploded
     assert mixed > 0, "no sample was running when v2 arrived"
     assert max(g.versions.max() for g in groups) == 2
 

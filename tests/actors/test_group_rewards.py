@@ -67,7 +67,7 @@ def test_a_service_that_is_not_there_gives_the_fallback_after_the_timeout(tmp_pa
     config = run_config(
         tmp_path / "runs",
         "no-service",
-        env={"reward_model": str(tmp_path / "rm"), "fallback_reward": -1.0},
+        env={"reward_model": str(tmp_path / "rm"), "failure_reward": -1.0},
         reward={"port": free_port(), "timeout_s": 0.5},
     )
     rewards = GroupRewards.from_config(config, "generator-0")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from actors.engine_api import FinishedSample
-from actors.groups import LeaseBook, build_group, parse_request_id, sample_request_id
+from actors.groups import LeaseBook, PendingGroups, build_group, parse_request_id, sample_request_id
 from actors.rewards import Score
 from common.types import LeaseGrant, RolloutGroup
 from common.wire import decode, encode
@@ -25,18 +25,18 @@ def test_request_ids_round_trip():
 
 
 def test_book_builds_a_group_when_all_samples_are_back_in_any_order():
-    book = LeaseBook(group_size=3)
+    book, groups = LeaseBook(), PendingGroups(group_size=3)
     prompts = arithmetic_items(2)
     book.add_grant(LeaseGrant(lease_id=7, deadline=0.0, prompts=prompts))
     assert book.in_flight() == 2 and book.lease_ids() == [7]
     lease_id, prompt = book.take_queued()
-    pending = book.start(lease_id, prompt, [1, 2, 3])
-    assert pending.request_ids == ["7:0:0", "7:0:1", "7:0:2"]
-    assert book.record(_sample("7:0:2", 4)) is None
-    assert book.record(_sample("7:0:0", 2)) is None
-    assert book.record(_sample("9:9:0", 2)) is None  # a sample of no tracked group is ignored
-    done = book.record(_sample("7:0:1", 5))
-    assert done is pending and done.complete
+    pending = groups.start(lease_id, prompt, [1, 2, 3])
+    assert pending.request_ids == ["7:0:0", "7:0:1", "7:0:2"] == groups.request_ids()
+    assert groups.record(_sample("7:0:2", 4)) is None
+    assert groups.record(_sample("7:0:0", 2)) is None
+    assert groups.record(_sample("9:9:0", 2)) is None  # a sample of no tracked group is ignored
+    done = groups.record(_sample("7:0:1", 5))
+    assert done is pending and done.complete and groups.request_ids() == []
     assert book.in_flight() == 2  # built only when the generator closes it
     book.close_prompt(7, 0)
     assert book.in_flight() == 1 and book.unfinished() == {7: [1]}
@@ -45,13 +45,12 @@ def test_book_builds_a_group_when_all_samples_are_back_in_any_order():
 
 
 def test_group_is_columnar_aligned_and_survives_the_wire():
-    book = LeaseBook(group_size=3)
+    groups = PendingGroups(group_size=3)
     prompt = arithmetic_items(1)[0]
-    book.add_grant(LeaseGrant(lease_id=5, deadline=0.0, prompts=[prompt]))
-    pending = book.start(5, prompt, [10, 11, 12, 13])
+    pending = groups.start(5, prompt, [10, 11, 12, 13])
     samples = [_sample("5:0:0", 2), _sample("5:0:1", 0), _sample("5:0:2", 4, versions=[3, 3, 4, 4])]
     for sample in samples:
-        book.record(sample)
+        groups.record(sample)
     scores = [
         Score(1.1, {"correct": 1.0, "format": 0.1}),
         Score(0.0, {"correct": 0.0}),
@@ -71,14 +70,13 @@ def test_group_is_columnar_aligned_and_survives_the_wire():
     assert message.rewards.tolist() == pytest.approx([1.1, 0.0, -1.0])
     assert message.reward_components["correct"].tolist() == [1.0, 0.0, 0.0]
     assert message.reward_components["format"].tolist() == pytest.approx([0.1, 0.0, 0.0])
-    assert message.finish_reasons == ["stop", "stop", "error: reward: ValueError: x"]
+    assert message.finish_reasons == ["stop", "stop", "env_error: reward: ValueError: x"]
     assert message.started_at <= message.finished_at
 
 
 def test_incomplete_group_is_refused():
-    book = LeaseBook(group_size=2)
     prompt = arithmetic_items(1)[0]
-    pending = book.start(1, prompt, [1])
+    pending = PendingGroups(group_size=2).start(1, prompt, [1])
     pending.samples[0] = _sample("1:0:0", 1)
     with pytest.raises(ValueError, match="incomplete"):
         build_group(pending, [Score(0.0)], generator_id=0)

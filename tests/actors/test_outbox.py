@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from actors.engine_api import FinishedSample
-from actors.groups import LeaseBook, build_group
+from actors.groups import PendingGroups, build_group
 from actors.outbox import BufferLink, Outbox
 from actors.rewards import Score
 from common.sockets import SocketSecurity
@@ -18,8 +18,7 @@ from launch.testing import FakeBuffer, arithmetic_items, free_port, run_config
 
 def _groups(grant: LeaseGrant) -> list[RolloutGroup]:
     """One single-sample group per prompt of `grant` (the buffer's `algo.group_size` is 1 here)."""
-    book, groups = LeaseBook(group_size=1), []
-    book.add_grant(grant)
+    book, groups = PendingGroups(group_size=1), []
     for prompt in grant.prompts:
         pending = book.start(grant.lease_id, prompt, [1, 2])
         tokens = np.ones(3, np.int32)

@@ -179,7 +179,7 @@ def test_a_killed_reward_service_is_survived_counted_and_used_again_once_restart
         "killed-rm",
         run={"simulate": True},
         algo={"group_size": 2},
-        env={"reward_model": str(rm_dir), "reward_fn_weight": 0.0, "fallback_reward": FALLBACK},
+        env={"reward_model": str(rm_dir), "reward_fn_weight": 0.0, "failure_reward": FALLBACK},
         reward={"port": free_port(), "timeout_s": 5.0},
         generator={"sim_tokens": 4, "sim_token_s": 0.001, "prompts_in_flight": 2, "reconnect_max_s": 0.5},
     )
@@ -204,7 +204,7 @@ def test_a_killed_reward_service_is_survived_counted_and_used_again_once_restart
         reward.kill()  # SIGKILL: no goodbye
         for group in new_groups(buffer, 4, 2):  # the generator goes on: the fallback, marked on every sample
             assert np.all(group.reward_components["reward_model"] == FALLBACK)
-            assert all(r.startswith("error: reward: reward_model: ") for r in group.finish_reasons)
+            assert all(r.startswith("env_error: reward: reward_model: ") for r in group.finish_reasons)
         reward.start()
         reward.wait_until(lambda: bound(2), 120, "the restarted reward service to bind")
         for group in new_groups(buffer, 6, 2):  # ZeroMQ reconnected by itself: scores again

@@ -23,7 +23,7 @@ def test_function_rewards_are_summed_components():
 
 
 def test_a_raising_function_gets_the_fallback_and_is_counted():
-    scorer = RewardScorer(EnvConfig(reward_fn="tests.actors.reward_fns:explode_or_length", fallback_reward=-0.5))
+    scorer = RewardScorer(EnvConfig(reward_fn="tests.actors.reward_fns:explode_or_length", failure_reward=-0.5))
     good = scorer.score("abc", {})
     bad = scorer.score("abc", {"explode": True})
     assert good.error is None and good.reward == pytest.approx(1.03)
@@ -67,7 +67,7 @@ def endpoint():
 
 
 def test_http_endpoint_scores_and_its_failures_fall_back(endpoint):
-    scorer = RewardScorer(EnvConfig(reward_url=endpoint, reward_timeout_s=5.0, fallback_reward=0.25))
+    scorer = RewardScorer(EnvConfig(reward_url=endpoint, reward_timeout_s=5.0, failure_reward=0.25))
     score = scorer.score("hello", {"answer": 1})
     assert score.reward == 5.0 and score.components == {"len": 5.0} and score.error is None
     failed = scorer.score("hello", {"fail": True})
