@@ -9,18 +9,23 @@
     engine.load_weights(update, inflight=False)     # between steps; stamps later tokens with update.policy_version
 
 Implementations: `actors.engine.VllmEngine` (with actors/adapters.py the only modules that call vLLM) and
-`actors.sim_engine.SimEngine` (SIMULATION: random tokens at a configured cost per step). Imports neither.
+`actors.sim_engine.SimEngine` (SIMULATION: random tokens at a configured cost per step); `open_engine(config)`
+builds the one a run config asks for (importing it only then).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from actors.weights import WeightsUpdate
+from common.config import TandemConfig
 from common.types import PromptItem
+
+log = logging.getLogger("tandem.actors.engine_api")
 
 TRAINING_PRIORITY = 0  # `Engine.add(priority=...)`: training samples first ...
 EVAL_PRIORITY = 1  # ... evaluation (actors.evaluation) in the batch slots they leave free
@@ -111,3 +116,32 @@ class Engine(Protocol):
     def shutdown(self) -> None:
         """Stop the engine and its worker processes (idempotent)."""
         ...
+
+
+def adapter_rank(config: TandemConfig) -> int:
+    """The adapter rank the engine serves: learner.lora.rank with learner.lora.sync = "adapter" (adapter-only
+    updates; the config refuses them over weights.transport = "broadcast"), else 0 (full weights, merged or not)."""
+    lora = config.learner.lora
+    return lora.rank if lora.sync == "adapter" else 0
+
+
+def open_engine(config: TandemConfig) -> Engine:
+    """The SIMULATION engine when `run.simulate`, else vLLM on the configured model (CPU knobs set first); with
+    LoRA enabled for adapter-only updates when `adapter_rank(config)` > 0."""
+    gen = config.generator
+    max_num_seqs = gen.prompts_in_flight * config.algo.group_size
+    seed = config.run.seed + gen.index
+    lora_rank = adapter_rank(config)
+    if config.run.simulate:
+        from actors.sim_engine import SimEngine
+
+        return SimEngine(gen.sim_tokens, gen.sim_token_s, max_num_seqs, seed, lora_rank)
+    from actors.engine import VllmEngine, configure_cpu_environment
+    from common.model_prep import resolve_model_path
+
+    log.info("engine environment: %s", configure_cpu_environment(gen))
+    settings = SamplingSettings(gen.temperature, gen.top_p, gen.max_tokens, seed)
+    model_path = resolve_model_path(config.model.path)
+    return VllmEngine(
+        model_path, config.model, settings, max_num_seqs, gen.enforce_eager, gen.tensor_parallel_size, lora_rank
+    )

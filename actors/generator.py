@@ -51,7 +51,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from actors.engine_api import Engine, SamplingSettings
+from actors.engine_api import Engine, open_engine
 from actors.evaluation import Evaluator, is_eval_request
 from actors.groups import LeaseBook
 from actors.outbox import BufferLink, Outbox
@@ -151,35 +151,6 @@ class GeneratorSettings:
         return cls(
             gen.index, gen.prompts_in_flight, gen.inflight_weight_update, gen.drain_timeout_s, gen.max_unsent_groups
         )
-
-
-def adapter_rank(config: TandemConfig) -> int:
-    """The adapter rank the engine serves: learner.lora.rank with learner.lora.sync = "adapter" (adapter-only
-    updates; the config refuses them over weights.transport = "broadcast"), else 0 (full weights, merged or not)."""
-    lora = config.learner.lora
-    return lora.rank if lora.sync == "adapter" else 0
-
-
-def open_engine(config: TandemConfig) -> Engine:
-    """The SIMULATION engine when `run.simulate`, else vLLM on the configured model (CPU knobs set first); with
-    LoRA enabled for adapter-only updates when `adapter_rank(config)` > 0."""
-    gen = config.generator
-    max_num_seqs = gen.prompts_in_flight * config.algo.group_size
-    seed = config.run.seed + gen.index
-    lora_rank = adapter_rank(config)
-    if config.run.simulate:
-        from actors.sim_engine import SimEngine
-
-        return SimEngine(gen.sim_tokens, gen.sim_token_s, max_num_seqs, seed, lora_rank)
-    from actors.engine import VllmEngine, configure_cpu_environment
-    from common.model_prep import resolve_model_path
-
-    log.info("engine environment: %s", configure_cpu_environment(gen))
-    settings = SamplingSettings(gen.temperature, gen.top_p, gen.max_tokens, seed)
-    model_path = resolve_model_path(config.model.path)
-    return VllmEngine(
-        model_path, config.model, settings, max_num_seqs, gen.enforce_eager, gen.tensor_parallel_size, lora_rank
-    )
 
 
 class _StopSignal:
