@@ -445,7 +445,8 @@ class BufferCore:
         if self.staleness_count:
             values["buffer/staleness_mean"] = self.staleness_sum / self.staleness_count
             values["buffer/staleness_max"] = self.staleness_max
-        values.update(length_metrics(self.state.ledger.counts, self.state.lengths.edges))  # buffers.lengths
+        lengths = self.state.lengths  # buffers.lengths: by length bucket, and by turns in a multi-turn run
+        values.update(length_metrics(self.state.ledger.counts, lengths.edges, lengths.turn_edges))
         return values
 
     @staticmethod

@@ -65,7 +65,11 @@ class BufferSettings:
     vocab_size: int = 2**31  # buffer.vocab_size, else the model's
     max_model_len: int = 131072  # model.max_model_len
     max_abs_reward: float = 1e6  # buffer.max_abs_reward
-    max_tokens: int = 128  # generator.max_tokens: the top edge of the length buckets (buffers.lengths)
+    # The top edge of the length buckets (buffers.lengths): generator.max_tokens, or env.max_total_tokens with an
+    # environment (TandemConfig.overlong_budget: an episode's model tokens); and env.max_turns, the top edge of the
+    # turn buckets, with an environment (0: single-turn, no turn buckets).
+    max_tokens: int = 128
+    max_turns: int = 0
     # Dynamic sampling (buffers.filtering); the defaults are the config's (off).
     filter: str = "none"  # buffer.filter: "none" or "no_signal"
     min_reward_spread: float = 0.0  # buffer.min_reward_spread
@@ -92,7 +96,8 @@ class BufferSettings:
             b.vocab_size or model_vocab_size(config.model.path),
             config.model.max_model_len,
             b.max_abs_reward,
-            max_tokens=config.generator.max_tokens,
+            max_tokens=config.overlong_budget,
+            max_turns=config.env.max_turns if config.env.environment else 0,
             filter=b.filter,
             min_reward_spread=b.min_reward_spread,
             max_filtered_share=b.max_filtered_share,
@@ -124,7 +129,8 @@ class BufferState:
         self.replay = ReplayBuffer(settings.capacity, settings.max_reuse, settings.sampling, settings.seed)
         self.book = BatchBook()
         self.ledger = Ledger()
-        self.lengths = LengthCounts(self.ledger, settings.max_tokens)  # samples by length bucket (ledger events)
+        # samples by length (and turn) bucket (ledger events)
+        self.lengths = LengthCounts(self.ledger, settings.max_tokens, settings.max_turns)
         self.filter_window = FilterWindow(settings.filter_window)  # arrivals kept or filtered (buffers.filtering)
         # The rewards of every filtered sample, summed in float64 (a float: the ledger counts integers). With
         # dropped_no_signal it gives back the mean reward of all generated samples (benchmarks.time_to_reward).
