@@ -84,7 +84,9 @@ def test_each_fault_ends_only_its_episode_and_is_counted(tokenizer, runner) -> N
     group = build_episode_group(2, TASK, done.results, 0, 0.0)
     group.validate()
     reasons = group.finish_reasons
-    assert reasons[0] == reasons[6] in ("done", "length")
+    # each fine episode ends "done", or "length" when its last turn hit max_tokens: the scripted engine's turn
+    # lengths follow the order requests arrive in, which the plain and the async environment's timing decides
+    assert reasons[0] in ("done", "length") and reasons[6] in ("done", "length")
     assert reasons[1] == "env_error: step: RuntimeError: step exploded"
     assert reasons[2] == "env_error: reset: RuntimeError: reset exploded"
     assert reasons[3].startswith("env_error: step: step() must return common.envs.StepResult, got dict")
