@@ -185,16 +185,25 @@ class EpisodeDriver:
             self._open(group, index)
 
     def on_turn(self, sample: FinishedSample) -> None:
-        """A model turn finished: append it exactly as sampled and submit the environment's step on its text.
+        """A model turn finished: append it exactly as sampled, give its token counts to the environment's optional
+        `on_model_turn` (common.envs) and submit the environment's step on its text.
         Samples of requests this driver does not track (aborted, or another caller's) are ignored."""
         episode = self.requests.pop(sample.request_id, None)
         if episode is None:
             return
+        prompt_tokens = episode.trajectory.context_length  # the whole context the model was given for this turn
         episode.trajectory.add_model_turn(sample)
         episode.turns += 1
         episode.truncated = sample.finish_reason == "length"
         episode.last_turn = sample.completion_tokens
         self.stats.model_tokens += len(sample.completion_tokens)
+        note = getattr(episode.env, "on_model_turn", None)  # optional (common.envs): the turn's counts, before step
+        if callable(note):
+            try:
+                note(prompt_tokens, len(sample.completion_tokens), sample.finish_reason)
+            except Exception as error:  # noqa: BLE001 - user code: the episode fails, the generator stays up
+                self._finish(episode, f"env_error: on_model_turn: {type(error).__name__}: {error}"[:300])
+                return
         self._call(episode, "stepping", episode.env.step, self.engine.decode(sample.completion_tokens))
 
     def advance(self, submit: bool = True) -> list[EpisodeGroup]:
