@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from common.config import BufferConfig, is_loopback
@@ -267,7 +267,8 @@ class AgentApp:
             return JSONResponse({"object": "list", "data": [{"id": "tandem", "object": "model"}]})
         if request.method == "POST":
             if parts == ["v1", "chat", "completions"]:
-                return JSONResponse(await self.server.chat(await self.body(request), request.headers))
+                answer = await self.server.chat(await self.body(request), request.headers)
+                return event_stream(answer) if isinstance(answer, list) else JSONResponse(answer)
             if parts == ["tandem", "episodes"]:
                 return JSONResponse(await self.server.claim_request(await self.body(request)))
             if len(parts) == 4 and parts[:2] == ["tandem", "episodes"] and parts[3] == "finish":
@@ -298,6 +299,17 @@ class AgentApp:
             if len(data) > limit:
                 raise Refusal(413, "body_too_large", f"the body is over the {limit} bytes allowed: send less")
         return bytes(data)
+
+
+def event_stream(events: list[dict[str, Any]]) -> StreamingResponse:
+    """Server-Sent Events as OpenAI streams them: one `data: <json>` per event, then `data: [DONE]`."""
+
+    async def lines() -> Any:
+        for event in events:
+            yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 class HeadDeadlineProtocol(H11Protocol):

@@ -8,9 +8,11 @@
 An agent (any OpenAI client) then loops:
     POST /tandem/episodes                         -> {"episode_id", "messages", "metadata", "prompt_id"}: a task to
                                                      run (waits up to 30 s for one; 503 when there is none)
-    POST /v1/chat/completions                     header `X-Tandem-Episode: <episode_id>`, body {"messages": [...]}
+    POST /v1/chat/completions                     header `X-Tandem-Episode: <episode_id>`, body {"messages": [...],
+                                                  optionally "tools": [...], "stream": true}
                                                   -> a standard chat.completion whose message is the model's turn
-    ... tool calls, more completions: each request repeats the conversation so far (as OpenAI clients do) plus
+                                                     (with `tool_calls` when it called tools), or its SSE chunks
+    ... tool results, more completions: each request repeats the conversation so far (as OpenAI clients do) plus
         the new messages at its end ...
     POST /tandem/episodes/<episode_id>/finish     body {"reward": 1.0} -> the trajectory becomes a sample
 
@@ -20,17 +22,29 @@ model turn answers the pending request (`step` gets its text), the messages a la
 reply are the next observation, and `finish` ends the episode (done, its reward). So the trajectory is
 token-exact (the model's sampled ids, the new messages rendered as a chat-template delta), groups, leases,
 versions, limits and timeouts all work as for other environments. The sampling settings are the generator's
-(the trained policy's): a request's temperature, max_tokens etc. are ignored, and `stream` is refused.
+(the trained policy's): a request's temperature, max_tokens, tool_choice etc. are ignored.
+
+Tools, replies and streams (the shapes: `actors.openai_format`). The first request's `tools` (OpenAI format, checked
+by `common.tool_calls.check_tools`: 400 with the reason) are the episode's: the driver renders them into the first
+observation's system message (the Hermes block of `common.tool_calls.with_tools`), and every later request must
+send the same tools (400 otherwise; the episode stays open). The model's `<tool_call>` blocks come back as the
+message's `tool_calls` (content: the text outside them, null when empty); the agent sends that message back as its
+client serialises it, then `tool` messages (`tool_call_id`, `name`, `content`), which become the next observation.
+`finish_reason` is "length" (cut by max_tokens), "tool_calls" or "stop", and `usage` the turn's true counts
+(prompt_tokens: the whole episode context the model was given, from the driver's `on_model_turn`). `stream: true`
+answers with Server-Sent Events in chat.completion.chunk form (usage in a last chunk with
+`stream_options.include_usage`), then `data: [DONE]`: the engine generates a turn as a whole, so the chunks are
+sent together when the turn is done, not token by token.
 
 Rules an agent must follow (else its request is refused with 4xx and a message that says what to change):
   * one request at a time per episode; each request's messages start with the episode's conversation so far, the
     model's replies exactly as returned (the history must not be edited: a diverged history ends the episode);
+    only the model's replies carry `tool_calls` (another assistant message with them also ends the episode);
   * finish every episode it claimed; an episode the agent leaves longer than `env.step_timeout_s`, or that reaches
     a limit (`env.max_turns`, `env.max_total_tokens`), ends without the agent's reward (its pending request gets
     409, and `finish` then answers 409 too).
   * a `finish` reward is a finite number within `max_abs_reward` (default: the buffer's reward range); another
     is refused with 400 naming the bound, and the episode stays open for a valid `finish`.
-A model turn's `finish_reason` is reported as "stop" and `usage` as zeros (token counts stay inside Tandem).
 
 Limits and access (all `environment_args`, see `actors.openai_http`): loopback only unless `allow_remote = true`,
 which needs a bearer token (`auth_token_file` or `auth_token_env`); bodies up to `max_body_bytes` (413),
@@ -46,12 +60,22 @@ import concurrent.futures
 import logging
 import secrets
 import threading
-import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from actors.openai_format import (
+    ModelReply,
+    TurnCounts,
+    agent_messages,
+    chunks,
+    completion,
+    model_reply,
+    request_tools,
+    stream_request,
+    template_messages,
+)
 from actors.openai_http import (
     AgentApp,
     AgentError,
@@ -62,7 +86,7 @@ from actors.openai_http import (
     checked_wait,
     result_within,
 )
-from common.envs import StepResult, check_messages
+from common.envs import StepResult
 
 log = logging.getLogger("tandem.actors.openai_server")
 
@@ -77,9 +101,10 @@ REPLY_WAIT_S = 3600.0  # an HTTP request waits this long at most for its model t
 @dataclass
 class _Event:
     kind: str  # "chat" | "finish"
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]  # canonical (actors.openai_format)
     reward: float
-    reply: concurrent.futures.Future  # resolved with the model's text (chat) or None (finish); or an exception
+    reply: concurrent.futures.Future  # resolved with the model's ModelReply (chat) or None (finish); or an exception
+    tools: list[dict[str, Any]] | None = None  # the request's tools, checked
 
 
 class AgentEnvironment:
@@ -90,7 +115,10 @@ class AgentEnvironment:
         self.server = AgentServer.shared(host, port, **options)
         self.episode_id = secrets.token_hex(8)
         self.task: Any = None
-        self.conversation: list[dict[str, str]] = []
+        self.conversation: list[dict[str, Any]] = []  # canonical messages (actors.openai_format)
+        self.tools: list[dict[str, Any]] | None = None  # the first request's; the driver renders them (common.envs)
+        self._chatted = False  # a chat request was delivered (its tools are the episode's)
+        self._counts: TurnCounts | None = None  # the pending model turn's, from the driver (on_model_turn)
         self._event: concurrent.futures.Future = concurrent.futures.Future()
         self._pending: concurrent.futures.Future | None = None  # the agent's request awaiting a model turn
         self.ended = False
@@ -102,18 +130,32 @@ class AgentEnvironment:
         AgentServer.shared(host, port, **options)
 
     async def reset(self, task: Any) -> list[dict[str, str]]:
+        """The agent's first request: its messages are the first observation (its tools, in `self.tools` since
+        `deliver`, join the system message: the driver adds them)."""
         self.task = task
         self.server.offer(self)
         event = await self._next()
         if event.kind != "chat":
             event.reply.set_exception(AgentError("finish before any model turn: send a chat completion first"))
             raise AgentError("the agent finished the episode before the model's first turn")
+        try:
+            observation = template_messages(event.messages, "messages")
+        except ValueError as error:
+            event.reply.set_exception(AgentError(str(error)))
+            raise AgentError(str(error)) from None
         self.conversation, self._pending = event.messages, event.reply
-        return event.messages
+        return observation
+
+    def on_model_turn(self, prompt_tokens: int, completion_tokens: int, finish_reason: str) -> None:
+        """From the episode driver, before `step`: the turn's token counts for its reply's usage and finish_reason."""
+        self._counts = TurnCounts(prompt_tokens, completion_tokens, finish_reason)
 
     async def step(self, model_turn_text: str) -> StepResult:
-        self._pending.set_result(model_turn_text)
-        self.conversation = [*self.conversation, {"role": "assistant", "content": model_turn_text}]
+        turn = sum(1 for message in self.conversation if message["role"] == "assistant")
+        reply = model_reply(model_turn_text, self.tools, turn, self._counts)
+        self._counts = None
+        self._pending.set_result(reply)
+        self.conversation = [*self.conversation, reply.record]
         event = await self._next()
         if event.kind == "finish":
             event.reply.set_result(None)
@@ -128,8 +170,13 @@ class AgentEnvironment:
             )
             event.reply.set_exception(error)
             raise error
+        try:
+            observation = template_messages(event.messages[known:], f"messages[{known}:]")
+        except ValueError as error:
+            event.reply.set_exception(AgentError(str(error)))
+            raise AgentError(str(error)) from None
         self.conversation, self._pending = event.messages, event.reply
-        return StepResult(event.messages[known:], reward=0.0, done=False)
+        return StepResult(observation, reward=0.0, done=False)
 
     def close(self) -> None:
         """The driver ended the episode: refuse the agent's pending and later requests."""
@@ -149,13 +196,22 @@ class AgentEnvironment:
         return event
 
     def deliver(self, event: _Event) -> None:
-        """From the HTTP thread: hand the agent's request to the episode (one at a time)."""
+        """From the HTTP thread (one event loop: deliveries never race each other): hand the agent's request to the
+        episode, one at a time. The first chat request's tools are the episode's; a later one declaring other tools
+        is refused (ValueError: 400) and the episode stays open."""
         if self.ended:
             raise AgentError("the episode has ended (a limit or timeout of the run)")
-        try:
-            self._event.set_result(event)
-        except concurrent.futures.InvalidStateError:
-            raise AgentError("one request at a time per episode: wait for the previous answer") from None
+        if self._event.done():
+            raise AgentError("one request at a time per episode: wait for the previous answer")
+        if event.kind == "chat" and not self._chatted:
+            self.tools, self._chatted = event.tools, True
+        elif event.kind == "chat" and event.tools != self.tools:
+            declared = f"{len(self.tools)} tool(s)" if self.tools else "no tools"
+            raise ValueError(
+                f"tools differ from the episode's first request, which declared {declared}: send the same tools "
+                "with every request of an episode"
+            )
+        self._event.set_result(event)
 
 
 class AgentServer:
@@ -286,22 +342,24 @@ class AgentServer:
             "metadata": task.metadata,
         }
 
-    async def chat(self, body: dict[str, Any], headers: Mapping[str, str]) -> dict[str, Any]:
-        """POST /v1/chat/completions: the model's next turn of the episode named by the EPISODE_HEADER."""
-        if body.get("stream"):
-            raise ValueError("stream is not supported: send stream=false")
+    async def chat(self, body: dict[str, Any], headers: Mapping[str, str]) -> dict[str, Any] | list[dict[str, Any]]:
+        """POST /v1/chat/completions: the model's next turn of the episode named by the EPISODE_HEADER, as a
+        chat.completion, or (stream = true) the list of its chat.completion.chunk events."""
+        stream, include_usage = stream_request(body)
         episode_id = headers.get(EPISODE_HEADER)
         if not episode_id:
             raise ValueError(
                 f"the {EPISODE_HEADER} header is required: claim an episode with "
                 "POST /tandem/episodes and send its episode_id"
             )
-        messages = check_messages(body.get("messages"), "messages")
+        messages = agent_messages(body.get("messages"), "messages")
         if not messages:
             raise ValueError("messages must not be empty")
+        tools = request_tools(body)
         reply: concurrent.futures.Future = concurrent.futures.Future()
-        self.episode(episode_id).deliver(_Event("chat", messages, 0.0, reply))
-        return _completion(await result_within(reply, REPLY_WAIT_S, "model turn"))
+        self.episode(episode_id).deliver(_Event("chat", messages, 0.0, reply, tools))
+        answer: ModelReply = await result_within(reply, REPLY_WAIT_S, "model turn")
+        return chunks(answer, include_usage) if stream else completion(answer)
 
     async def finish(self, episode_id: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST /tandem/episodes/<id>/finish: the episode ends with the agent's reward (checked before anything
@@ -320,14 +378,3 @@ class AgentServer:
         self.http.stop()
         with AgentServer._lock:
             AgentServer._shared = {k: v for k, v in AgentServer._shared.items() if v is not self}
-
-
-def _completion(text: str) -> dict[str, Any]:
-    return {
-        "id": f"chatcmpl-{secrets.token_hex(8)}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": "tandem",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-    }

@@ -134,9 +134,9 @@ def test_agent_episodes_become_token_exact_samples(served) -> None:
 def test_protocol_mistakes_are_refused_with_what_to_change(served) -> None:
     port, _, start, results = served
     assert post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})[0] == 400
-    assert post(port, "/v1/chat/completions", {"messages": [], "stream": True}, "abc")[1]["error"][
+    assert post(port, "/v1/chat/completions", {"messages": [], "stream": "yes"}, "abc")[1]["error"][
         "message"
-    ].startswith("stream is not supported")
+    ].startswith("stream must be true or false")
     status, body = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, "nope")
     assert status == 404 and "claim one" in body["error"]["message"]
     loop = start(group_size=2)
