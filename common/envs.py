@@ -23,6 +23,13 @@ Contract between an environment and the generator's episode driver (`actors.epis
     episode shares (a server, a cache), and raising there stops the generator with its reason.
   * `reset` returns the first observation: a non-empty chat (`[{"role": ..., "content": ...}]`), usually
     `task.messages`. The group's `n` episodes may open with different observations.
+  * Optional tools: an environment (class or instance) with a non-empty `tools` attribute, an OpenAI-format list
+    `[{"type": "function", "function": {"name", "description", "parameters": <JSON schema object>}}]` read after
+    `reset`, has it checked (`common.tool_calls.check_tools`; a bad list is an `env_error`) and the Hermes tools
+    block added to the first observation's system message (`common.tool_calls.with_tools`, or a new first system
+    message). The model then calls tools as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in its turn;
+    `step` parses them (`parse_tool_calls`), runs them (`Toolbox`) and answers with `tool` messages (`tool_message`).
+    Example: examples/envs/tool_calculator.py.
   * `step` gets the model's turn decoded from the tokens it sampled (special tokens skipped; a turn cut by
     `generator.max_tokens` is passed as it is) and returns a `StepResult`: the NEW messages that follow the model's
     turn (usually one `user` or `tool` message; ignored when `done`), this turn's reward, and whether the episode is
