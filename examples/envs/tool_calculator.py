@@ -11,7 +11,9 @@ The environment declares `tools` (common.envs): the episode driver adds the `<to
 
     <tool_call>{"name": "calculate", "arguments": {"expression": "796 * 91 + 210"}}</tool_call>
 
-The chat opens with `shots` solved problems (`demonstrations`: call, result, answer) before the task's problem:
+`question`: "word" asks the task's word problem; "expression" asks "What is <its expression>?" (the same
+arithmetic without the story: the model copies it into a call far more often). The chat opens with `shots` solved
+problems (`demonstrations`: call, result, answer) before the task's problem:
 the 135M model does not find the format from the instructions alone.
 
 Each turn: a turn whose text outside the call blocks has '#### ANSWER' ends the episode (its calls are not run).
@@ -81,20 +83,27 @@ def calculator_toolbox() -> Toolbox:
 
 
 TOOLBOX = calculator_toolbox()  # stateless: shared by every episode
+QUESTIONS = ("word", "expression")
 SHOT_SEED = 1_000_003  # demonstrations come from examples.envs.calculator's generator with this seed, not the task's
 
 
-def demonstrations(count: int) -> list[dict[str, str]]:
+def ask(expression: str) -> dict[str, str]:
+    """The bare question of `question = "expression"`: the problem's arithmetic without its story."""
+    return {"role": "user", "content": f"What is {expression}?"}
+
+
+def demonstrations(count: int, question: str = "word") -> list[dict[str, str]]:
     """`count` solved problems as earlier turns of the chat: the problem, a `calculate` call on its expression, the
     tool's result, and '#### <result>'. Without them SmolLM2-135M never called the tool in 24 samples; with two,
-    about one sample in six makes a valid call on a word problem (measured with transformers, temperature 1)."""
+    about one sample in six makes a valid call on a word problem, and 14 in 32 on a bare expression (measured with
+    transformers, temperature 1, 32 samples of 4 problems). `question` as for the environment."""
     chat = []
     for demo in calculator_prompts(count, seed=SHOT_SEED):
         expression = demo.metadata["expression"]
         call = json.dumps({"name": "calculate", "arguments": {"expression": expression}})
         value = calculate(expression)
         chat += [
-            *demo.messages,
+            *(demo.messages if question == "word" else [ask(expression)]),
             {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
             {"role": "tool", "content": value},
             {"role": "assistant", "content": f"{ANSWER_MARKER} {value}"},
@@ -113,9 +122,10 @@ class ToolCalculatorEnv:
         call_bonus: float = 0.1,
         max_turns: int = 3,
         shots: int = 2,
+        question: str = "word",
         episode_log: str = "",
     ) -> None:
-        self.shots = shots
+        self.shots, self.question = shots, question
         self.max_calls_per_turn = max_calls_per_turn
         self.call_bonus = call_bonus
         self.max_turns = max_turns
@@ -128,9 +138,12 @@ class ToolCalculatorEnv:
         call_bonus: float = 0.1,
         max_turns: int = 3,
         shots: int = 2,
+        question: str = "word",
         episode_log: str = "",
     ) -> None:
         """Start-up check of `env.environment_args` (common.envs)."""
+        if question not in QUESTIONS:
+            raise ValueError(f"tool_calculator: question must be one of {QUESTIONS}, got {question!r}")
         if shots < 0:
             raise ValueError(f"tool_calculator: shots must be >= 0, got {shots}")
         if max_calls_per_turn < 1 or max_turns < 1:
@@ -145,7 +158,8 @@ class ToolCalculatorEnv:
         self.prompt_id = getattr(task, "prompt_id", None)
         self.turns = 0
         self.counts = {"valid_calls": 0, "failed_calls": 0, "malformed_calls": 0}
-        return [{"role": "system", "content": SYSTEM}, *demonstrations(self.shots), *task.messages]
+        problem = task.messages if self.question == "word" else [ask(task.metadata["expression"])]
+        return [{"role": "system", "content": SYSTEM}, *demonstrations(self.shots, self.question), *problem]
 
     def step(self, model_turn_text: str) -> StepResult:
         self.turns += 1

@@ -43,6 +43,10 @@ def test_tools_are_a_checked_schema_and_the_chat_opens_with_demonstrations() -> 
     assert with_tools(chat, env.tools)[0]["content"].startswith(chat[0]["content"] + "\n\n# Tools")
     assert ToolCalculatorEnv(shots=0).reset(TASK)[1:] == TASK.messages
     assert demonstrations(1) == demonstrations(2)[:4]
+    bare = ToolCalculatorEnv(shots=1, question="expression").reset(
+        PromptItem(0, 0, [], {"answer": 3, "expression": "1 + 2"})
+    )
+    assert bare[-1] == {"role": "user", "content": "What is 1 + 2?"} and bare[1]["content"].startswith("What is ")
 
 
 def test_valid_call_gets_a_tool_message_and_the_right_answer_the_reward() -> None:
@@ -131,7 +135,13 @@ def test_episode_log_and_its_summary(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("args", "says"), [({"shots": -1}, "shots"), ({"call_bonus": 1.0}, "call_bonus"), ({"max_turns": 0}, "max_turns")]
+    ("args", "says"),
+    [
+        ({"shots": -1}, "shots"),
+        ({"call_bonus": 1.0}, "call_bonus"),
+        ({"max_turns": 0}, "max_turns"),
+        ({"question": "story"}, "question"),
+    ],
 )
 def test_prepare_refuses_bad_arguments(args, says) -> None:
     with pytest.raises(ValueError, match=says):
@@ -146,4 +156,5 @@ def test_config_validates_and_names_the_calculator_problems(monkeypatch, tmp_pat
     environment = environment_factory(config.env)()
     records = load_prompts(config.env.source)
     chat = environment.reset(records[0])
-    assert chat[-1] == records[0].messages[-1] and environment.tools == ToolCalculatorEnv.tools
+    assert chat[-1]["content"] == f"What is {records[0].metadata['expression']}?"
+    assert environment.tools == ToolCalculatorEnv.tools
