@@ -30,6 +30,11 @@ Contract between an environment and the generator's episode driver (`actors.epis
     message). The model then calls tools as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in its turn;
     `step` parses them (`parse_tool_calls`), runs them (`Toolbox`) and answers with `tool` messages (`tool_message`).
     Example: examples/envs/tool_calculator.py.
+  * Optional turn counts: an environment with `on_model_turn(prompt_tokens, completion_tokens, finish_reason)` has
+    it called after each model turn, before that turn's `step`, on the generator's loop (keep it cheap: a plain
+    `def` that stores the numbers): prompt_tokens is the whole context the model was given for the turn,
+    completion_tokens the tokens it sampled, finish_reason the engine's "stop" or "length". Raising there ends the
+    episode as `env_error: on_model_turn: ...`. The OpenAI endpoint reports its usage from it.
   * `step` gets the model's turn decoded from the tokens it sampled (special tokens skipped; a turn cut by
     `generator.max_tokens` is passed as it is) and returns a `StepResult`: the NEW messages that follow the model's
     turn (usually one `user` or `tool` message; ignored when `done`), this turn's reward, and whether the episode is
@@ -55,7 +60,8 @@ from typing import Any, Protocol
 from common.config import EnvConfig
 from common.plugins import resolve_callable
 
-Message = dict[str, str]  # {"role": "user" | "assistant" | "tool" | "system", "content": str}
+Message = dict[str, str]  # {"role": "user" | "assistant" | "tool" | "system", "content": str} (+ tool fields)
+TOOL_FIELDS = ("tool_call_id", "name")  # kept on a message when strings: chat templates may render them
 
 
 class Task(Protocol):
@@ -97,7 +103,8 @@ EnvironmentFactory = Callable[[], Environment]
 
 
 def check_messages(value: Any, what: str) -> list[Message]:
-    """`value` as a chat, or TypeError naming `what` and the first bad message."""
+    """`value` as a chat (role, content and the TOOL_FIELDS a message has), or TypeError naming `what` and the
+    first bad message."""
     if not isinstance(value, list):
         raise TypeError(f"{what} must be a list of chat messages, got {type(value).__name__}")
     for i, message in enumerate(value):
@@ -107,7 +114,10 @@ def check_messages(value: Any, what: str) -> list[Message]:
             or not isinstance(message.get("content"), str)
         ):
             raise TypeError(f"{what}[{i}] must be a dict with string 'role' and 'content', got {message!r:.200}")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+    return [
+        {"role": m["role"], "content": m["content"], **{k: m[k] for k in TOOL_FIELDS if isinstance(m.get(k), str)}}
+        for m in value
+    ]
 
 
 def check_first_observation(value: Any) -> list[Message]:
