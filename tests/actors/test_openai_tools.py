@@ -245,3 +245,11 @@ def test_bad_or_changed_tools_are_refused_and_the_episode_stays_open(served) -> 
     loop.join(timeout=30)
     (done,) = results
     assert [r.finish_reason for r in done.results] == ["done"] and done.results[0].reward == 1.0
+
+
+def test_tool_messages_keep_their_call_id_and_name_for_the_chat_template() -> None:
+    from common.envs import check_messages
+
+    sent = [{"role": "tool", "tool_call_id": "call_0_0_ab", "name": "calculate", "content": "42"}]
+    assert check_messages(sent, "step() observation") == sent
+    assert check_messages([{"role": "user", "content": "hi", "name": 3}], "x") == [{"role": "user", "content": "hi"}]
