@@ -58,6 +58,8 @@ from common.envs import EnvironmentFactory, check_first_observation, check_step_
 from common.tool_calls import check_tools, with_tools
 from common.types import PromptItem
 
+# The driver's own reward components; a step's part of one of these names is not split out (it stays in terminal).
+RESERVED_COMPONENTS = ("turn_reward_sum", "terminal", "failure")
 log = logging.getLogger("tandem.actors.episodes")
 
 FAILURE_PREFIXES = ("env_error", "env_timeout", "episode_timeout")
@@ -119,6 +121,7 @@ class _Episode:
     request_id: str = ""
     turns: int = 0
     step_rewards: list[float] = field(default_factory=list)
+    final_parts: dict[str, float] = field(default_factory=dict)  # the done step's info["components"] (common.envs)
     last_turn: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     truncated: bool = False
 
@@ -304,6 +307,7 @@ class EpisodeDriver:
             return
         episode.step_rewards.append(result.reward)
         if result.done:
+            episode.final_parts = result.info.get("components", {}) if isinstance(result.info, dict) else {}
             self._finish(episode, "length" if episode.truncated else "done")
             return
         if episode.turns >= self.limits.max_turns:
@@ -408,7 +412,15 @@ def _earned(episode: _Episode, reason: str) -> dict[str, float]:
     """The reward components of an episode that ended without failing (see actors.trajectory.EpisodeResult)."""
     terminal = episode.step_rewards[-1] if reason in ("done", "length") else 0.0
     before = episode.step_rewards[:-1] if reason in ("done", "length") else episode.step_rewards
-    return {"turn_reward_sum": float(sum(before)), "terminal": float(terminal), "failure": 0.0}
+    parts = {name: part for name, part in episode.final_parts.items() if name not in RESERVED_COMPONENTS}
+    # The done step's named parts (a rubric's) stand beside `terminal`, which keeps what they leave of its reward,
+    # so the components still sum to the episode's reward.
+    return {
+        "turn_reward_sum": float(sum(before)),
+        "terminal": float(terminal - sum(parts.values())),
+        **parts,
+        "failure": 0.0,
+    }
 
 
 def _out_of_range(components: dict[str, float], bound: float) -> str:

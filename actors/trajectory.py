@@ -97,7 +97,8 @@ class EpisodeResult:
     observation has the task's own rendered messages as its prompt and no completion tokens.
 
     reward = sum(components.values()); components are `turn_reward_sum` (steps before the last), `terminal` (the
-    step that said done) and `failure` (env.failure_reward when an error or timeout ended it; the others are then 0).
+    step that said done, less its named parts: its `info["components"]`, a verifiers rubric's say, each a component
+    too) and `failure` (env.failure_reward when an error or timeout ended it; the others are then 0).
     """
 
     trajectory: Trajectory

@@ -400,9 +400,11 @@ class EnvConfig(_Section):
     environment: str = Field(
         "",
         description="Multi-turn environment: `module:factory`, called with `environment_args` once per episode, "
-        "returning an object with `reset(task)` and `step(text)` (see common.envs). Empty = single-turn: "
+        "returning an object with `reset(task)` and `step(text)` (see common.envs); or `verifiers:<id>`, a "
+        "verifiers environment (its taskset id or module; environment_args are its taskset config fields; "
+        "docs/environments.md). Empty = single-turn: "
         "each completion is scored by reward_fn (or reward_url).",
-        pattern=r"^$|^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$",
+        pattern=r"^$|^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$|^verifiers:[\w.@/-]+$",
     )
     environment_args: dict[str, EnvArg] = Field(
         {}, description="Keyword arguments of the environment factory (a TOML table)."

@@ -60,6 +60,9 @@ from typing import Any, Protocol
 from common.config import EnvConfig
 from common.plugins import resolve_callable
 
+VERIFIERS_PREFIX = "verifiers:"  # env.environment = "verifiers:<taskset id or module>" (docs/environments.md)
+VERIFIERS_LOADER = "actors.verifiers_env:verifiers_factory"
+
 Message = dict[str, str]  # {"role": "user" | "assistant" | "tool" | "system", "content": str} (+ tool fields)
 TOOL_FIELDS = ("tool_call_id", "name")  # kept on a message when strings: chat templates may render them
 
@@ -82,7 +85,9 @@ class StepResult:
                  may be empty only when `done` (the observation of a final step is not rendered).
     reward:      this turn's reward (finite); the episode's reward is the sum over its steps.
     done:        the episode is over (the finish reason becomes `done`).
-    info:        free-form diagnostics; the driver does not read it.
+    info:        free-form diagnostics, but for one key the driver reads: `info["components"]`, named parts of
+                 the reward of the step that says done (a rubric's, say; finite numbers): they reach the buffer as
+                 reward components, and what they leave of `reward` stays in `terminal` (actors.episodes).
     """
 
     observation: list[Message]
@@ -140,7 +145,20 @@ def check_step_result(value: Any) -> StepResult:
         raise ValueError(f"step() reward must be a finite number, got {value.reward!r}")
     if not value.done and not observation:
         raise ValueError("step() returned no observation and done=False: the model would have nothing to answer")
-    return StepResult(observation, float(value.reward), bool(value.done), value.info)
+    info = value.info
+    if isinstance(info, Mapping) and "components" in info:
+        info = {**info, "components": _checked_components(info["components"])}
+    return StepResult(observation, float(value.reward), bool(value.done), info)
+
+
+def _checked_components(parts: Any) -> dict[str, float]:
+    """`step()`'s `info["components"]`: a mapping of names to finite numbers (ValueError naming the bad entry)."""
+    if not isinstance(parts, Mapping):
+        raise ValueError(f"step() info['components'] must map names to numbers, got {type(parts).__name__}")
+    for name, part in parts.items():
+        if not isinstance(name, str) or not isinstance(part, numbers.Real) or not math.isfinite(float(part)):
+            raise ValueError(f"step() info['components'][{name!r}] must be a finite number, got {part!r}")
+    return {name: float(part) for name, part in parts.items()}
 
 
 class RewardFnEnvironment:
@@ -185,12 +203,16 @@ def environment_factory(env: EnvConfig) -> EnvironmentFactory:
     `env.environment` is empty, the single-turn adapter around `env.reward_fn`. Resolves the names now (from
     `env.plugin_paths` first, see common.plugins), and calls the environment's `prepare(**environment_args)` if it
     has one, so a misnamed environment or reward function, or arguments the environment refuses, fail at start-up,
-    not at the first episode."""
+    not at the first episode. `"verifiers:<id>"` loads a verifiers environment (actors.verifiers_env, resolved at
+    run time by name: common/ imports no actors/ module)."""
     if not env.environment:
         from common.tasks import resolve_reward_fn
 
         reward_fn = resolve_reward_fn(env.reward_fn, env.plugin_paths)
         return lambda: RewardFnEnvironment(reward_fn)
+    if env.environment.startswith(VERIFIERS_PREFIX):  # a verifiers env: its loader lives with the actors
+        load = resolve_callable(VERIFIERS_LOADER, "env.environment", "module:function", "a factory", env.plugin_paths)
+        return load(env.environment.removeprefix(VERIFIERS_PREFIX), dict(env.environment_args))
     factory = resolve_environment(env.environment, env.plugin_paths)
     arguments = dict(env.environment_args)
     prepare = getattr(factory, "prepare", None)
