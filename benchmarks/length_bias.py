@@ -95,8 +95,19 @@ def make_group(lease_id: int, generator_id: int, prompt: PromptItem, lengths: np
 class Simulation:
     """One run: the buffer core, the generators' slots and the learner on one event clock (simulated seconds)."""
 
+    slots = SLOTS  # per generator: the groups it generates at once
+
     def __init__(self, sampling: str, seed: int, steps: int, token_s: float) -> None:
-        settings = BufferSettings(
+        self.core = BufferCore(BufferState(self.settings(sampling, seed), [Prompt(i) for i in range(PROMPTS)], None))
+        self.seed, self.steps, self.token_s = seed, steps, token_s
+        self.events: list[tuple[float, int, str, Any]] = []
+        self.order = itertools.count()
+        self.now, self.step, self.published, self.training = 0.0, 0, 0, False
+        self.publications = [(0.0, 0)]  # (simulated second, version) of every weights version published
+
+    def settings(self, sampling: str, seed: int) -> BufferSettings:
+        """The buffer's settings (benchmarks.length_bias_episodes widens the length budget for episodes)."""
+        return BufferSettings(
             capacity=1 << 20,
             max_reuse=1,
             sampling=sampling,
@@ -112,17 +123,12 @@ class Simulation:
             max_model_len=MAX_TOKENS + 8,
             max_tokens=MAX_TOKENS,
         )
-        self.core = BufferCore(BufferState(settings, [Prompt(i) for i in range(PROMPTS)], journal=None))
-        self.seed, self.steps, self.token_s = seed, steps, token_s
-        self.events: list[tuple[float, int, str, Any]] = []
-        self.order = itertools.count()
-        self.now, self.step, self.published, self.training = 0.0, 0, 0, False
 
     def at(self, when: float, kind: str, payload: Any = None) -> None:
         heapq.heappush(self.events, (when, next(self.order), kind, payload))
 
     def run(self) -> dict[str, Any]:
-        for slot in range(GENERATORS * SLOTS):
+        for slot in range(GENERATORS * self.slots):
             self.at(0.0, "lease", slot)
         self.ask_for_batch()
         while self.step < self.steps:
@@ -130,11 +136,12 @@ class Simulation:
             if kind == "lease":
                 self.lease(payload)
             elif kind == "push":
-                self.handle(payload)
+                self.handle(self.arrival(payload))
                 if not self.training:
                     self.ask_for_batch()
             else:  # "trained": the learner publishes the next version and asks for the next batch
                 self.step = self.published = payload + 1
+                self.publications.append((self.now, self.published))
                 self.handle(VersionReport(self.step, self.published))
                 self.training = False
                 self.ask_for_batch()
@@ -144,16 +151,20 @@ class Simulation:
         (_, reply), *_ = self.core.handle(message, reply_to=None, sender="sim", now=self.now)
         return reply
 
+    def arrival(self, payload: Any) -> RolloutGroup:
+        """The group a "push" event delivers: its payload, built at lease time (an episode's is built at arrival)."""
+        return payload
+
     def lease(self, slot: int) -> None:
         """A free slot: lease one prompt at the published version and push its group when its longest sample ends."""
-        grant = self.handle(LeaseRequest(slot // SLOTS, 1, self.published))
+        grant = self.handle(LeaseRequest(slot // self.slots, 1, self.published))
         if not isinstance(grant, LeaseGrant):
             self.at(self.now + RETRY_S, "lease", slot)
             return
         prompt = grant.prompts[0]
         lengths = sample_lengths(self.seed, prompt)
         done = self.now + START_S + self.token_s * int(lengths.max())
-        self.at(done, "push", make_group(grant.lease_id, slot // SLOTS, prompt, lengths, self.published))
+        self.at(done, "push", make_group(grant.lease_id, slot // self.slots, prompt, lengths, self.published))
         self.at(done, "lease", slot)
 
     def ask_for_batch(self) -> None:
