@@ -84,7 +84,7 @@ class BufferSettings:
         return cls(
             b.capacity,
             b.max_reuse,
-            b.sampling,
+            config.buffer_sampling,  # buffer.sampling, `auto` resolved by env.environment
             b.lease_timeout_s,
             b.heartbeat_timeout_s,
             b.epochs,

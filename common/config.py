@@ -639,12 +639,14 @@ class BufferConfig(_Section):
     )
     capacity: int = Field(4096, description="Replay capacity in samples; oldest groups are evicted first.", ge=1)
     max_reuse: int = Field(1, description="Times a sample may be trained on.", ge=1)
-    sampling: Literal["fifo", "uniform", "oldest_first"] = Field(
-        "fifo",
+    sampling: Literal["auto", "fifo", "uniform", "oldest_first"] = Field(
+        "auto",
         description="Order in which groups are drawn: `fifo` by arrival, `uniform` at random (seeded), "
         "`oldest_first` the oldest policy version first, ties in lease order (earliest deadline first: long "
         "completions arrive last with older versions, and fifo lets them reach the staleness bound and be "
-        "dropped; `buffer/len_*` metrics measure it, `benchmarks/length_bias.py` compares).",
+        "dropped; `buffer/len_*` metrics measure it, `benchmarks/length_bias.py` compares); `auto`: "
+        "`oldest_first` with env.environment (an episode is as stale as its first turn, so the long ones reach "
+        "the bound: `benchmarks/length_bias_episodes.py`, docs/algorithms.md), else `fifo`.",
     )
     lease_timeout_s: float = Field(
         300.0, description="A lease not completed by then is re-issued.", gt=0, le=MAX_TIMEOUT_S
@@ -1198,6 +1200,13 @@ class TandemConfig(_Section):
     def eval_max_tokens(self) -> int:
         """The token limit of an eval completion: eval.max_tokens, else generator.max_tokens."""
         return self.eval.max_tokens or self.generator.max_tokens
+
+    @property
+    def buffer_sampling(self) -> str:
+        """buffer.sampling with `auto` resolved: `oldest_first` for a multi-turn run (env.environment), else `fifo`."""
+        if self.buffer.sampling != "auto":
+            return self.buffer.sampling
+        return "oldest_first" if self.env.environment else "fifo"
 
     @property
     def overlong_budget(self) -> int:

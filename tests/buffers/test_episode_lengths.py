@@ -61,6 +61,19 @@ def test_the_buckets_of_a_multi_turn_run_come_from_the_episode_budget() -> None:
     assert not any(key.startswith("buffer/turns_") for key in make_core(max_tokens=32).metrics())
 
 
+def test_sampling_defaults_to_oldest_first_for_multi_turn_runs_only() -> None:
+    """buffer.sampling = auto (the default): oldest_first with env.environment (benchmarks/length_bias_episodes:
+    the only order that dropped no episode where all could arrive within η), fifo otherwise; a set mode is kept."""
+    base = {"buffer.vocab_size": 100}
+    episodes = {**base, "env.environment": "envs.guess:make"}
+    assert load_config(None, base).buffer.sampling == "auto"
+    assert BufferSettings.from_config(load_config(None, episodes)).sampling == "oldest_first"
+    assert BufferSettings.from_config(load_config(None, base)).sampling == "fifo"
+    for mode in ("fifo", "uniform", "oldest_first"):
+        assert BufferSettings.from_config(load_config(None, {**episodes, "buffer.sampling": mode})).sampling == mode
+        assert BufferSettings.from_config(load_config(None, {**base, "buffer.sampling": mode})).sampling == mode
+
+
 def test_turns_are_the_runs_of_model_tokens_of_each_sample() -> None:
     group = episode_group(1, PromptItem(0, 0, [], {}), turns=3, version=0)
     assert sample_turns(group).tolist() == [3] * GROUP
