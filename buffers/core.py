@@ -15,9 +15,7 @@ buffer or the ledger. With eval.at_end, `RunOver` waits for the final round (eve
 eval.final_timeout_s after the final report): meanwhile lease requests get eval grants, or a refusal ('stale'
 with the final version for a generator on older weights, else 'full'), never training prompts.
 
-Dynamic sampling (buffer.filter = "no_signal": `buffers.filtering`): a group that passed its checks but whose rewards
-carry no signal is acked "accepted" (its prompt is done), counted as dropped_no_signal and not stored; admission
-then counts each outstanding prompt at the share of recent arrivals that carried signal.
+Dynamic sampling (buffer.filter = "no_signal"): `buffers.no_signal`, asked at admission and at each group's arrival.
 
 Failure modes: a well-formed message the buffer cannot accept (unknown lease, rank >= world_size, a version
 from the future, a role that may not send it, a state change out of order: see `buffers.authority`) raises
@@ -43,11 +41,12 @@ from buffers.checks import (
     lease_return_problem,
     version_report_problem,
 )
-from buffers.filtering import mostly_filtered_warning, no_signal, signal_quota
 from buffers.lengths import length_metrics
+from buffers.no_signal import NoSignalFilter
 from buffers.run_end import RunEnd
 from buffers.staleness import Admission, admit
 from buffers.state import BufferState
+from buffers.traffic import Traffic
 from common.types import (
     Batch,
     BatchNotReady,
@@ -83,21 +82,6 @@ class RequestRejected(Exception):
         self.kind, self.reason = kind, reason
 
 
-def group_nbytes(group: RolloutGroup) -> int:
-    """Bytes of a group's arrays (what it costs on the wire, within a few hundred bytes of header)."""
-    arrays = (
-        group.prompt_tokens,
-        group.offsets,
-        group.completion_tokens,
-        group.behaviour_logprobs,
-        group.loss_mask,
-        group.token_versions,
-        group.versions,
-        group.rewards,
-    )
-    return sum(a.nbytes for a in arrays) + sum(a.nbytes for a in group.reward_components.values())
-
-
 class BufferCore:
     """Message handlers over a `BufferState`; single-threaded (the service's poll loop calls it)."""
 
@@ -107,9 +91,9 @@ class BufferCore:
         self.wire_rejections = wire_rejections if wire_rejections is not None else {}
         self.capacity_groups = self.settings.capacity // self.settings.group_size
         self.limits = self.settings.group_limits
-        self.bytes_in = self.bytes_out = 0
-        self.staleness_sum = self.staleness_count = self.staleness_max = 0  # of served samples
+        self.traffic = Traffic()  # bytes in and out, staleness of served samples (buffers.traffic)
         self.end = RunEnd()  # the learner's final report: generators are answered RunOver (buffers.run_end)
+        self.no_signal = NoSignalFilter(state)  # dynamic sampling (buffer.filter = "no_signal")
         self._handlers = {
             LeaseRequest: self._lease_request,
             RolloutGroup: self._group,
@@ -164,18 +148,12 @@ class BufferCore:
         return [(reply_to, LeaseGrant(lease.lease_id, lease.deadline, dispenser.items(lease)))]
 
     def _admit(self, request: LeaseRequest) -> Admission:
-        """`buffers.staleness.admit`; with buffer.filter on, a quota that counts each outstanding prompt at the share
-        of arrivals expected to carry signal (`buffers.filtering.signal_quota`; the stale refusal is unchanged)."""
+        """`buffers.staleness.admit`, widened while dynamic sampling filters (`NoSignalFilter.admission`)."""
         settings = self.settings
         v, eta, b = request.policy_version, settings.max_staleness, settings.groups_per_step
         admitted = self._admitted()
         admission = admit(request.max_prompts, v, self.state.learner_version, eta, b, admitted)
-        if settings.filter == "none" or admission.refusal == "stale":
-            return admission
-        outstanding = self.state.dispenser.outstanding
-        keep = self.state.filter_window.keep(settings.max_filtered_share)
-        granted = min(request.max_prompts, signal_quota(v, eta, b, admitted - outstanding, outstanding, keep))
-        return Admission(max(granted, 0), "" if granted > 0 else "full", admission.min_version)
+        return self.no_signal.admission(request, admission, admitted)
 
     def _admitted(self) -> int:
         """Groups in the learner's timeline: trained (since a rewind: re-based to V·B) + buffered + outstanding.
@@ -205,26 +183,12 @@ class BufferCore:
                 self.state.requeue(group.lease_id, [group.prompt_id], now)  # let another try come
         if problem is not None:
             return [(reply_to, self._reject_group(group, *problem, sender))]
-        self.bytes_in += group_nbytes(group)
-        if self.settings.filter == "no_signal" and no_signal(group.rewards, self.settings.min_reward_spread):
-            self._filter_out(group, now)  # acked "accepted": its prompt is done, as for a stored group
+        self.traffic.arrived(group)
+        if self.no_signal.drop_if_no_signal(group, now):  # acked "accepted": its prompt is done, as for a stored group
             return [(reply_to, GroupAck(group.lease_id, group.prompt_id, "accepted"))]
         self.state.accept(group, now)
-        self._warn_if_mostly_filtered()
+        self.no_signal.warn_if_mostly_filtered()
         return [(reply_to, GroupAck(group.lease_id, group.prompt_id, "accepted")), *self._serve_held(now)]
-
-    def _filter_out(self, group: RolloutGroup, now: float) -> None:
-        self.state.filter_out(group, now)
-        log.debug("group (lease %d, prompt %d): no reward spread, dropped", group.lease_id, group.prompt_id)
-        self._warn_if_mostly_filtered()
-
-    def _warn_if_mostly_filtered(self) -> None:
-        """At most once per buffer.filter_window arrivals, when more than buffer.max_filtered_share of them were
-        filtered (`buffers.filtering.FilterWindow.warn_due`)."""
-        window, cap = self.state.filter_window, self.settings.max_filtered_share
-        if self.settings.filter == "none" or not window.warn_due(cap):
-            return
-        log.warning(mostly_filtered_warning(window.share, window.size, cap))
 
     def _reject_group(self, group: RolloutGroup, kind: str, reason: str, sender: str) -> GroupAck:
         self.state.ledger.flow("arrived", group.size)
@@ -314,11 +278,7 @@ class BufferCore:
         groups, staleness = batch.share(request.rank)
         if request.rank not in batch.delivered:
             self.state.deliver(request.step, request.rank)
-            self.bytes_out += sum(group_nbytes(g) for g in groups)
-            for lag in staleness:
-                self.staleness_sum += int(lag.sum())
-                self.staleness_count += lag.size
-                self.staleness_max = max(self.staleness_max, int(lag.max()))
+            self.traffic.served(groups, staleness)
         counts = self.state.ledger.counts  # cumulative: the learner records them beside its step (learners.learner)
         return Batch(
             request.step,
@@ -438,13 +398,9 @@ class BufferCore:
         leases = self.state.dispenser.leases.values()
         values["buffer/leases_active"] = sum(1 for lease in leases if lease.state == "active")
         values["buffer/epoch"] = self.state.dispenser.epoch
-        values["buffer/bytes_in"], values["buffer/bytes_out"] = self.bytes_in, self.bytes_out
-        if self.settings.filter != "none":
-            values["buffer/filtered_share"] = self.state.filter_window.share
-            values["buffer/no_signal_reward_sum"] = self.state.no_signal_reward_sum
-        if self.staleness_count:
-            values["buffer/staleness_mean"] = self.staleness_sum / self.staleness_count
-            values["buffer/staleness_max"] = self.staleness_max
+        values["buffer/bytes_in"], values["buffer/bytes_out"] = self.traffic.bytes_in, self.traffic.bytes_out
+        values.update(self.no_signal.metrics())  # with buffer.filter on: filtered_share, no_signal_reward_sum
+        values.update(self.traffic.staleness_metrics())  # once a sample was served
         lengths = self.state.lengths  # buffers.lengths: by length bucket, and by turns in a multi-turn run
         values.update(length_metrics(self.state.ledger.counts, lengths.edges, lengths.turn_edges))
         return values

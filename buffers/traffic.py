@@ -1,0 +1,59 @@
+"""What the buffer took in and served, for its metrics: bytes of group arrays in and out, and the staleness of
+every served sample (`buffer/bytes_in`, `buffer/bytes_out`, `buffer/staleness_mean`, `buffer/staleness_max`).
+
+    traffic.arrived(group)                # a group that passed its checks (stored or filtered by dynamic sampling)
+    traffic.served(groups, staleness)     # a rank's share of a batch, the first time it is delivered
+
+Not journalled: a restarted buffer counts from 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from common.types import RolloutGroup
+
+
+def group_nbytes(group: RolloutGroup) -> int:
+    """Bytes of a group's arrays (what it costs on the wire, within a few hundred bytes of header)."""
+    arrays = (
+        group.prompt_tokens,
+        group.offsets,
+        group.completion_tokens,
+        group.behaviour_logprobs,
+        group.loss_mask,
+        group.token_versions,
+        group.versions,
+        group.rewards,
+    )
+    return sum(a.nbytes for a in arrays) + sum(a.nbytes for a in group.reward_components.values())
+
+
+class Traffic:
+    """Running totals; `staleness_*` are over served samples (each counted once per delivery of its group)."""
+
+    def __init__(self) -> None:
+        self.bytes_in = self.bytes_out = 0
+        self.staleness_sum = self.staleness_count = self.staleness_max = 0
+
+    def arrived(self, group: RolloutGroup) -> None:
+        self.bytes_in += group_nbytes(group)
+
+    def served(self, groups: Sequence[RolloutGroup], staleness: Sequence[np.ndarray]) -> None:
+        """`staleness`: one int array per group of `groups` (`DrawnBatch.share`), each sample's lag in versions."""
+        self.bytes_out += sum(group_nbytes(g) for g in groups)
+        for lag in staleness:
+            self.staleness_sum += int(lag.sum())
+            self.staleness_count += lag.size
+            self.staleness_max = max(self.staleness_max, int(lag.max()))
+
+    def staleness_metrics(self) -> dict[str, float]:
+        """`buffer/staleness_mean` and `buffer/staleness_max`; none before the first served sample."""
+        if not self.staleness_count:
+            return {}
+        return {
+            "buffer/staleness_mean": self.staleness_sum / self.staleness_count,
+            "buffer/staleness_max": self.staleness_max,
+        }
