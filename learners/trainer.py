@@ -20,19 +20,18 @@ The update, in order (B samples on this rank, T completion columns, V vocabulary
      optimizer step per batch);
   3. advantages for the estimator (`learners.estimators`); batch-level normalisations (reinforce_pp, gae)
      use the statistics of the GLOBAL batch (summed over ranks), so every rank count gives the same update.
-     algo.overlong (`learners.overlong`): "penalty" adds DAPO's soft overlong penalty to the rewards first (so
-     every estimator sees it); "mask" clears the truncated samples' loss mask after the advantages (their rewards
-     stay in the group baselines), so steps 4-5 and their denominators leave them out;
+     algo.overlong (`learners.overlong`, wired in `learners.objective`): "penalty" adds DAPO's soft overlong
+     penalty to the rewards first (so every estimator sees it); "mask" clears the truncated samples' loss mask
+     after the advantages (their rewards stay in the group baselines), so steps 4-5 and their denominators leave
+     them out;
   4. `algo.ppo_epochs` times over the mini-batches, per micro-batch: forward with grad -> log-probs and
      entropies (logits / sampling temperature; the output layer fused with the softmax in chunks, so the
-     [b, T', V] logits never exist: `_model_logprobs`) -> policy_loss with the configured correction against
-     `behaviour_logprobs` (+ KL term, - entropy bonus) -> backward -> step (the optimizer steps after a
-     mini-batch's last micro-batch).
-     The proximal policy is the one before the batch's first step: with several steps its log-probs come from
-     step 2's no-grad pass and stay fixed, so the PPO ratio pi_theta / pi_prox moves and the clip acts from the
-     second step on, while the importance weight pi_prox / pi_behaviour carries the off-policy correction
-     (decoupled PPO / TIS). With one step per batch proximal_logprobs = logprobs.detach() (the same numbers,
-     no extra pass): the ratio is 1. The advantages are computed once, on the whole batch.
+     [b, T', V] logits never exist: `learners.completion_logprobs`) -> the policy objective
+     (`learners.objective.policy_objective`: policy_loss with the configured correction against
+     `behaviour_logprobs`, + KL term, - entropy bonus) -> backward -> step (the optimizer steps after a
+     mini-batch's last micro-batch). The proximal policy is the one before the batch's first step: step 2's
+     log-probs with several steps per batch, else logprobs.detach() (ratio 1; `learners.objective` says why).
+     The advantages are computed once, on the whole batch.
   5. the critic (gae) trains on the same schedule (epochs, mini-batches, micro-batches) with the clipped value
      loss, its own engine and its own learning rate; its old values are taken once, in step 2.
 The policy version advances, and weights publish, once per `train_step` (`learners.learner`), however many
@@ -44,15 +43,8 @@ size, because DeepSpeed averages gradients over ranks and does not rescale by th
 `learners.engine`). Each optimizer step therefore equals one step on the whole global mini-batch, whatever
 `micro_batch_size` and `world_size` are (with mini_batches = 1: one step on the whole global batch).
 
-Metrics: `policy/kl` is the mean k3 estimate of KL(pi_theta || pi_ref) when a reference is loaded, else of
-KL(pi_behaviour || pi_theta) on the sampled tokens (how far the trained weights are from the ones that sampled);
-`policy/kl_behaviour` is the latter, always. `policy/approx_kl` is the k3 estimate of KL(pi_prox || pi_theta) on
-the sampled tokens (mean over action tokens; 0 at the first step, where theta = prox). Losses and policy
-statistics are means over all the steps of the batch (each epoch weighted equally); with ppo_epochs > 1,
-`policy/clip_frac/epoch_k` and `policy/approx_kl/epoch_k` are epoch k's alone (k = 1..ppo_epochs).
-`rollout/truncated_share` is the share of the batch's samples cut at the token limit (finish reason `length`),
-`reward/overlong_penalty` the mean penalty added to their rewards (0 unless algo.overlong = "penalty"); with
-algo.ratio = "sequence" (GSPO), `policy/seq_clip_frac` is the share of sequences whose clip is active.
+Metrics: those `learners.objective` records (`loss/…`, `policy/…` but `policy/lr`, `critic/clip_frac`,
+`rollout/truncated_share`, `reward/overlong_penalty`) are described there.
 `perf/padding_fraction` is padded positions / all positions of the update's forwards, `perf/tokens_per_micro_batch`
 the mean prompt + completion tokens of a micro-batch, `perf/peak_rss_mb` the process's peak resident memory so far
 (getrusage ru_maxrss; the largest rank's; it never falls, so it is the run's peak, not the step's).
@@ -81,7 +73,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -101,9 +93,7 @@ from learners.batching import (
     token_budget_micro_batches,
 )
 from learners.checkpoint import export_adapter, export_hf_model
-from learners.estimators import batch_advantages
-from learners.logprobs import entropy_from_logits, linear_logprobs_entropy, logprobs_from_logits
-from learners.losses import kl_estimate, policy_loss, value_loss
+from learners.completion_logprobs import completion_logprobs, fused_head
 from learners.models import (
     ADAPTER,
     AdaptersOff,
@@ -117,23 +107,19 @@ from learners.models import (
     merged_weights,
     torch_dtype,
 )
-from learners.overlong import mask_rows, model_tokens, overlong_penalty, truncated_rows
+from learners.objective import (
+    PreUpdate,
+    advantages_and_returns,
+    overlong_masked,
+    overlong_metrics,
+    overlong_shaping,
+    policy_objective,
+    value_objective,
+)
 from learners.rollout_stats import rollout_summary
-from learners.update_stats import GlobalAverages, InputShape, aggregate, loss_units
+from learners.update_stats import GlobalAverages, InputShape, loss_units
 
 log = logging.getLogger("tandem.learner.trainer")
-
-_NO_POSITIONS = torch.zeros(0, dtype=torch.long)  # logits_to_keep: the output layer runs on no position
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")  # configs whose logits != h W^T
-
-
-@dataclass
-class _PreUpdate:
-    """No-grad quantities for the batch, [B, T] each (None when the configuration does not need them)."""
-
-    ref_logprobs: torch.Tensor | None = None
-    old_values: torch.Tensor | None = None
-    logprobs: torch.Tensor | None = None  # the policy before the update: the proximal policy, kl_in_reward's pi
 
 
 class Trainer:
@@ -232,33 +218,21 @@ class Trainer:
             self.dist.rank,
             self.dist.world_size,
         )
-        truncated = truncated_rows(groups)  # [B]
-        penalty = torch.zeros(batch.size)  # [B]
-        if self.algo.overlong == "penalty":
-            lengths = model_tokens(batch.loss_mask)
-            penalty = overlong_penalty(lengths, self.overlong_budget, self.overlong_window, self.algo.overlong_penalty)
+        truncated, penalty = overlong_shaping(self.algo, groups, batch, self.overlong_budget, self.overlong_window)
         start = time.perf_counter()
         with torch.no_grad():
             pre = self._pre_update(batch, [rows for mini in schedule for rows in mini])
-            advantages, returns = self._advantages(replace(batch, rewards=batch.rewards + penalty), pre)
-        if self.algo.overlong == "mask":  # after the advantages: the group baselines still count them
-            batch = replace(batch, loss_mask=mask_rows(batch.loss_mask, truncated))
+            shaped = replace(batch, rewards=batch.rewards + penalty)  # [B]: the overlong penalty (0 unless on)
+            advantages, returns = advantages_and_returns(self.algo, shaped, pre, eng.all_reduce)
+        batch = overlong_masked(self.algo, batch, truncated)  # after the advantages: the group baselines count them
         pre_s = time.perf_counter() - start
         stats, forward_s, backward_s = self._update(batch, schedule, pre, advantages, returns)
-        stats.update(self._overlong_metrics(truncated, penalty))
+        stats.update(overlong_metrics(truncated, penalty, self._sum_ranks))
         stats.update(self._skipped_steps())
         stats["perf/forward_s"] = pre_s + forward_s
         stats["perf/backward_s"] = backward_s
         stats["policy/lr"] = self.policy.learning_rate()
         return {**summary, **stats}
-
-    def _overlong_metrics(self, truncated: torch.Tensor, penalty: torch.Tensor) -> dict[str, float]:
-        """rollout/truncated_share (finish reason `length`) and reward/overlong_penalty (the mean penalty added
-        to the rewards; 0 unless algo.overlong = "penalty"), over the samples of the global batch."""
-        local = np.array([truncated.numel(), float(truncated.sum()), float(penalty.double().sum())])
-        count, cut, total = self._sum_ranks(local)
-        count = max(count, 1.0)
-        return {"rollout/truncated_share": float(cut / count), "reward/overlong_penalty": float(total / count)}
 
     def _skipped_steps(self) -> dict[str, float]:
         """Counts of updates skipped as not finite (`learners.engine`: the weights stay as they were, on every
@@ -274,58 +248,27 @@ class Trainer:
         return {name: float(engine.skipped_steps) for name, engine in engines.items()}
 
     def _model_logprobs(self, model: object, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probs [b, T'], entropies [b, T']) of the completion tokens under softmax(logits / temperature).
-
-        Fused (the reference, and the policy under ZeRO 0-2): the backbone's final hidden states at the positions
-        that predict the action tokens (loss_mask), [N, H], go through the output layer's weight in
-        `logprobs.linear_logprobs_entropy`, so the [b, T', V] logits never exist; both outputs are 0 off the loss
-        mask. Unfused (`_fused_head` says why): the model's logits, then `logprobs_from_logits` and
-        `entropy_from_logits` at every position. Off the loss mask the values are not to be used either way.
-        The entropy carries a gradient only when the entropy bonus is on (algo.entropy_coef > 0).
-        """
+        """(log-probs [b, T'], entropies [b, T']) of the completion tokens under softmax(logits / temperature)
+        (`learners.completion_logprobs`), fused where `_fused_head` allows; the entropy carries a gradient only
+        when the entropy bonus is on (algo.entropy_coef > 0)."""
         head = self._fused_head(model)
-        if head is None:
-            out = model(**inputs.forward_kwargs(), logits_to_keep=inputs.keep, use_cache=False)
-            logits = inputs.predicting(out.logits) / self.temperature  # [b, T', V]
-            with torch.set_grad_enabled(self.algo.entropy_coef > 0 and torch.is_grad_enabled()):
-                entropy = entropy_from_logits(logits)  # [b, T']
-            return logprobs_from_logits(logits, inputs.completion_tokens), entropy
-        # no logits at all (an empty index); the final hidden states come back through the model's own forward (a
-        # DeepSpeed engine's, whose output hooks start its backward) with the final norm applied
-        out = model(**inputs.forward_kwargs(), logits_to_keep=_NO_POSITIONS, output_hidden_states=True, use_cache=False)
-        mask = inputs.loss_mask  # [b, T']
-        hidden = inputs.predicting(out.hidden_states[-1])[mask]  # [N, H]: the positions that predict the tokens
-        logprobs, entropy = linear_logprobs_entropy(hidden, head, inputs.completion_tokens[mask], self.temperature)
-        if not (self.algo.entropy_coef > 0):
-            entropy = entropy.detach()
-        zeros = torch.zeros(mask.shape, dtype=logprobs.dtype, device=mask.device)
-        return zeros.masked_scatter(mask, logprobs), zeros.masked_scatter(mask, entropy)
+        return completion_logprobs(model, inputs, self.temperature, head, entropy_grad=self.algo.entropy_coef > 0)
 
     def _fused_head(self, model: object) -> torch.Tensor | None:
-        """The output layer's weight [V, H] when `_model_logprobs` may bypass it, else None: under ZeRO-3 (the
-        weight is partitioned and gathered only inside its module's forward), or when the model's logits are more
-        than `hidden @ weight.T` (a bias, or a config that scales or soft-caps them)."""
+        """The output layer's weight [V, H] when `_model_logprobs` may bypass it, else None: under ZeRO-3, or for
+        logits that are more than `hidden @ weight.T` (`learners.completion_logprobs.fused_head`)."""
         engine = model if isinstance(model, eng.TrainEngine) else None
-        module = engine.module if engine is not None else model
-        if engine is not None and engine.zero3:
-            return None
-        head = module.get_output_embeddings()
-        config = module.config
-        if not isinstance(head, torch.nn.Linear) or head.bias is not None:
-            return None
-        if any(getattr(config, name, None) for name in _LOGIT_TRANSFORMS):
-            return None
-        return head.weight
+        return fused_head(engine.module if engine is not None else model, engine is not None and engine.zero3)
 
     def _critic_values(self, inputs: ModelInputs) -> torch.Tensor:
         """V(s_t) [b, T'] for each completion token t, read at the position that predicts t."""
         return inputs.predicting(self.critic(**inputs.forward_kwargs(), values_to_keep=inputs.keep))
 
-    def _pre_update(self, batch: PaddedBatch, rows: list[Rows]) -> _PreUpdate:
+    def _pre_update(self, batch: PaddedBatch, rows: list[Rows]) -> PreUpdate:
         need_ref = self.reference is not None
         # the proximal log-probs, once before the first of several steps (with one step they are logprobs.detach())
         need_logprobs = (need_ref and self.algo.kl_in_reward) or self.steps_per_batch > 1
-        pre = _PreUpdate()
+        pre = PreUpdate()
         shape = (batch.size, batch.width)
         if need_ref:
             pre.ref_logprobs = torch.zeros(shape)
@@ -347,27 +290,12 @@ class Trainer:
             self.critic.train(True)
         return pre
 
-    def _advantages(self, batch: PaddedBatch, pre: _PreUpdate) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(advantages [B, T], returns [B, T] for the critic or None), zero off the action tokens."""
-        kl = None
-        if pre.logprobs is not None and pre.ref_logprobs is not None:
-            kl = kl_estimate(pre.logprobs, pre.ref_logprobs, self.algo.kl_estimator, batch.loss_mask)  # [B, T]
-        return batch_advantages(
-            self.algo,
-            batch.rewards,
-            batch.group_ids,
-            batch.loss_mask,
-            old_values=pre.old_values,
-            kl=kl,
-            sum_ranks=eng.all_reduce,
-        )
-
     # ------------------------------------------------------------------------------------------------ update
     def _update(
         self,
         batch: PaddedBatch,
         schedule: list[list[Rows]],
-        pre: _PreUpdate,
+        pre: PreUpdate,
         advantages: torch.Tensor,
         returns: torch.Tensor | None,
     ) -> tuple[dict[str, float], float, float]:
@@ -398,29 +326,15 @@ class Trainer:
                     backward_share = float(micro_units) / max(float(mini_total), 1.0)  # of the step's loss
                     loss_share = float(micro_units / units) / epochs  # of the batch's loss units, per epoch
                     token_share = float(mask.sum() / tokens) / epochs  # ... of its action tokens
-                    loss = self._policy_objective(
-                        inputs,
-                        pre,
-                        advantages[rows, :width].to(self.device),
-                        rows,
-                        stats,
-                        loss_share,
-                        token_share,
-                        epoch,
-                    )
+                    adv = advantages[rows, :width].to(self.device)  # [b, T']
+                    loss = self._policy_objective(inputs, pre, adv, rows, stats, loss_share, token_share, epoch)
                     critic_loss = None
                     if self.critic is not None:
                         self.critic.begin_micro_batch(last)
-                        critic_loss, value_stats = value_loss(
-                            self._critic_values(inputs),
-                            pre.old_values[rows, :width].to(self.device),
-                            returns[rows, :width].to(self.device),
-                            mask,
-                            clip=algo.value_clip or None,
-                            aggregation=algo.aggregation,
-                        )
-                        stats.add("loss/value", critic_loss, loss_share)
-                        stats.add("critic/clip_frac", value_stats["clip_frac"], token_share)
+                        old = pre.old_values[rows, :width].to(self.device)
+                        target = returns[rows, :width].to(self.device)
+                        values = self._critic_values(inputs)
+                        critic_loss = value_objective(algo, values, old, target, mask, stats, loss_share, token_share)
                     forward_s += time.perf_counter() - start
                     start = time.perf_counter()
                     self.policy.backward(loss * backward_share * self.dist.world_size)
@@ -459,7 +373,7 @@ class Trainer:
     def _policy_objective(
         self,
         inputs: ModelInputs,
-        pre: _PreUpdate,
+        pre: PreUpdate,
         advantages: torch.Tensor,
         part: Rows,
         stats: GlobalAverages,
@@ -467,60 +381,17 @@ class Trainer:
         token_share: float,
         epoch: int = 1,
     ) -> torch.Tensor:
-        """The micro-batch's loss, aggregated over its own units: policy loss + KL term - entropy bonus.
-        Records its terms (weighted by `loss_share`) and token statistics (by `token_share`) in `stats`, and the
-        clip fraction and approx-KL also under `.../epoch_{epoch}` when there are several epochs."""
-        algo, mask = self.algo, inputs.loss_mask
+        """`learners.objective.policy_objective` on the micro-batch of rows `part` (`advantages`: its [b, T']): the
+        policy's forward with grad, and the rows' proximal and reference log-probs."""
+        width = inputs.width
         logprobs, entropy = self._model_logprobs(self.policy, inputs)  # [b, T'] each
         proximal = logprobs.detach()  # one step per batch: the policy before the update IS the current one
         if self.steps_per_batch > 1:
-            proximal = pre.logprobs[part, : inputs.width].to(self.device)  # taken before the batch's first step
-        loss, parts = policy_loss(
-            logprobs,
-            proximal,
-            inputs.behaviour_logprobs,
-            advantages,
-            mask,
-            clip_low=algo.clip_low,
-            clip_high=algo.clip_high,
-            dual_clip=algo.dual_clip,
-            correction=algo.correction,
-            tis_level=algo.tis_level,
-            tis_cap=algo.tis_cap,
-            aggregation=algo.aggregation,
-            ratio=algo.ratio,
+            proximal = pre.logprobs[part, :width].to(self.device)  # taken before the batch's first step
+        ref = None if pre.ref_logprobs is None else pre.ref_logprobs[part, :width].to(self.device)
+        return policy_objective(
+            self.algo, inputs, logprobs, entropy, proximal, ref, advantages, stats, loss_share, token_share, epoch
         )
-        stats.add("loss/policy", loss, loss_share)
-        if "seq_clip_frac" in parts:  # ratio = "sequence" needs seq_mean: loss_share is the share of its rows
-            stats.add("policy/seq_clip_frac", parts["seq_clip_frac"], loss_share)
-        kl_loss = torch.zeros(())
-        kl_behaviour = kl_estimate(inputs.behaviour_logprobs, logprobs.detach(), "k3", mask)  # KL(pi_b || pi)
-        kl_metric = kl_behaviour
-        if pre.ref_logprobs is not None:
-            ref = pre.ref_logprobs[part, : inputs.width].to(self.device)
-            kl_metric = kl_estimate(logprobs.detach(), ref, "k3", mask)  # KL(pi || pi_ref)
-            if not algo.kl_in_reward:
-                kl_loss = aggregate(kl_estimate(logprobs, ref, algo.kl_estimator, mask), mask, algo.aggregation)
-                loss = loss + algo.kl_coef * kl_loss
-        if algo.entropy_coef > 0:
-            loss = loss - algo.entropy_coef * aggregate(entropy, mask, algo.aggregation)
-        stats.add("loss/kl", kl_loss, loss_share)
-        stats.add("loss/total", loss, loss_share)
-        for name, per_token in (
-            ("policy/kl", kl_metric),
-            ("policy/kl_behaviour", kl_behaviour),
-            ("policy/entropy", entropy),
-        ):
-            stats.add(name, aggregate(per_token.detach(), mask, "token_mean"), token_share)
-        approx_kl = aggregate(kl_estimate(proximal, logprobs.detach(), "k3", mask), mask, "token_mean")
-        for name, value in (("policy/clip_frac", parts["clip_frac"]), ("policy/approx_kl", approx_kl)):
-            stats.add(name, value, token_share)  # KL(pi_prox || pi_theta) on the sampled tokens
-            if self.algo.ppo_epochs > 1:
-                stats.add(f"{name}/epoch_{epoch}", value, token_share * self.algo.ppo_epochs)
-        stats.add("policy/iw_mean", parts["is_weight_mean"], token_share)
-        stats.add("policy/iw_truncated_frac", parts["is_truncated_frac"], token_share)
-        stats.peak("policy/iw_max", parts["is_weight_max"])
-        return loss
 
     # ------------------------------------------------------------------------------------------------ helpers
     def _sum_ranks(self, values: np.ndarray) -> np.ndarray:
