@@ -237,14 +237,20 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
+    """`--steps` and `--seeds` of a length-bias simulation; quiets the buffer's per-step drop warnings."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=120, help="learner steps per run (default 120)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args(argv)
     if args.steps < 10:
         parser.error("--steps must be >= 10 (the first steps only fill the pipeline)")
     logging.getLogger("tandem.buffer").setLevel(logging.ERROR)  # a warning per step with drops: the figures say it
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv, __doc__.split("\n")[0])
     started = time.perf_counter()
     regimes: dict[str, dict[str, Any]] = {}
     for regime, token_s in REGIMES.items():

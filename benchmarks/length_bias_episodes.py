@@ -28,10 +28,8 @@ and by turn bucket, the shares dropped, the staleness of trained samples. Writes
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import dataclasses
-import logging
 import time
 from collections import Counter
 from typing import Any
@@ -225,13 +223,7 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=120, help="learner steps per run (default 120)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    args = parser.parse_args(argv)
-    if args.steps < 10:
-        parser.error("--steps must be >= 10 (the first steps only fill the pipeline)")
-    logging.getLogger("tandem.buffer").setLevel(logging.ERROR)  # a warning per step with drops: the figures say it
+    args = length_bias.parse_args(argv, __doc__.split("\n")[0])
     started = time.perf_counter()
     regimes: dict[str, dict[str, Any]] = {}
     for regime, (token_s, env_s) in REGIMES.items():
