@@ -797,6 +797,12 @@ class LearnerConfig(_Section):
     weight_decay: float = Field(0.0, description="AdamW weight decay.", ge=0)
     grad_clip: float = Field(1.0, description="Gradient norm clip (0 = none).", ge=0)
     warmup_steps: int = Field(0, description="Linear learning-rate warm-up steps.", ge=0)
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant",
+        description="After the warm-up: `constant`, or `cosine`: a half cosine down to min_lr_ratio x lr at the "
+        "run's last optimizer step (OpenRLHF's cosine_with_min_lr), so a short run ends on small steps.",
+    )
+    min_lr_ratio: float = Field(0.1, description="lr_schedule = cosine: the last step's lr over lr.", ge=0, le=1)
     zero_stage: Literal[0, 1, 2, 3] = Field(1, description="DeepSpeed ZeRO stage.")
     sync_every: int = Field(1, description="Publish weights every this many steps.", ge=1)
     save_every: int = Field(

@@ -38,9 +38,10 @@ Failure modes: every call here is collective under data parallelism (forward/bac
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,9 @@ class EngineSettings:
     weight_decay: float = 0.0
     grad_clip: float = 0.0  # 0 = no clipping
     warmup_steps: int = 0  # linear warm-up from lr / warmup_steps to lr
+    lr_schedule: str = "constant"  # after warm-up: "constant", or "cosine" down to min_lr_ratio * lr at decay_steps
+    min_lr_ratio: float = 0.1
+    decay_steps: int = 0  # optimizer steps of the whole run (cosine only; TrainEngine.decay_over sets it late)
 
     def deepspeed_config(self, world_size: int) -> dict[str, Any]:
         return {
@@ -133,6 +137,21 @@ class EngineSettings:
         }
 
 
+def lr_factor(step: int, settings: EngineSettings) -> float:
+    """The learning rate at optimizer step `step` (0-based) over settings.lr: a linear warm-up to 1 over
+    warmup_steps, then 1 ("constant"), or a half cosine from 1 at the end of the warm-up down to min_lr_ratio at
+    decay_steps, flat after it ("cosine", OpenRLHF's cosine_with_min_lr). A run that ends on a small step
+    finishes near a minimum instead of wherever its last full-size step left it."""
+    warmup = max(1, settings.warmup_steps)
+    if step + 1 < warmup:
+        return (step + 1) / warmup
+    if settings.lr_schedule == "constant" or settings.decay_steps <= warmup:
+        return 1.0
+    progress = min(1.0, (step + 1 - warmup) / (settings.decay_steps - warmup))
+    low = settings.min_lr_ratio
+    return low + (1.0 - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 class TrainEngine:
     """A module trained by one DeepSpeed engine (policy or critic). Calls are collective across ranks."""
 
@@ -140,7 +159,6 @@ class TrainEngine:
         import deepspeed
 
         self.settings = settings
-        warmup = max(1, settings.warmup_steps)
         trainable = [p for p in module.parameters() if p.requires_grad]
 
         def make_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -150,7 +168,7 @@ class TrainEngine:
             )
 
         def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-            return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, self.settings))
 
         self._nonfinite_loss = False  # a micro-batch of the current update had a non-finite loss on this rank
         self.last_step_skipped = False  # the latest optimizer step was skipped (non-finite loss or gradient)
@@ -161,6 +179,13 @@ class TrainEngine:
             lr_scheduler=make_scheduler,
             config=settings.deepspeed_config(world_size()),
         )
+
+    def decay_over(self, steps: int) -> None:
+        """Set the cosine schedule's horizon (settings.decay_steps) to `steps` optimizer steps, for a caller that
+        knows the run's length only after the engine exists (the offline stages count their rows first). Call it
+        before the first step (whose lr does not depend on the horizon); the lr schedule reads the settings at
+        every step."""
+        self.settings = replace(self.settings, decay_steps=steps)
 
     @property
     def module(self) -> torch.nn.Module:

@@ -152,6 +152,8 @@ class OfflineTrainer:
             weight_decay=learner.weight_decay,
             grad_clip=learner.grad_clip,
             warmup_steps=learner.warmup_steps,
+            lr_schedule=learner.lr_schedule,
+            min_lr_ratio=learner.min_lr_ratio,
         )
         self.engine = eng.TrainEngine(self.stage.model, settings)
 
@@ -264,6 +266,7 @@ def run_stage(config: TandemConfig, name: str) -> int:
     dist, stage_cfg = trainer.dist, getattr(config, name)
     train, held_out = _examples(trainer, config, name, log)
     schedule = Schedule.of(len(train), stage_cfg.batch_size, stage_cfg.epochs, stage_cfg.max_steps, config.run.seed)
+    trainer.engine.decay_over(schedule.steps)  # learner.lr_schedule = cosine ends on the stage's last step
     if dist.rank == 0:
         write_resolved(config, run_dir)
     from learners.engine import barrier

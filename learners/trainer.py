@@ -163,6 +163,9 @@ class Trainer:
             weight_decay=learner.weight_decay,
             grad_clip=learner.grad_clip,
             warmup_steps=learner.warmup_steps,
+            lr_schedule=learner.lr_schedule,
+            min_lr_ratio=learner.min_lr_ratio,
+            decay_steps=learner.total_steps * algo.ppo_epochs * learner.mini_batches,
         )
         self.device = eng.device()
         self.lora = learner.lora if learner.lora.rank > 0 else None  # adapters on the policy and the critic
