@@ -29,47 +29,18 @@ from typing import Any
 from benchmarks.common import save, side_by_side
 from benchmarks.runs import DEMO_CONFIG, REPO, launch_run
 from benchmarks.time_to_reward_figures import (
-    ASYNC_NOT_REACHED,
-    FILTERED_REWARD_SUM_KEY,
-    FILTERED_SAMPLES_KEY,
     FIRST_STEP,
-    GENERATED_REWARD_KEY,
     REWARD_KEY,
     TARGET_FRACTION_OF_BOUND,
     TARGET_TIME_RATIO,
     TRAILING,
     RunKey,
     headline,
-    median_of_seeds,
-    overlap_bound,
     pairs,
     run_figures,
-    time_to_target,
-    trailing_means,
 )
 from common.config import load_config
 from common.metrics import read_metrics
-
-# what tests and callers import from here; the figures' names are time_to_reward_figures', re-exported
-__all__ = [
-    "ASYNC_NOT_REACHED",
-    "CELLS",
-    "FILTERED_REWARD_SUM_KEY",
-    "FILTERED_SAMPLES_KEY",
-    "GENERATED_REWARD_KEY",
-    "RunKey",
-    "headline",
-    "key_of",
-    "load_runs",
-    "main",
-    "median_of_seeds",
-    "overlap_bound",
-    "pairs",
-    "read_metrics",
-    "run_figures",
-    "time_to_target",
-    "trailing_means",
-]
 
 TARGET_REWARD = 0.9
 SYNC_ETA, ASYNC_ETA = 0, 2

@@ -13,6 +13,8 @@ import pytest
 
 import benchmarks.common
 from benchmarks import time_to_reward as ttr
+from benchmarks import time_to_reward_figures as figures
+from common.metrics import read_metrics
 
 KEPT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "kept_runs"
 
@@ -51,14 +53,14 @@ def hand_made(folder: Path) -> Path:
     # all-wrong group of 8). Trained 0.75 from step 2 on can never reach 0.9; counted back in, every arrived group:
     # 0.5; (0.75 x 32 + 32) / 64 = 0.875; (24 + 96) / 128 = 0.9375; 0.9375; 0.9375; (24 + 0) / 40 = 0.6
     filtered = [(0, 0), (32, 32), (128, 128), (224, 224), (320, 320), (328, 320)]
-    extra = [{ttr.FILTERED_SAMPLES_KEY: n, ttr.FILTERED_REWARD_SUM_KEY: total} for n, total in filtered]
+    extra = [{figures.FILTERED_SAMPLES_KEY: n, figures.FILTERED_REWARD_SUM_KEY: total} for n, total in filtered]
     write_run(folder / "eta2-ds-seed0.metrics.jsonl", ASYNC_TIMES, [0.5] + [0.75] * 5, 0.0, extra)
     (folder / "lora.metrics.jsonl").write_text("")  # no eta<N> in its name: left out
     return folder
 
 
 def test_trailing_mean_and_time_to_target_by_hand(tmp_path: Path) -> None:
-    assert ttr.trailing_means([0.25, 0.5, 0.75, 1.0]) == [None, None, 0.5, 0.75]
+    assert figures.trailing_means([0.25, 0.5, 0.75, 1.0]) == [None, None, 0.5, 0.75]
     runs = {run["cell"]: run for run in ttr.load_runs(hand_made(tmp_path / "runs"), target=0.9)}
     assert set(runs) == {"eta0", "eta2", "eta2-ds"}
     sync, asynchronous, dynamic = runs["eta0"]["time_to_target"], runs["eta2"], runs["eta2-ds"]["time_to_target"]
@@ -67,9 +69,9 @@ def test_trailing_mean_and_time_to_target_by_hand(tmp_path: Path) -> None:
     assert asynchronous["time_to_target"]["last_time_s"] == 44.0
     assert [p["reward"] for p in dynamic["curve"]] == pytest.approx([0.5, 0.875, 0.9375, 0.9375, 0.9375, 0.6])
     # trailing at step 3: (0.5 + 0.875 + 0.9375) / 3 = 0.771; step 4: (0.875 + 2 x 0.9375) / 3 = 0.9167 at 31.2 s
-    assert (dynamic["step"], dynamic["time_s"], dynamic["reward_key"]) == (4, 31.2, ttr.GENERATED_REWARD_KEY)
+    assert (dynamic["step"], dynamic["time_s"], dynamic["reward_key"]) == (4, 31.2, figures.GENERATED_REWARD_KEY)
     # equality reaches it: (0.25 + 0.5 + 0.75) / 3 = 0.5 exactly at step 3
-    assert ttr.time_to_target(ttr.read_metrics(tmp_path / "runs" / "eta0-seed0.metrics.jsonl"), 0.5)["step"] == 3
+    assert figures.time_to_target(read_metrics(tmp_path / "runs" / "eta0-seed0.metrics.jsonl"), 0.5)["step"] == 3
 
 
 def test_bound_and_fraction_by_hand(tmp_path: Path) -> None:
@@ -77,44 +79,44 @@ def test_bound_and_fraction_by_hand(tmp_path: Path) -> None:
     sync = next(run for run in runs if run["cell"] == "eta0")
     # after step 1: t_gen = 2, t_train = 5.5 + 0.5 = 6; samples/s = 5 x 32 / (50 - 10) = 4.0
     assert (sync["t_gen_s"], sync["t_train_s"], sync["samples_per_s"]) == pytest.approx((2.0, 6.0, 4.0))
-    (pair,) = ttr.pairs(runs)["throughput"]
+    (pair,) = figures.pairs(runs)["throughput"]
     # bound (2 + 6) / 6 = 4/3; async 5 x 32 / (44 - 12) = 5.0 samples/s, so 5 / 4 = 1.25 = 0.9375 of the bound
     assert pair["overlap_bound"] == pytest.approx(4 / 3)
     assert pair["achieved_ratio"] == pytest.approx(1.25)
     assert pair["fraction_of_bound"] == pytest.approx(0.9375)
-    top = ttr.headline(runs, 0.9)
+    top = figures.headline(runs, 0.9)
     assert top["async_fraction_of_bound"] == pytest.approx(0.9375) and top["async_fraction_of_bound_met"]
     # eta2-ds at 31.2 s over eta0 at 42 s = 0.742857 <= 0.8
     assert top["time_to_reward_ratio"] == pytest.approx(31.2 / 42.0) and top["time_to_reward_ratio_met"]
     assert top["time_to_target_s"] == {"eta0/seed0": 42.0, "eta2/seed0": None, "eta2-ds/seed0": 31.2}
     with pytest.raises(ValueError, match="non-negative"):
-        ttr.overlap_bound(0.0, 0.0)
+        figures.overlap_bound(0.0, 0.0)
 
 
 def test_a_filtered_run_without_the_filters_counters_gets_no_time(tmp_path: Path) -> None:
     path = write_run(tmp_path / "x.jsonl", SYNC_TIMES, [1.0] * 6, wait_s=2.0)  # reward/mean only: reached if read
-    run = ttr.run_figures(ttr.RunKey(2, True, 0), "x", ttr.read_metrics(path), target=0.9)
+    run = figures.run_figures(figures.RunKey(2, True, 0), "x", read_metrics(path), target=0.9)
     assert run["time_to_target"]["time_s"] is None and not run["time_to_target"]["reached"]
-    assert ttr.FILTERED_REWARD_SUM_KEY in run["time_to_target"]["why_null"]
+    assert figures.FILTERED_REWARD_SUM_KEY in run["time_to_target"]["why_null"]
 
 
 def test_the_median_over_seeds_orders_unreached_runs() -> None:
-    assert ttr.median_of_seeds([0.7, math.inf, 0.6]) == (0.7, None)  # sorted 0.6, 0.7, inf
-    assert ttr.median_of_seeds([0.5, 0.7]) == (pytest.approx(0.6), None)
-    assert ttr.median_of_seeds([0.7, math.inf]) == (None, ttr.ASYNC_NOT_REACHED)
-    assert ttr.median_of_seeds([0.0, 0.0, 0.9])[0] is None
-    assert ttr.median_of_seeds([]) == (None, "no pair of runs to compare")
+    assert figures.median_of_seeds([0.7, math.inf, 0.6]) == (0.7, None)  # sorted 0.6, 0.7, inf
+    assert figures.median_of_seeds([0.5, 0.7]) == (pytest.approx(0.6), None)
+    assert figures.median_of_seeds([0.7, math.inf]) == (None, figures.ASYNC_NOT_REACHED)
+    assert figures.median_of_seeds([0.0, 0.0, 0.9])[0] is None
+    assert figures.median_of_seeds([]) == (None, "no pair of runs to compare")
 
 
 def test_cells_from_names_and_configs(tmp_path: Path) -> None:
-    assert ttr.key_of(Path("demo-eta2-async.metrics.jsonl")) == ttr.RunKey(2, False, 0)  # the demo's seed
-    assert ttr.key_of(Path("eta0-ds-seed3.metrics.jsonl")) == ttr.RunKey(0, True, 3)
+    assert ttr.key_of(Path("demo-eta2-async.metrics.jsonl")) == figures.RunKey(2, False, 0)  # the demo's seed
+    assert ttr.key_of(Path("eta0-ds-seed3.metrics.jsonl")) == figures.RunKey(0, True, 3)
     assert ttr.key_of(Path("demo-lora.metrics.jsonl")) is None
     run_dir = tmp_path / "whatever"
     run_dir.mkdir()
     config = {"algo": {"max_staleness": 2}, "buffer": {"filter": "no_signal"}, "run": {"seed": 5}}
     (run_dir / "config.json").write_text(json.dumps(config))
-    assert ttr.key_of(run_dir / "metrics.jsonl") == ttr.RunKey(2, True, 5)
+    assert ttr.key_of(run_dir / "metrics.jsonl") == figures.RunKey(2, True, 5)
 
 
 def saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> dict[str, Any]:
@@ -171,6 +173,6 @@ def test_a_filtered_run_recorded_by_the_learner_is_counted_back_in(tmp_path: Pat
     reporter.close()
     (run,) = ttr.load_runs(tmp_path / "runs", target=0.8)
     reached = run["time_to_target"]
-    assert (run["cell"], reached["reward_key"], reached["step"]) == ("eta2-ds", ttr.GENERATED_REWARD_KEY, 3)
+    assert (run["cell"], reached["reward_key"], reached["step"]) == ("eta2-ds", figures.GENERATED_REWARD_KEY, 3)
     assert [p["reward"] for p in reached["curve"]] == pytest.approx([0.75, 0.875, 10 / 12])
     assert reached["trailing_mean_at_target"] == pytest.approx((0.75 + 0.875 + 10 / 12) / 3)
