@@ -332,8 +332,16 @@ class Client:
         if self.socket is None:
             self.socket = self._open()
         request_id = struct.pack("<Q", next(self._sequence))
-        self.socket.send_multipart([b"", request_id, *encode(message, payload)], copy=False)
         deadline = time.monotonic() + timeout_s
+        # The send waits at most timeout_s too: a DEALER with no pipe to queue on (a handshake the server refused,
+        # e.g. a client without the CURVE keys, drops it until the reconnect) blocks in send, and once hung a
+        # test's whole run with it.
+        self.socket.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
+        try:
+            self.socket.send_multipart([b"", request_id, *encode(message, payload)], copy=False)
+        except zmq.Again:
+            self.reset()
+            raise PeerUnavailable(f"could not send to {self.host}:{self.port} within {timeout_s:.1f}s") from None
         while (remaining := deadline - time.monotonic()) > 0:
             if not self.socket.poll(int(remaining * 1000) + 1, zmq.POLLIN):
                 continue
