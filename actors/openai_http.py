@@ -45,11 +45,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from common.config import BufferConfig, is_loopback
+from common.serving import RateLimitedLog, fault_kind
 
 if TYPE_CHECKING:
     from actors.openai_server import AgentServer
 
 log = logging.getLogger("tandem.actors.openai_server")
+_faults = RateLimitedLog(log)
 
 LISTEN_BACKLOG = 2048  # connects queued before uvicorn accepts them (the kernel caps it at net.core.somaxconn)
 BODY_READ_TIMEOUT_S = 30.0  # a body that trickles in slower than this is refused (408): it holds a connection
@@ -234,9 +236,10 @@ class AgentApp:
             return self.refuse(404, "not_found", str(error).strip("'\""))
         except AgentError as error:
             return self.refuse(409, "conflict", str(error))
-        except Exception as error:  # deliberately survived: a bug answers this request with 500, the endpoint serves on
-            log.exception("the agent endpoint failed on %s %s", request.method, request.url.path)
-            return self.refuse(500, "internal", f"internal error ({type(error).__name__}): see the generator's log")
+        except Exception as error:  # noqa: BLE001 - deliberately survived: a bug answers 500, the endpoint serves on
+            kind = fault_kind(error)  # internal_<ExceptionName>, its traceback logged once per kind per interval
+            _faults.log(logging.ERROR, kind, "the agent endpoint failed on %s", request.url.path, exc_info=error)
+            return self.refuse(500, kind, f"internal error ({type(error).__name__}): see the generator's log")
 
     def refuse(self, status: int, kind: str, message: str) -> Response:
         self.refused[kind] += 1

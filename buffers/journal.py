@@ -154,6 +154,14 @@ class Journal:
             raise RuntimeError("journal: call replay() before append()")
         self.size += _write_all(self.fd, pack_record(kind, meta, frames))
 
+    def retract(self, size: int) -> None:
+        """Cut the file back to `size` bytes (its size before the last `append`): the record of an event that
+        failed to apply live is taken back, so that a restart does not replay what broke the service."""
+        if self.fd is None or not 0 <= size <= self.size:
+            raise RuntimeError(f"journal: cannot retract to {size} bytes of {self.size}")
+        os.ftruncate(self.fd, size)
+        self.size = size
+
     @property
     def needs_compaction(self) -> bool:
         return self.size > max(self.min_compact_bytes, self.growth * self.compacted_size)

@@ -15,7 +15,9 @@ What a skip does to the state, so that nothing hostile is served and nothing els
 - a draw that holds a skipped group: its other groups are used as they were live (their use counts and flows), the
   batch is not restored (a rank that had not received it asks again and gets a new draw); `pending_draw` likewise;
 - a delivery of a batch that is not restored: skipped;
-- a version record with numbers outside the bounds: skipped (the learner re-reports its version).
+- a version record with numbers outside the bounds: skipped (the learner re-reports its version);
+- a record whose applier raises (a bug, not a check): skipped as `replay_error`, so that a journal cannot make every
+  restart die the same way (live, `BufferState.commit` takes back the record of an event that failed to apply).
 The ledger identity holds after replay: `delta` is what the skips changed against the live ledger (a skipped
 group's rejection, minus the live flows of that group that replay leaves out), and it is added again after every
 `counters` snapshot, which overwrites the ledger with the live values.
@@ -51,7 +53,10 @@ class ReplayGuard:
         kind, meta = record.kind, record.meta
         problem = journal_record_problem(kind, meta)
         if problem is None:
-            problem = self._apply(kind, meta, record)
+            try:
+                problem = self._apply(kind, meta, record)
+            except Exception as error:  # noqa: BLE001 - a record that breaks replay must not stop every restart
+                problem = ("replay_error", f"{type(error).__name__}: {error}"[:300])
         if problem is not None:
             self.skipped += 1
             self._count("journal_skipped")

@@ -35,6 +35,7 @@ from buffers.state import BufferSettings, BufferState
 from common.config import ConfigError, EnvConfig, TandemConfig
 from common.logs import setup_logging
 from common.metrics import MetricsSink
+from common.serving import answer_safely
 from common.sockets import Server, SocketSecurity
 from common.types import MAX_NAME_CHARS, MAX_REWARD_COMPONENTS, max_group_bytes
 
@@ -138,8 +139,8 @@ def run(config: TandemConfig) -> int:
     try:
         while not stop:
             request = server.poll(timeout_ms=POLL_MS)
-            if request is not None:
-                _answer(server, core, request)
+            if request is not None:  # a fault while answering is a rejected message (common.serving), not the end
+                answer_safely(server, request, lambda request: _answer(server, core, request))
                 _write_eval_rows(evaluation, eval_sink)
             if time.monotonic() >= next_housekeeping:
                 for reply_to, message in core.tick(time.time()):

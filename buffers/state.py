@@ -167,10 +167,18 @@ class BufferState:
 
     # ------------------------------------------------------------------------------------------ events
     def commit(self, kind: str, meta: dict[str, Any], group: RolloutGroup | None = None) -> Any:
-        """Journal the event (when persistent), then apply it; returns what the applier returns."""
-        if self.journal is not None:
-            self.journal.append(kind, meta, encode(group) if group is not None else ())
-        return self.apply(kind, meta, group)
+        """Journal the event (when persistent), then apply it; returns what the applier returns. An event whose
+        applier raises is taken back out of the journal (`Journal.retract`) before the error propagates: what failed
+        live is not replayed into the restarted buffer (issue 37)."""
+        if self.journal is None:
+            return self.apply(kind, meta, group)
+        before = self.journal.size
+        self.journal.append(kind, meta, encode(group) if group is not None else ())
+        try:
+            return self.apply(kind, meta, group)
+        except Exception:
+            self.journal.retract(before)
+            raise
 
     def apply(self, kind: str, meta: dict[str, Any], group: RolloutGroup | None = None) -> Any:
         """Apply an event without journaling it (`commit` after journaling it, replay as it reads it)."""

@@ -42,6 +42,7 @@ import zmq
 
 from common.config import is_loopback
 from common.keys import ROLES, SecurityError, load_public, load_secret, role_public_keys
+from common.serving import RateLimitedLog, fault_kind
 from common.types import ErrorReply
 from common.wire import WireError, decode, encode
 
@@ -163,8 +164,9 @@ def _configure_server_security(ctx: zmq.Context, sock: zmq.Socket, host: str, se
 class Server:
     """A ROUTER socket that receives validated requests and sends replies (possibly deferred).
 
-    Malformed, oversized or wrong-version messages never raise out of `poll`: the sender gets an `ErrorReply`,
-    and the reason is logged and counted in `rejected` (keys: the reason's first words). Each `Request` says the
+    Malformed, oversized or wrong-version messages never raise out of `poll`, nor does any other exception raised
+    while one is decoded (counted as `internal_<ExceptionName>`): the sender gets an `ErrorReply`, the rejection is
+    counted in `rejected` under its kind and logged once per kind per `common.serving.LOG_EVERY_S`. Each `Request` says the
     sender's role (see the module docstring): the User-Id with CURVE, the declared role without.
     """
 
@@ -183,6 +185,7 @@ class Server:
             self.socket.close()
             raise OSError(f"{name}: cannot bind {host}:{port}: {error} (is another run using this port?)") from None
         self.rejected: Counter[str] = Counter()
+        self._rejections = RateLimitedLog(log)  # one line per kind per LOG_EVERY_S: a flood cannot fill the disk
         self.poller = zmq.Poller()
         self.poller.register(self.socket, zmq.POLLIN)
 
@@ -194,7 +197,11 @@ class Server:
             if not self.poller.poll(remaining):
                 return None
             frames = self.socket.recv_multipart(copy=False)
-            request = self._parse(frames)
+            try:
+                request = self._parse(frames)
+            except Exception as error:  # noqa: BLE001 - a decoder bug is one rejected message, not a dead service
+                request = None
+                self._reject_fault(frames, error)
             if request is not None:
                 return request
             if time.monotonic() >= deadline:
@@ -215,9 +222,21 @@ class Server:
         role = role if role in ROLES else ""
         return Request(identity, request_id, message, payload, role, _name(frames[3]), _source_fd(frames[0]))
 
+    def _reject_fault(self, frames: list[zmq.Frame], error: Exception) -> None:
+        """Reject a message whose parsing raised something else than WireError (`common.serving`)."""
+        kind = fault_kind(error)
+        self._rejections.log(
+            logging.ERROR, f"trace:{kind}", "%s: decoding a message raised %r", self.name, error, exc_info=error
+        )
+        identity = frames[0].bytes
+        request_id = frames[2].bytes if len(frames) > 2 and len(frames[2].bytes) == 8 else None
+        self._reject(identity, request_id, f"internal error while decoding: {type(error).__name__}", kind)
+
     def _reject(self, identity: bytes, request_id: bytes | None, reason: str, kind: str) -> None:
         self.rejected[kind] += 1
-        log.warning("%s: rejected a message from %r: %s", self.name, identity, reason)
+        self._rejections.log(
+            logging.WARNING, kind, "%s: rejected a message from %r (%s): %s", self.name, identity, kind, reason
+        )
         if request_id is not None:
             self._send(identity, request_id, encode(ErrorReply(reason=reason, kind=kind)))
 

@@ -618,16 +618,52 @@ def _fail(path: str, expected: str, value: Any) -> typing.NoReturn:
     raise ContractError(f"{path}: expected {expected}, got {type(value).__name__}")
 
 
-def _out_of_bounds(path: str, low: int, high: int, value: Any, expected: str = "an int") -> typing.NoReturn:
-    """Raise for an integer (or a list of them: its first bad item) that is not an int within [low, high]."""
-    if type(value) is list:
-        index, value = next((i, v) for i, v in enumerate(value) if type(v) is not int or not low <= v <= high)
-        path = f"{path}[{index}]"
-    elif type(value) is not int:
-        _fail(path, expected, value)
+def _out_of_bounds(path: str, low: int, high: int, value: Any, items: bool = False) -> typing.NoReturn:
+    """Raise ContractError for a value that is not an int within [low, high]; `items`: the field is a list of
+    such ints, and the error names its first bad item (a list where one int belongs is refused as a list)."""
+    if items:
+        if type(value) is not list:
+            _fail(path, "a list of int", value)
+        index = next((i for i, v in enumerate(value) if type(v) is not int or not low <= v <= high), None)
+        if index is None:  # only reached by a caller that passed a good list: refuse it all the same
+            raise ContractError(f"{path}: refused (a list of int within [{low}, {high}])")
+        path, value = f"{path}[{index}]", value[index]
     if type(value) is not int:
         _fail(path, "an int", value)
     raise ContractError(f"{path}: {value} is outside [{low}, {high}]")
+
+
+MAX_JSON_DEPTH = 32  # nesting of a JSON-like value (PromptItem.metadata): deeper is refused, never recursed into
+
+
+def _check_json(value: Any, path: str) -> Any:
+    """A JSON-like value (nil, bool, int within +-MAX_COUNT, finite float, str, list, map with str keys), nested at
+    most MAX_JSON_DEPTH deep: checked without recursion, so that no depth raises anything but ContractError."""
+    stack = [(value, path, 0)]
+    while stack:
+        item, where, depth = stack.pop()
+        kind = type(item)
+        if item is None or kind in (bool, str):
+            continue
+        if kind is int:
+            if not -MAX_COUNT <= item <= MAX_COUNT:
+                _out_of_bounds(where, -MAX_COUNT, MAX_COUNT, item)
+        elif kind is float:
+            if not math.isfinite(item):
+                raise ContractError(f"{where}: must be finite (got {item})")
+        elif kind in (list, dict):
+            if depth >= MAX_JSON_DEPTH:
+                raise ContractError(f"{where}: nested deeper than {MAX_JSON_DEPTH}")
+            if kind is list:
+                stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(item))
+            else:
+                for k, v in item.items():
+                    if type(k) is not str:
+                        _fail(f"{where}.<key>", "a str key", k)
+                    stack.append((v, f"{where}.{k[:40]}", depth + 1))
+        else:
+            _fail(where, "a JSON-like value (nil, bool, int, float, str, list, map)", item)
+    return value
 
 
 def _build_checker(annotation: Any, meta: dict) -> Checker:
@@ -644,7 +680,7 @@ def _build_checker(annotation: Any, meta: dict) -> Checker:
         return check_array
     origin = typing.get_origin(annotation)
     if annotation is Any:
-        return lambda value, path: value
+        return _check_json
     if annotation is np.ndarray:
         return lambda value, path: value if isinstance(value, np.ndarray) else _fail(path, "an array", value)
     if annotation is float:
@@ -670,7 +706,7 @@ def _build_checker(annotation: Any, meta: dict) -> Checker:
             return lambda value, path: (
                 value
                 if type(value) is list and all(type(v) is int and low <= v <= high for v in value)
-                else _out_of_bounds(path, low, high, value, "a list of int")
+                else _out_of_bounds(path, low, high, value, items=True)
             )
         if item_type in (str, bool):
             return lambda value, path: (
@@ -688,7 +724,7 @@ def _build_checker(annotation: Any, meta: dict) -> Checker:
         key_type, value_type = typing.get_args(annotation)
         check_key, check_value = _checker(key_type), _checker(value_type)
         return lambda value, path: (
-            {check_key(k, f"{path}.<key>"): check_value(v, f"{path}.{k}") for k, v in value.items()}
+            {check_key(k, f"{path}.<key>"): check_value(v, f"{path}.{str(k)[:40]}") for k, v in value.items()}
             if type(value) is dict
             else _fail(path, "a map", value)
         )
@@ -737,7 +773,7 @@ def from_fields(cls: type, fields: Any, path: str = "") -> Any:
     checkers = _field_checkers(cls)
     if len(fields) > len(checkers) or not fields.keys() <= {name for name, _, _ in checkers}:
         unknown = set(fields) - {name for name, _, _ in checkers}
-        raise ContractError(f"{path}: unknown fields {sorted(map(str, unknown))}")
+        raise ContractError(f"{path}: unknown fields {sorted(str(name)[:40] for name in unknown)[:8]}")
     values = {}
     for name, required, check in checkers:
         if name in fields:

@@ -14,6 +14,7 @@ Decoded arrays are read-only views of the received frames: copy before writing t
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from common.types import MESSAGE_TYPES, PROTOCOL_VERSION, ContractError, from_fi
 
 ARRAY_EXT = 1
 DEFAULT_MAX_BYTES = 1 << 30
+MAX_REASON_CHARS = 500  # a rejection's reason, as logged and sent back (a field's path may hold a peer's key)
 # Little-endian (or byte-order-free) numeric dtypes only: no object arrays, no structured dtypes.
 ALLOWED_DTYPES = {
     np.dtype(name).str: np.dtype(name)
@@ -125,23 +127,32 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[A
         raise WireError(f"header is not valid msgpack: {type(error).__name__}: {error}", "garbage") from None
     if type(header) is not dict or header.keys() != {"p", "t", "a", "f"}:
         raise WireError("header must be a map with exactly the keys p, t, a, f", "garbage")
-    if header["p"] != PROTOCOL_VERSION:
+    if type(header["p"]) is not int or header["p"] != PROTOCOL_VERSION:  # an array's == is no bool: type first
         raise WireError(
-            f"protocol version {header['p']!r} != {PROTOCOL_VERSION} (upgrade the older peer)", "wrong_version"
+            f"protocol version {_short(header['p'])} != {PROTOCOL_VERSION} (upgrade the older peer)", "wrong_version"
         )
     cls = MESSAGE_TYPES.get(header["t"]) if isinstance(header["t"], str) else None
     if cls is None:
-        raise WireError(f"unknown message type {header['t']!r}", "unknown_type")
+        raise WireError(f"unknown message type {_short(header['t'])}", "unknown_type")
     num_arrays = header["a"]
     if type(num_arrays) is not int or not 0 <= num_arrays <= len(views) - 1:
-        raise WireError(f"array frame count {num_arrays!r} does not fit {len(views) - 1} frames", "bad_frames")
+        raise WireError(f"array frame count {_short(num_arrays)} does not fit {len(views) - 1} frames", "bad_frames")
     if highest_frame[0] > num_arrays:
         raise WireError(f"an array refers to a frame beyond the {num_arrays} array frames", "bad_frames")
     try:
         message = from_fields(cls, header["f"])
     except ContractError as error:
-        raise WireError(str(error), "invalid_fields") from None
+        raise WireError(str(error)[:MAX_REASON_CHARS], "invalid_fields") from None
     return message, views[1 + num_arrays :]
+
+
+def _short(value: Any) -> str:
+    """A received value for a reason: its repr cut to 80 characters, or its type where repr fails (a list nested
+    a thousand deep exceeds the recursion limit)."""
+    try:
+        return reprlib.repr(value)[:80]
+    except Exception:  # noqa: BLE001 - any value a peer sent; its type is enough to say what was wrong
+        return f"<{type(value).__name__}>"
 
 
 def _array_from_frame(code: int, data: bytes, views: list[memoryview], highest_frame: list[int]) -> np.ndarray:
@@ -153,11 +164,11 @@ def _array_from_frame(code: int, data: bytes, views: list[memoryview], highest_f
     except Exception:  # noqa: BLE001 - msgpack raises many types for garbage; all mean the same here
         raise WireError("malformed array descriptor", "garbage") from None
     if type(index) is not int or not 1 <= index < len(views):
-        raise WireError(f"array descriptor refers to frame {index!r} of {len(views)}", "bad_frames")
+        raise WireError(f"array descriptor refers to frame {_short(index)} of {len(views)}", "bad_frames")
     if type(dtype) is not str or dtype not in ALLOWED_DTYPES:
-        raise WireError(f"array descriptor with bad dtype {dtype!r}", "garbage")
+        raise WireError(f"array descriptor with bad dtype {_short(dtype)}", "garbage")
     if type(shape) is not list or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape):
-        raise WireError(f"array descriptor with bad shape {shape!r}", "garbage")
+        raise WireError(f"array descriptor with bad shape {_short(shape)}", "garbage")
     dtype = ALLOWED_DTYPES[dtype]
     frame = views[index]
     expected = math.prod(shape) * dtype.itemsize

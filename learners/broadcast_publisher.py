@@ -45,6 +45,7 @@ from common.broadcast import (
     send_round,
 )
 from common.config import WeightsConfig
+from common.serving import answer_safely, supervised_thread
 from common.sockets import Request, Server, SocketSecurity
 from common.types import WeightsHeader, WeightsNotNewer, WeightsRequest
 from common.weights import DEFAULT_BUCKET_MB, plan_buckets
@@ -96,11 +97,10 @@ class BroadcastWeightsPublisher:
         self._server = Server(host, port, security, "weights doorbell (broadcast)")  # binds now: OSError here
         group_args = (*group_address, fleet_size + 1, backend, timeout_s, join_timeout_s, security.insecure)
         self._threads = [
-            threading.Thread(target=self._serve_doorbell, args=(poll_ms,), name="weights-doorbell", daemon=True),
+            supervised_thread(lambda: self._serve_doorbell(poll_ms), "weights-doorbell", self._stop),  # restarted
             threading.Thread(target=self._send_rounds, args=group_args, name="weights-broadcast", daemon=True),
         ]
-        for thread in self._threads:
-            thread.start()
+        self._threads[1].start()
 
     def publish(self, version: int, layout: Layout, weights: Iterable[tuple[str, Any]]) -> float:
         """Copy `weights` (in `layout` order) into a bucket set and queue it as the next round; returns the seconds
@@ -161,15 +161,16 @@ class BroadcastWeightsPublisher:
                 self._announced = pending.header
         return pending
 
+    @property
+    def rejected(self) -> dict[str, int]:
+        """Doorbell requests refused so far, by kind (`common.sockets.Server.rejected`)."""
+        return dict(self._server.rejected)
+
     def _serve_doorbell(self, poll_ms: int) -> None:
-        try:
-            while not self._stop.is_set():
-                request = self._server.poll(poll_ms)
-                if request is not None:
-                    self._answer(request)
-        finally:
-            self.counters.update({f"rejected/{k}": v for k, v in self._server.rejected.items()})
-            self._server.close()
+        while not self._stop.is_set():
+            request = self._server.poll(poll_ms)
+            if request is not None:  # a fault while answering it: a rejected request (common.serving)
+                answer_safely(self._server, request, self._answer)
 
     def _answer(self, request: Request) -> None:
         message = request.message
@@ -203,6 +204,8 @@ class BroadcastWeightsPublisher:
             self._lock.notify_all()
         for thread in self._threads:
             thread.join(timeout=5)
+        self.counters.update({f"rejected/{k}": v for k, v in self._server.rejected.items()})
+        self._server.close()
         if self._group is not None and not self._threads[1].is_alive():
             self._group.close()
 

@@ -145,6 +145,8 @@ def run(config: TandemConfig) -> int:
             }
             if publisher is not None:  # bytes out of rank 0 for weights so far: k x the model per update by relay
                 timings["weights/publisher_bytes"] = float(getattr(publisher, "counters", {}).get("served_bytes", 0))
+                # weights requests refused so far (malformed, forbidden, or a fault while answering: common.serving)
+                timings["weights/publisher_rejected"] = float(sum(getattr(publisher, "rejected", {}).values()))
             if reporter is not None:
                 reporter.report(state.step, _record(stats, timings, state, *_buffer_counters(batch)))
             saves.after_step(state)

@@ -69,6 +69,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from common.config import LoraConfig, WeightsConfig
+from common.serving import answer_safely, supervised_thread
 from common.sockets import Request, Server, SocketSecurity
 from common.types import ChunkReply, ChunkRequest, ChunkUnavailable, WeightsHeader, WeightsNotNewer, WeightsRequest
 from common.weights import ALIGN, DEFAULT_BUCKET_MB, chunk_ranges, digest_chunks, plan_buckets, storage_dtype
@@ -310,10 +311,10 @@ class ZmqWeightsPublisher:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._bind_error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._serve, args=(host, port, security, poll_ms), name="weights-publisher", daemon=True
+        self.rejected: Counter[str] = Counter()  # requests refused, by kind (the server's, across restarts)
+        self._thread = supervised_thread(  # a fault outside one request: the loop restarts, its requests forgotten
+            lambda: self._serve(host, port, security, poll_ms), "weights-publisher", self._stop, self._forget_requests
         )
-        self._thread.start()
         self._ready.wait()
         if self._bind_error is not None:
             raise self._bind_error
@@ -390,21 +391,31 @@ class ZmqWeightsPublisher:
     def _serve(self, host: str, port: int, security: SocketSecurity, poll_ms: int) -> None:
         try:
             server = Server(host, port, security, name="weights-publisher")
-        except BaseException as error:  # noqa: BLE001 - reported to the constructor, which raises it
+        except BaseException as error:  # reported to the constructor, which raises it
+            if self._ready.is_set():  # a restart that cannot bind again: the supervisor retries, then exits
+                raise
             self._bind_error = error
             self._ready.set()
             return
+        server.rejected = self.rejected
         self._ready.set()
         try:
             while not self._stop.is_set():
                 request = server.poll(timeout_ms=1 if self._waiting else poll_ms)  # waiting: its reply is near
-                if request is not None:
-                    self._answer(server, request)
+                if request is not None:  # a fault while answering it: a rejected request (common.serving)
+                    answer_safely(server, request, lambda request: self._answer(server, request))
                 self._tend_readers(server, time.monotonic())
                 self._tend_held(server, time.monotonic())
         finally:
-            self.counters.update({f"rejected/{k}": v for k, v in server.rejected.items()})
+            for kind, count in self.rejected.items():  # across restarts: the shared counter's totals
+                self.counters[f"rejected/{kind}"] = count
             server.close()
+
+    def _forget_requests(self, _: BaseException) -> None:
+        """Before the serving loop restarts: the requests of the old socket cannot be answered on the new one."""
+        self._held.clear()
+        self._waiting.clear()
+        self._readers.clear()
 
     def _answer(self, server: Server, request: Request) -> None:
         message = request.message
