@@ -40,18 +40,25 @@ import mmap
 import os
 import re
 import socket
+import stat
 import struct
 import threading
 import time
+import typing
+import weakref
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import zmq
 
 from actors.weights import LayoutGuard, WeightsTransportError, WeightsUpdate, ask_publisher
 from common.config import WeightsConfig
+from common.connections import TcpConnection, disconnect_tcp, tcp_connection
 from common.processes import pid_alive
+from common.serving import answer_safely, supervised_thread
 from common.sockets import Client, PeerUnavailable, Request, SecurityError, Server, SocketSecurity
 from common.types import (
     ChunkReply,
@@ -61,7 +68,15 @@ from common.types import (
     WeightsHeader,
     WeightsRequest,
 )
-from common.weights import ALIGN, WeightsLayoutError, check_frames, check_layout, chunk_digest, chunk_ranges
+from common.weights import (
+    ALIGN,
+    WeightsLayoutError,
+    check_frames,
+    check_layout,
+    chunk_digest,
+    chunk_ranges,
+    digest_chunks,
+)
 from common.wire import WireError
 
 log = logging.getLogger("tandem.actors.relay")
@@ -81,10 +96,56 @@ SERVER_POLL_MS = 2  # how often the relay server looks whether a held request ca
 IDLE_POLL_MS = 200  # its wait for a request when it holds none (a request wakes it at once)
 HOST_COPY_POLL_S = 0.005  # how often a host-copy reader looks at the writer's progress
 COPY_NAME = re.compile(r"^v(\d+)-g(\d+)\.bin$")
+# What a header from the publisher may announce (checked before anything is allocated for it):
+MAX_CHUNKS = 1 << 18  # chunks of one update (1 TiB at the default 4 MiB; the chunk table costs ~30 MB at most)
+MAX_CHUNK_BYTES = MAX_REPLY_BYTES  # a chunk must fit in one reply
+PARENT_ADDRESS = re.compile(r"^(host:\d{1,18}|\[?[A-Za-z0-9.:_-]{1,253}\]?:\d{1,5})$")  # host:<id> or host:port
+# A relay's replies in flight (sent, not yet taken by the child's ZeroMQ): each pins up to MAX_REPLY_BYTES here.
+MAX_REPLIES_IN_FLIGHT = 8  # at once, over all children (one per child connection: its next request waits)
 
 
 class RelayError(RuntimeError):
     """The publisher's reply cannot be used for a relay receive (a malformed header)."""
+
+
+class StoreDirError(RuntimeError):
+    """The host-copy store directory is not this user's own (another user could replace the weights in it)."""
+
+
+def private_store_dir(directory: Path) -> Path:
+    """`directory`, created mode 0700 if absent; raises `StoreDirError` unless it is a real directory (not a link)
+    that this process's user owns and nobody else may write: a directory another local user created first (the
+    name is predictable) would let that user replace a finished host copy that the next generator maps."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(directory)
+    problem = ""
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        problem = "is a symbolic link or not a directory"
+    elif info.st_uid != os.getuid():
+        problem = f"belongs to uid {info.st_uid}, not to this user (uid {os.getuid()})"
+    elif info.st_mode & 0o022:
+        problem = f"may be written by other users (mode {stat.filemode(info.st_mode)})"
+    if problem:
+        raise StoreDirError(
+            f"the weights store {directory} {problem}: another user could replace the weights the generators map. "
+            "Remove it (it is no run's of yours) or start the run from another run directory (run.run_dir)"
+        )
+    return directory
+
+
+def _open_own(path: Path, flags: int) -> int:
+    """A descriptor of `path`, never through a symbolic link, only for a regular file this user owns (else
+    OSError)."""
+    fd = os.open(path, flags | os.O_NOFOLLOW)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+        os.close(fd)
+        raise PermissionError(f"{path}: not a regular file of this user")
+    return fd
 
 
 def default_host_id() -> str:
@@ -112,20 +173,26 @@ class HostCopy:
         """A copy to write `header`'s version into: one of this generator's older files that nothing uses any
         more (no HostCopy anywhere holds its lock: no reader maps it for a load to come) when there is one, so its
         pages are warm (a write into fresh shared-memory pages costs ~7x: page faults), else a new file."""
-        directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"v{header.policy_version}-g{generator_id}.bin"
         path.unlink(missing_ok=True)  # a copy this generator left before a restart
         starts = _bucket_starts(header.bucket_sizes)
         size = (starts[-1] + header.bucket_sizes[-1]) if header.bucket_sizes else HEADER_BYTES
+        space = os.statvfs(directory)
+        if size > space.f_bavail * space.f_frsize:
+            raise OSError(
+                f"v{header.policy_version} needs {size >> 20} MiB, {directory} has {space.f_bavail * space.f_frsize >> 20} MiB free"
+            )
         fd = _reusable(directory, generator_id, below_version=header.policy_version - 1)
         if fd is not None:
             os.rename(_fd_path(fd), path)
         else:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         os.ftruncate(fd, size)
-        # MAP_POPULATE: the page tables are filled at once (a reused file's pages exist: ~65k minor faults per 256 MiB
-        # saved), not one fault per 4 KiB page during the copy.
-        mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        # MAP_POPULATE for a reused file: the page tables are filled at once (its pages exist: ~65k minor faults per
+        # 256 MiB saved), not one fault per 4 KiB page during the copy. A new file's pages come as chunks arrive:
+        # a header announcing more than is sent costs the bytes sent, not the bytes announced.
+        populate = getattr(mmap, "MAP_POPULATE", 0) if os.fstat(fd).st_blocks else 0
+        mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
         copy = cls(path, header, fd, mapped, writer=True)  # takes LOCK_SH (from LOCK_EX if reused)
         copy._write_fields(done=0, abandoned=0)
         return copy
@@ -135,8 +202,11 @@ class HostCopy:
         """Another generator's copy of this version (None while it does not exist yet)."""
         path = directory / f"v{header.policy_version}-g{generator_id}.bin"
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = _open_own(path, os.O_RDONLY)
         except FileNotFoundError:
+            return None
+        except OSError as error:  # a link, or a file another user put there: never mapped
+            log.warning("weights: host copy %s refused: %s", path, error)
             return None
         try:
             mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
@@ -218,8 +288,8 @@ def _reusable(directory: Path, generator_id: int, below_version: int) -> int | N
             own.append((int(match.group(1)), path))
     for _, path in sorted(own, reverse=True):
         try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
+            fd = _open_own(path, os.O_RDWR)
+        except OSError:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -251,8 +321,11 @@ def delete_orphaned_copies(directory: Path) -> None:
         if not COPY_NAME.match(path.name):
             continue
         try:
-            with open(path, "rb") as file:
-                magic, _, _, _, pid, _ = _FIELDS.unpack(file.read(_FIELDS.size))
+            fd = _open_own(path, os.O_RDONLY)
+            try:
+                magic, _, _, _, pid, _ = _FIELDS.unpack(os.read(fd, _FIELDS.size))
+            finally:
+                os.close(fd)
         except (OSError, struct.error):
             continue
         if magic == MAGIC and not pid_alive(pid):
@@ -276,21 +349,52 @@ def delete_copies(directory: Path, generator_id: int, below_version: int | None 
 
 
 # ------------------------------------------------------------------------------------------------ relay server
-class RelayServer:
-    """Serves this generator's copies to its children from a daemon thread (`ChunkRequest` -> `ChunkReply`)."""
+@dataclass
+class _Sent:
+    """A reply of chunks that ZeroMQ has not finished sending: its frames (weakly: ZeroMQ holds them until sent)."""
 
-    def __init__(self, host: str, security: SocketSecurity, hold_s: float, name: str, toward: str = "") -> None:
+    frames: list[weakref.ref]
+    sent_at: float
+    connection: TcpConnection | None
+    dropped: bool = False
+
+    def done(self) -> bool:
+        return all(frame() is None for frame in self.frames)
+
+
+class RelayServer:
+    """Serves this generator's copies to its children from a daemon thread (`ChunkRequest` -> `ChunkReply`).
+
+    A child (another generator, possibly a lying one) that never reads costs bounded memory: each reply's chunks
+    are copied out of the host copy and stay here until ZeroMQ has sent them, so one reply is in flight per
+    connection (its next request waits for it; an older waiting one is dropped: `requests_superseded`), at most
+    `max_in_flight` over all children (a reply beyond waits like a held request, then answers "nothing yet"), and
+    a reply still unsent after `reply_deadline_s` has its connection shut (`dropped_children`): at most
+    max_in_flight x MAX_REPLY_BYTES (128 MiB) whatever the children do."""
+
+    def __init__(
+        self,
+        host: str,
+        security: SocketSecurity,
+        hold_s: float,
+        name: str,
+        toward: str = "",
+        max_in_flight: int = MAX_REPLIES_IN_FLIGHT,
+    ) -> None:
         self.server = Server(host, 0, security, name=name)
         endpoint = self.server.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.address = f"{advertised_host(host, toward)}:{endpoint.rsplit(':', 1)[1]}"
         self.hold_s = hold_s
+        self.max_in_flight = max_in_flight
+        self.reply_deadline_s = 4 * hold_s  # 2 x the child's stall timeout: an honest child gave up long before
+        self._sent: dict[bytes, _Sent] = {}  # routing id -> its reply in flight (serving thread only)
+        self._waiting: dict[bytes, Request] = {}  # routing id -> its next request, answered once that reply is sent
         self.copies: dict[int, HostCopy] = {}  # version -> the copy this generator writes or wrote (last two)
         self._lock = threading.Lock()  # copies: the fetch thread offers and retires, the serving thread reads
         self.counters: Counter[str] = Counter()
         self._held: dict[bytes, tuple[Request, float]] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="weights-relay", daemon=True)
-        self._thread.start()
+        self._thread = supervised_thread(self._serve, "weights-relay", self._stop, lambda _: self._held.clear())
 
     def offer(self, copy: HostCopy) -> None:
         """Serve `copy` (chunks as they are written); keeps it and the previous version only."""
@@ -305,25 +409,61 @@ class RelayServer:
             for old in [v for v in self.copies if v < version]:
                 del self.copies[old]
 
+    @property
+    def rejected(self) -> dict[str, int]:
+        """Requests refused so far, by kind (`common.sockets.Server.rejected`): for the generator's metrics."""
+        return dict(self.server.rejected)
+
     def _serve(self) -> None:
-        try:
-            while not self._stop.is_set():
-                request = self.server.poll(timeout_ms=SERVER_POLL_MS if self._held else IDLE_POLL_MS)
-                if request is not None:
-                    self._answer(request)
-                for identity, (held, since) in list(self._held.items()):
-                    if self._try_send(held, since):
-                        del self._held[identity]
-        finally:
-            self.server.close()
+        """A fault while answering one request rejects it (`common.serving`); one elsewhere restarts this loop."""
+        while not self._stop.is_set():
+            request = self.server.poll(timeout_ms=SERVER_POLL_MS if self._held else IDLE_POLL_MS)
+            if request is not None:
+                answer_safely(self.server, request, self._answer)
+            for identity, (held, since) in list(self._held.items()):
+                if not answer_safely(self.server, held, lambda r, i=identity, s=since: self._retry(i, r, s)):
+                    self._held.pop(identity, None)
+            self._tend_sent(time.monotonic())
+
+    def _retry(self, identity: bytes, held: Request, since: float) -> None:
+        if self._try_send(held, since):
+            del self._held[identity]
 
     def _answer(self, request: Request) -> None:
         if not isinstance(request.message, ChunkRequest):
             self.server.reject(request, "a relay answers chunk_request only", "unexpected_type")
         elif request.role not in RELAY_CLIENTS:
             self.server.reject(request, f"role '{request.role or 'none'}' may not fetch weights", "forbidden_role")
+        elif request.identity in self._sent:  # its previous reply is still in flight: this one waits for it
+            if self._waiting.pop(request.identity, None) is not None:
+                self.counters["requests_superseded"] += 1
+            self._waiting[request.identity] = request
         elif not self._try_send(request, time.monotonic()):
             self._held[request.identity] = (request, time.monotonic())
+
+    def _tend_sent(self, now: float) -> None:
+        """Forget the replies ZeroMQ has sent (answering what waited for them); shut the connection of a child whose
+        reply is unsent past the deadline (ZeroMQ then frees it)."""
+        for identity, sent in list(self._sent.items()):
+            if sent.done():
+                del self._sent[identity]
+                waiting = self._waiting.pop(identity, None)
+                if waiting is not None:
+                    answer_safely(self.server, waiting, self._answer)
+            elif not sent.dropped and now - sent.sent_at > self.reply_deadline_s:
+                sent.dropped = True
+                self._waiting.pop(identity, None)
+                self._held.pop(identity, None)
+                self.counters["dropped_children"] += 1
+                if not disconnect_tcp(sent.connection):
+                    self.counters["dropped_children/not_disconnected"] += 1
+                log.warning("weights relay: child %s took no reply in %.1fs: disconnected", identity.hex(),
+                            now - sent.sent_at)  # fmt: skip
+
+    def in_flight_bytes(self) -> int:
+        """Bytes of chunk replies ZeroMQ still holds: what children that do not read pin here."""
+        frames = [frame() for sent in list(self._sent.values()) for frame in sent.frames]
+        return sum(frame.nbytes for frame in frames if frame is not None)
 
     def _try_send(self, request: Request, since: float) -> bool:
         """Answer if possible (chunks, unavailable, or alive-but-waiting after hold_s); False: keep holding."""
@@ -345,18 +485,22 @@ class RelayServer:
             self.server.reject(request, f"chunk {message.first} is past the last ({copy.total - 1})", "bad_chunk")
             return True
         done = copy.done
-        if done <= message.first:
+        if done <= message.first or len(self._sent) >= self.max_in_flight:
             if time.monotonic() - since < self.hold_s:
                 return False
             self.server.reply(request, ChunkReply(message.version, message.first, 0))
+            if done > message.first:
+                self.counters["busy"] += 1
             return True
         frames, size = [], 0
         for index in range(message.first, min(done, message.first + message.max_chunks)):
             view = copy.chunk_view(index)
             if frames and size + view.nbytes > MAX_REPLY_BYTES:
                 break
-            frames.append(bytes(view))  # a copy: the file may be reused once retired, a frame must not follow it
+            frames.append(np.frombuffer(view, np.uint8).copy())  # a copy: the file may be reused once retired
             size += view.nbytes
+        sent = _Sent([weakref.ref(frame) for frame in frames], time.monotonic(), tcp_connection(request.peer_fd))
+        self._sent[request.identity] = sent
         self.server.reply(request, ChunkReply(message.version, message.first, len(frames)), payload=frames)
         self.counters["served_bytes"] += size
         return True
@@ -364,12 +508,14 @@ class RelayServer:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        self.server.close()
 
 
 class NoRelay:
     """A generator that cannot serve chunks (its relay could not bind or has no server key): a leaf of the tree."""
 
     address = ""
+    rejected: typing.ClassVar[dict[str, int]] = {}  # serves nobody, refuses nothing
 
     def offer(self, copy: HostCopy) -> None:
         del copy  # nobody pulls from a leaf
@@ -408,6 +554,41 @@ def open_relay_server(
 
 
 # -------------------------------------------------------------------------------------------------- the source
+MAX_PARENT_CLIENTS = 4  # connections kept to parents (a new parent after each failure)
+
+
+def check_relay_header(header: WeightsHeader) -> None:
+    """A relay header's own fields (see `RelayWeightsSource._check_header`); raises `WeightsLayoutError`."""
+    if not 0 < header.chunk_bytes <= MAX_CHUNK_BYTES:
+        raise WeightsLayoutError(f"chunk_bytes {header.chunk_bytes} is outside 1 .. {MAX_CHUNK_BYTES}")
+    check_packed(header)
+    chunks = sum(-(-size // header.chunk_bytes) for size in header.bucket_sizes)  # before chunk_ranges builds them
+    if chunks > MAX_CHUNKS:
+        raise WeightsLayoutError(
+            f"{chunks} chunks of {header.chunk_bytes} bytes: over {MAX_CHUNKS} (the publisher's weights.chunk_mb is "
+            "too small for this model: raise it)"
+        )
+    if header.parent and not PARENT_ADDRESS.fullmatch(header.parent):
+        raise WeightsLayoutError(f"parent {header.parent[:80]!r} is neither host:<generator id> nor host:port")
+    if header.parent and len(header.chunk_digests) != chunks:
+        raise WeightsLayoutError(f"{len(header.chunk_digests)} digests for {chunks} chunks")
+    if not header.parent and header.chunk_digests:
+        raise WeightsLayoutError("digests in a header for chunks from the publisher itself")
+
+
+def check_packed(header: WeightsHeader) -> None:
+    """Each bucket holds its tensors packed from byte 0 in offset order, each at the next `ALIGN`ed byte, and ends
+    with its last tensor (`common.weights.plan_buckets`): so an update's bytes are its tensors' (plus < ALIGN a
+    tensor), whatever sizes a header claims. Raises `WeightsLayoutError`."""
+    ends = [0] * len(header.bucket_sizes)
+    for spec in sorted(header.tensors, key=lambda t: (t.bucket, t.offset)):
+        if spec.offset != ends[spec.bucket] + (-ends[spec.bucket]) % ALIGN:
+            raise WeightsLayoutError(f"tensor {spec.name[:80]!r}: offset {spec.offset} leaves a gap in its bucket")
+        ends[spec.bucket] = spec.offset + spec.nbytes
+    if ends != list(header.bucket_sizes):
+        raise WeightsLayoutError(f"bucket sizes {header.bucket_sizes[:8]} are not the ends of their tensors")
+
+
 class RelayWeightsSource:
     """`WeightsSource` of the relay transport (see the module docstring). `fetch` runs in one thread at a time."""
 
@@ -424,7 +605,7 @@ class RelayWeightsSource:
         self.stall_timeout_s, self.timeout_s = weights.stall_timeout_s, timeout_s
         host = weights.host_id or default_host_id()
         self.host_id = host if weights.share_host_copy else f"{host}/generator-{generator_id}"
-        self.store_dir = store_dir
+        self.store_dir = private_store_dir(store_dir)  # StoreDirError: another user's, or others may write it
         delete_orphaned_copies(store_dir)
         atexit.register(delete_copies, store_dir, generator_id)  # also when close() is never reached
         self.publisher = Client(address, security, identity=f"generator-{generator_id}-weights", role="generator")
@@ -463,19 +644,15 @@ class RelayWeightsSource:
         return reply
 
     def _check_header(self, header: WeightsHeader) -> None:
+        """Every field a relay receive allocates or indexes by, bounded before anything is allocated (the header
+        may come from a fake publisher): the layout (`check_layout`), buckets packed as the publisher lays them out
+        (so their bytes are the tensors' plus alignment, pinned by `LayoutGuard` after the first update), a chunk
+        size and count in bounds, a parent address of a known form, a digest per chunk unless the publisher itself
+        sends them. Raises `WeightsTransportError` (counted by the poller, asked again)."""
         try:
             check_layout(header)
             if header.transport == "relay":
-                if header.chunk_bytes <= 0:
-                    raise WeightsLayoutError(f"chunk_bytes {header.chunk_bytes} must be > 0")
-                chunks = len(chunk_ranges(header.bucket_sizes, header.chunk_bytes))
-                relayed = header.parent != "" and not header.parent.startswith(HOST_PREFIX)
-                if len(header.chunk_digests) != (chunks if relayed else 0) and header.chunk_digests:
-                    raise WeightsLayoutError(f"{len(header.chunk_digests)} digests for {chunks} chunks")
-                if relayed and len(header.chunk_digests) != chunks:
-                    raise WeightsLayoutError(
-                        f"a relayed update needs {chunks} digests, {len(header.chunk_digests)} came"
-                    )
+                check_relay_header(header)
         except (WeightsLayoutError, ValueError) as error:
             raise WeightsTransportError(f"malformed weights header: {error}") from None
         self.layout.check(header)
@@ -499,7 +676,13 @@ class RelayWeightsSource:
         reply = self._ask(request)
         if isinstance(reply, int) or reply[0].transport != "relay":
             raise WeightsTransportError(f"the publisher no longer offers v{header.policy_version} by relay")
-        return reply[0]
+        new = reply[0]
+        same = (new.bucket_sizes, new.chunk_bytes) == (header.bucket_sizes, header.chunk_bytes)
+        if new.policy_version == header.policy_version and not same:  # the copy in hand is laid out by the old one
+            raise WeightsTransportError(
+                f"the publisher changed v{header.policy_version}'s buckets or chunks mid-update"
+            )
+        return new
 
     # --------------------------------------------------------------------------------------------- receiving
     def _receive(self, header: WeightsHeader) -> tuple[HostCopy, WeightsHeader]:
@@ -515,7 +698,10 @@ class RelayWeightsSource:
                     if own is not None:
                         own.abandon()
                     self.relay.retire_below(header.policy_version - 1)
-                    own = HostCopy.create(self.store_dir, header, self.generator_id)
+                    try:
+                        own = HostCopy.create(self.store_dir, header, self.generator_id)
+                    except (OSError, ValueError) as error:  # no room for it (a size the header may lie about)
+                        raise WeightsTransportError(f"no host copy for v{header.policy_version}: {error}") from None
                     self.relay.offer(own)
                 copy, failure = own, self._pull(own, header)
             if failure is None:
@@ -534,7 +720,13 @@ class RelayWeightsSource:
         address = header.parent or self.address
         client = self._parents.get(address)
         if client is None:
-            client = Client(address, self.security, identity=f"generator-{self.generator_id}-chunks", role="generator")
+            try:
+                client = Client(address, self.security, f"generator-{self.generator_id}-chunks", role="generator")
+            except (ValueError, zmq.ZMQError) as error:  # an address ZeroMQ cannot dial
+                log.warning("weights: parent %r cannot be dialled: %s", address[:80], error)
+                return "unavailable"
+            for old in list(self._parents)[: -MAX_PARENT_CLIENTS + 1]:  # a parent per failure: keep the last few
+                self._parents.pop(old).close()
             self._parents[address] = client
         # Chunks from the publisher itself come from the one party whose digests are trusted, over the connection
         # its header came on (CURVE-authenticated off loopback): only a relay's chunks are hashed (~0.2 s / 256 MB).
@@ -593,6 +785,11 @@ class RelayWeightsSource:
             elif time.monotonic() - progress_at > STUCK_FACTOR * self.stall_timeout_s:
                 return copy, "stalled"
             time.sleep(HOST_COPY_POLL_S)
+        if digest_chunks(copy.buckets(), header.chunk_bytes) != header.chunk_digests:  # before anything maps it
+            self.counters["bad_host_copies"] += 1
+            log.warning("weights v%d: generator %d's host copy fails the publisher's digests: refused",
+                        header.policy_version, writer)  # fmt: skip
+            return None, "bad_chunk"
         self.counters["host_copies_mapped"] += 1
         return copy, None
 

@@ -18,11 +18,18 @@ Rules, per version (every version has a tree of its own, built as generators ask
     own subtree (that would be a cycle that never receives).
   * When no attached generator can take a child (none relays), the publisher takes it beyond k: counted
     `over_fanout`, the only way its bytes can exceed k x the update.
+  * Lying peers (a peer is the IP address a request came from: all generators share one role key): each peer has
+    at most `max_members_per_peer` generators in a version's tree (more are refused: `MembershipRefused`) and at
+    most `max_relays_per_peer` of them offered as parents (the others attach as leaves: `leaves_over_quota`); a
+    generator that reported `max_failures` parents failed for a version pulls it from the publisher
+    (`direct_after_failures`). So a flood of fake members that never serve costs an honest fetch at most
+    `max_failures` stall timeouts, and the publisher's work per attach stays bounded by the peers it serves.
 Only the newest `keep_versions` trees are kept (a child still receiving an older version re-attaches to the newest).
 A generator that reports a healthy parent as failed only reshapes the tree (and can push it to `over_fanout`); it
 cannot make another generator load wrong bytes, since every chunk is checked against the publisher's digests.
 
-Counters (`counters`): attached, reattached/<failure>, bad_relays, over_fanout.
+Counters (`counters`): attached, reattached/<failure>, bad_relays, over_fanout, leaves_over_quota,
+direct_after_failures, refused_members.
 """
 
 from __future__ import annotations
@@ -32,6 +39,13 @@ from dataclasses import dataclass, field
 
 HOST_PREFIX = "host:"  # parent = a generator's copy on this host
 FAILURES = ("stalled", "bad_chunk", "unavailable")
+MAX_MEMBERS_PER_PEER = 64  # generators of one peer (IP address) in a version's tree
+MAX_RELAYS_PER_PEER = 8  # of them, offered as parents (a host relays once with share_host_copy)
+MAX_FAILURES = 2  # parents a generator may report failed for one version before it pulls from the publisher
+
+
+class MembershipRefused(ValueError):
+    """A peer already has `max_members_per_peer` generators in this version's tree."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +62,7 @@ class _Node:
     address: str  # its relay server ("" = it cannot relay)
     parent: str
     order: int  # when it first attached (ties)
+    peer: str = ""  # the IP address its requests come from
 
 
 @dataclass
@@ -55,16 +70,30 @@ class _Tree:
     nodes: dict[int, _Node] = field(default_factory=dict)
     hosts: dict[str, int] = field(default_factory=dict)  # host id -> the generator that receives for it
     failed: set[str] = field(default_factory=set)  # parents reported failed (their addresses)
+    failures: Counter[int] = field(default_factory=Counter)  # generator id -> parents it reported failed
 
 
 class FanoutTree:
     """The fan-out trees of the newest versions (see the module docstring). One thread (the publisher's)."""
 
-    def __init__(self, fanout: int, relay_fanout: int, share_host_copy: bool = True, keep_versions: int = 2) -> None:
-        if fanout < 1 or relay_fanout < 1 or keep_versions < 1:
-            raise ValueError(f"fanout, relay_fanout and keep_versions must be >= 1 (got {fanout}, {relay_fanout})")
+    def __init__(
+        self,
+        fanout: int,
+        relay_fanout: int,
+        share_host_copy: bool = True,
+        keep_versions: int = 2,
+        max_members_per_peer: int = MAX_MEMBERS_PER_PEER,
+        max_relays_per_peer: int = MAX_RELAYS_PER_PEER,
+        max_failures: int = MAX_FAILURES,
+    ) -> None:
+        if min(fanout, relay_fanout, keep_versions, max_members_per_peer, max_relays_per_peer, max_failures) < 1:
+            raise ValueError(
+                f"fanout, relay_fanout, keep_versions and the per-peer limits must be >= 1 (got {fanout}, {relay_fanout})"
+            )
         self.fanout, self.relay_fanout, self.share_host_copy = fanout, relay_fanout, share_host_copy
         self.keep_versions = keep_versions
+        self.max_members_per_peer, self.max_relays_per_peer = max_members_per_peer, max_relays_per_peer
+        self.max_failures = max_failures
         self.counters: Counter[str] = Counter()
         self._trees: dict[int, _Tree] = {}
         self._order = 0
@@ -77,11 +106,24 @@ class FanoutTree:
         host_id: str = "",
         failed_parent: str | None = None,
         failure: str = "",
+        peer: str = "",
     ) -> Attachment:
         """The parent `generator_id` pulls `version` from. `failed_parent` (not None): the parent it had for this
-        version failed (`failure`: one of FAILURES); it leaves the tree first."""
+        version failed (`failure`: one of FAILURES); it leaves the tree first. `peer`: the IP address the request
+        came from. Raises `MembershipRefused` when `peer` has its quota of generators in this tree."""
         tree = self._tree(version)
+        members = [n for gid, n in tree.nodes.items() if n.peer == peer and gid != generator_id]
+        if generator_id not in tree.nodes and len(members) >= self.max_members_per_peer:
+            self.counters["refused_members"] += 1
+            raise MembershipRefused(
+                f"peer {peer or '?'} has {len(members)} generators in v{version}'s tree already, the most one peer "
+                f"may have ({self.max_members_per_peer})"
+            )
+        if relay_address and sum(1 for n in members if n.address) >= self.max_relays_per_peer:
+            self.counters["leaves_over_quota"] += 1
+            relay_address = ""  # it receives, but is nobody's parent
         if failed_parent is not None:
+            tree.failures[generator_id] += 1
             self._fail(tree, failed_parent, failure)
         if self.share_host_copy and host_id:
             receiver = tree.hosts.get(host_id)
@@ -93,7 +135,7 @@ class FanoutTree:
         node = tree.nodes.get(generator_id)
         if node is None:
             self._order += 1
-            tree.nodes[generator_id] = node = _Node(generator_id, relay_address, parent, self._order)
+            tree.nodes[generator_id] = node = _Node(generator_id, relay_address, parent, self._order, peer)
             self.counters["attached"] += 1
         node.address, node.parent = relay_address, parent
         return Attachment(parent, self._depths(tree)[generator_id])
@@ -142,6 +184,10 @@ class FanoutTree:
     def _choose_parent(self, tree: _Tree, generator_id: int, relay_address: str) -> str:
         others = [node for gid, node in tree.nodes.items() if gid != generator_id]
         if sum(1 for node in others if node.parent == "") < self.fanout:
+            return ""
+        if tree.failures[generator_id] >= self.max_failures:  # beyond k too: counted as over_fanout as well
+            self.counters["direct_after_failures"] += 1
+            self.counters["over_fanout"] += 1
             return ""
         banned = self._subtree(tree, generator_id, relay_address)
         children = Counter(node.parent for node in others)

@@ -53,9 +53,6 @@ publish (within `poll_ms`) or with `WeightsNotNewer` after `hold_s`.
 from __future__ import annotations
 
 import logging
-import os
-import socket
-import struct
 import sys
 import threading
 import time
@@ -69,11 +66,12 @@ from typing import Any, Protocol
 import numpy as np
 
 from common.config import LoraConfig, WeightsConfig
+from common.connections import disconnect_tcp, tcp_connection
 from common.serving import answer_safely, supervised_thread
 from common.sockets import Request, Server, SocketSecurity
 from common.types import ChunkReply, ChunkRequest, ChunkUnavailable, WeightsHeader, WeightsNotNewer, WeightsRequest
 from common.weights import ALIGN, DEFAULT_BUCKET_MB, chunk_ranges, digest_chunks, plan_buckets, storage_dtype
-from learners.fanout import HOST_PREFIX, FanoutTree
+from learners.fanout import FanoutTree, MembershipRefused
 
 log = logging.getLogger("tandem.learner.publisher")
 WEIGHTS_READERS = ("generator", "eval")  # the roles that sample with the policy (common.keys.ROLES)
@@ -110,7 +108,7 @@ class Snapshot:
 
     def relay_header(self, parent: str, depth: int) -> WeightsHeader:
         """The header a relay receiver gets from the publisher: the layout, its parent, and every chunk's digest
-        (empty for a generator fed by the publisher or reading its host's copy: it checks nothing)."""
+        (empty for a generator fed by the publisher: it checks nothing)."""
         return replace(
             self.header,
             transport="relay",
@@ -126,8 +124,9 @@ class Snapshot:
 
 
 def needs_digests(parent: str) -> bool:
-    """Whether a receiver of this parent checks chunks: only one fed by another generator (a relay)."""
-    return parent != "" and not parent.startswith(HOST_PREFIX)
+    """Whether a receiver of this parent checks what it gets: one fed by another generator, a relay's chunks or
+    its host's copy (only the publisher's own chunks, over the connection its header came on, are trusted)."""
+    return parent != ""
 
 
 def _bucket_refcounts(buckets: list[np.ndarray]) -> list[int]:
@@ -159,47 +158,6 @@ class _Reader:
 
     def done(self) -> bool:
         return all(frame() is None for frame in self.frames)
-
-
-TcpConnection = tuple[int, Any]  # (descriptor, peer address when the request came)
-
-
-def tcp_connection(fd: int) -> TcpConnection | None:
-    """The descriptor and peer address of a request's TCP connection; None when unknown or already closed."""
-    if fd < 0:
-        return None
-    try:
-        with _socket_of(fd) as sock:
-            return fd, sock.getpeername()
-    except OSError:
-        return None
-
-
-def disconnect_tcp(connection: TcpConnection | None) -> bool:
-    """Shut down the TCP connection (its peer must reconnect), if the descriptor is still the same connection;
-    returns whether it did. Unsent bytes are discarded (SO_LINGER 0: a reset once ZeroMQ closes it)."""
-    if connection is None:
-        return False
-    fd, peer = connection
-    try:
-        with _socket_of(fd) as sock:
-            if sock.getpeername() != peer:
-                return False  # the descriptor was closed and reused by another connection
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        return False  # already closed
-    return True
-
-
-def _socket_of(fd: int) -> socket.socket:
-    """A socket object on a duplicate of `fd` (closing it leaves `fd` open); OSError if `fd` is no socket."""
-    duplicate = os.dup(fd)
-    try:
-        return socket.socket(fileno=duplicate)
-    except OSError:
-        os.close(duplicate)
-        raise
 
 
 def copy_into_snapshot(
@@ -490,9 +448,16 @@ class ZmqWeightsPublisher:
         """Attach the generator to this version's tree and tell it its parent (no weight bytes go out here)."""
         message: WeightsRequest = request.message
         failed = message.failed_parent if message.failure and message.version == snapshot.version else None
-        attached = self.relay.attach(
-            snapshot.version, message.generator_id, message.relay_address, message.host_id, failed, message.failure
-        )
+        connection = tcp_connection(request.peer_fd)
+        peer = str(connection[1][0]) if connection is not None else ""  # its IP: what a peer cannot multiply at will
+        try:
+            attached = self.relay.attach(
+                snapshot.version, message.generator_id, message.relay_address, message.host_id, failed,
+                message.failure, peer=peer,
+            )  # fmt: skip
+        except MembershipRefused as error:
+            server.reject(request, str(error), "too_many_members")
+            return
         if needs_digests(attached.parent) and not snapshot.digests:
             with self._lock:
                 start, snapshot.digesting = not snapshot.digesting, True

@@ -1,4 +1,4 @@
-"""How the publisher drops a stalled reader (learners.publisher.tcp_connection / disconnect_tcp): it shuts down the
+"""How the publisher drops a stalled reader (common.connections.tcp_connection / disconnect_tcp): it shuts down the
 connection a request came on, and never another one that reuses its descriptor number."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import socket
 
-from learners.publisher import disconnect_tcp, tcp_connection
+from common.connections import disconnect_tcp, tcp_connection
 
 
 def connected_pair(listener: socket.socket) -> tuple[socket.socket, socket.socket]:
