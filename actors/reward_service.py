@@ -8,16 +8,22 @@ error)` when the group could not be scored. Only the roles `generator` and `eval
 with run.curve_keys_dir; declared on loopback without keys); anything else is refused.
 
 The loop, top to bottom (`run`):
-  1. wait up to POLL_S for a request; then take the requests already queued while fewer than reward.batch_size
-     completions are taken: several generators' groups share forward passes;
-  2. score them together (actors.reward_model: rows sorted by length, batches of reward.batch_size) and reply to
-     each request with its own scores;
-  3. every REPORT_S: log and write the counters (`reward_service/...` in <run_dir>/reward-0.jsonl).
+  1. take the requests already queued (waiting up to POLL_S for one when none is pending), up to MAX_PENDING;
+  2. score at most reward.batch_size completions, taken round-robin from the pending requests (each gives what
+     it has left, up to what the batch has room for, and goes to the back of the line): several generators'
+     groups share forward passes, and one huge group is scored in batch-sized slices between the others, so a
+     small request waits at most one batch behind it, never the whole of it;
+  3. reply to each request whose completions are all scored;
+  4. every REPORT_S: log and write the counters (`reward_service/...` in <run_dir>/reward-0.jsonl).
 SIGTERM or SIGINT ends the loop after the batch in hand; the role then exits 0.
+
+Before decoding: the socket (`open_reward_server`) refuses a message from a peer of another role or of none
+(`forbidden_role`, common.sockets.Server roles) and any frame over MAX_REQUEST_MB (ZeroMQ drops the connection
+at that size): such a message costs the service no decode and no copy.
 
 Failure modes (deliberately survived, counted and logged; the service stays up): a malformed, oversized or
 wrong-version message (rejected by common.sockets with its reason: `rejected_<kind>`); a request from a role that
-may not ask (`rejected_refused`); a group whose scoring raised (its requests are scored again one by one, and
+may not ask or of none (`rejected_forbidden_role`, before its body is decoded); a group whose scoring raised (its requests are scored again one by one, and
 the one that still fails gets an error reply: `score_errors`). A reply to a generator that went away is dropped.
 """
 
@@ -27,7 +33,8 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from common.config import TandemConfig, parse_cores
@@ -38,6 +45,8 @@ from common.sockets import Request, Server, SocketSecurity
 from common.types import RewardReply, RewardRequest
 
 POLL_S = 0.1  # longest wait for a first request: the stop signal is seen within it
+MAX_REQUEST_MB = 32  # one request's frames: 256 completions of 32k tokens (~4 bytes a token) fit
+MAX_PENDING = 256  # requests taken and not yet answered; more wait in the socket's queue
 REPORT_S = 10.0
 ASKERS = ("generator", "eval")  # the roles that may ask for scores
 
@@ -60,7 +69,7 @@ def run(config: TandemConfig) -> int:
             Path(config.env.reward_model), reward.dtype, reward.batch_size, config.model.max_model_len, reward.normalize
         )
         log.info("reward model loaded in %.1fs: %s", time.monotonic() - started, scorer.describe())
-        server = Server(reward.host, reward.port, SocketSecurity.from_run(config.run), name="reward")
+        server = open_reward_server(reward.host, reward.port, SocketSecurity.from_run(config.run))
         metrics = MetricsSink(config.run.run_dir, "reward-0", simulation=config.run.simulate)
         service = RewardService(scorer, server)
         log.info(
@@ -83,6 +92,13 @@ def run(config: TandemConfig) -> int:
             server.close()
     log.info("reward service stopped: %s", service.counters.summary())
     return 0
+
+
+def open_reward_server(host: str, port: int, security: SocketSecurity) -> Server:
+    """The service's socket: only ASKERS' messages are decoded, and none over MAX_REQUEST_MB (or the run's
+    smaller max_message_mb)."""
+    limit = min(security.max_message_bytes, MAX_REQUEST_MB << 20)
+    return Server(host, port, replace(security, max_message_bytes=limit), name="reward", roles=ASKERS)
 
 
 def _torch_threads() -> int:
@@ -123,6 +139,19 @@ class ServiceCounters:
         )
 
 
+@dataclass
+class _Job:
+    """A request being scored: its chats and the scores so far (`done` of them)."""
+
+    request: Request
+    chats: list[list[dict[str, str]]]
+    scores: list[float] = field(default_factory=list)
+
+    @property
+    def left(self) -> int:
+        return len(self.chats) - len(self.scores)
+
+
 class RewardService:
     """The scoring half of the role, without the process around it (tests drive it directly). One thread."""
 
@@ -130,36 +159,58 @@ class RewardService:
         self.scorer = scorer
         self.server = server
         self.counters = ServiceCounters()
+        self.pending: deque[_Job] = deque()  # requests taken, in round-robin order
 
     def serve_batch(self, timeout_s: float) -> int:
-        """Wait up to `timeout_s` for requests, score the ones taken together, reply; returns the groups answered."""
-        requests = self._take_requests(timeout_s)
-        if not requests:
+        """Take the queued requests (waiting up to `timeout_s` when none is pending), score one batch of at most
+        batch_size completions round-robin across them, reply to those complete; returns the groups answered."""
+        self._take_requests(0.0 if self.pending else timeout_s)
+        if not self.pending:
             return 0
+        slices = self._next_batch()
         started = time.monotonic()
-        answers = self._score(requests)
+        answers = self._score(slices)
         self.counters.scoring_s += time.monotonic() - started
         self.counters.batches += 1
-        for request, answer in zip(requests, answers):
-            self._reply(request, answer)
-        return len(requests)
+        answered = 0
+        for (job, _), answer in zip(slices, answers):
+            if isinstance(answer, str):
+                self.pending.remove(job)
+                self._reply(job.request, answer)
+                answered += 1
+                continue
+            job.scores += answer
+            if job.left == 0:
+                self.pending.remove(job)
+                self._reply(job.request, job.scores)
+                answered += 1
+        return answered
 
-    def _take_requests(self, timeout_s: float) -> list[Request]:
-        """The first request within `timeout_s`, then those already queued while the completions fit batch_size."""
-        taken: list[Request] = []
-        samples = 0
+    def _take_requests(self, timeout_s: float) -> None:
+        """The requests already queued (the first within `timeout_s`), while fewer than MAX_PENDING are pending."""
         wait_s = timeout_s
-        while samples < self.scorer.batch_size:
+        while len(self.pending) < MAX_PENDING:
             request = self.server.poll(timeout_ms=int(wait_s * 1000))
             wait_s = 0.0
             if request is None:
                 break
-            if not self._acceptable(request):
-                continue
-            taken.append(request)
-            samples += len(request.message.completions)
+            if self._acceptable(request):
+                self.pending.append(_Job(request, _chats(request.message)))
         self.counters.rejected = dict(self.server.rejected)
-        return taken
+
+    def _next_batch(self) -> list[tuple[_Job, list[list[dict[str, str]]]]]:
+        """Up to batch_size chats: each pending job in turn gives what it has left (up to the room left) and goes to
+        the back of the line, so the next batch starts with the jobs this one did not reach."""
+        room, slices = self.scorer.batch_size, []
+        for _ in range(len(self.pending)):
+            if room == 0:
+                break
+            job = self.pending[0]
+            self.pending.rotate(-1)
+            take = min(room, job.left)
+            slices.append((job, job.chats[len(job.scores) : len(job.scores) + take]))
+            room -= take
+        return slices
 
     def _acceptable(self, request: Request) -> bool:
         if not isinstance(request.message, RewardRequest):
@@ -172,19 +223,18 @@ class RewardService:
             return False
         return True
 
-    def _score(self, requests: list[Request]) -> list[list[float] | str]:
-        """Per request: its scores, or why it could not be scored. All together first; after a failure, each alone,
+    def _score(self, slices: list[tuple[_Job, list]]) -> list[list[float] | str]:
+        """Per slice: its scores, or why it could not be scored. All together first; after a failure, each alone,
         so that one bad group does not fail the others."""
-        groups = [request.message for request in requests]
         try:
-            scores = self.scorer.score_chats([chat for g in groups for chat in _chats(g)])
+            scores = self.scorer.score_chats([chat for _, chats in slices for chat in chats])
             if not all(math.isfinite(score) for score in scores):
                 raise ValueError(f"the reward model gave a non-finite score ({min(scores)} .. {max(scores)})")
-            return _split(scores, groups)
+            return _split(scores, [len(chats) for _, chats in slices])
         except Exception as error:  # noqa: BLE001 - a group that cannot be scored must not stop the service
-            if len(requests) == 1:
+            if len(slices) == 1:
                 return [f"{type(error).__name__}: {error}"[:500]]
-        return [answer for request in requests for answer in self._score([request])]
+        return [answer for one in slices for answer in self._score([one])]
 
     def _reply(self, request: Request, answer: list[float] | str) -> None:
         group: RewardRequest = request.message
@@ -207,9 +257,9 @@ def _chats(group: RewardRequest) -> list[list[dict[str, str]]]:
     return [[*group.prompt, {"role": "assistant", "content": text}] for text in group.completions]
 
 
-def _split(scores: list[float], groups: list[RewardRequest]) -> list[list[float]]:
+def _split(scores: list[float], sizes: list[int]) -> list[list[float]]:
     answers, start = [], 0
-    for group in groups:
-        answers.append(scores[start : start + len(group.completions)])
-        start += len(group.completions)
+    for size in sizes:
+        answers.append(scores[start : start + size])
+        start += size
     return answers

@@ -170,9 +170,14 @@ class Server:
     sender's role (see the module docstring): the User-Id with CURVE, the declared role without.
     """
 
-    def __init__(self, host: str, port: int, security: SocketSecurity, name: str) -> None:
+    def __init__(
+        self, host: str, port: int, security: SocketSecurity, name: str, roles: Sequence[str] | None = None
+    ) -> None:
+        """`roles`: when given, a message from a peer of another role (or of none) is refused before its body is
+        decoded (`forbidden_role`): a service that answers only some roles spends nothing on the others."""
         self.name = name
         self.security = security
+        self.roles = None if roles is None else frozenset(roles)
         self.context = zmq.Context.instance()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -213,13 +218,17 @@ class Server:
             self._reject(identity, None, "bad envelope: expected [identity, '', request id, frames...]", "bad_envelope")
             return None
         request_id = frames[2].bytes
+        role = _property(frames[3], "User-Id" if self.security.curve_keys_dir is not None else _ROLE_PROPERTY)
+        role = role if role in ROLES else ""
+        if self.roles is not None and role not in self.roles:
+            reason = f"role {role or 'none'!r} may not ask {self.name} (only {', '.join(sorted(self.roles))})"
+            self._reject(identity, request_id, reason, "forbidden_role")
+            return None
         try:
             message, payload = decode(frames[3:], self.security.max_message_bytes)
         except WireError as error:
             self._reject(identity, request_id, error.reason, error.kind)
             return None
-        role = _property(frames[3], "User-Id" if self.security.curve_keys_dir is not None else _ROLE_PROPERTY)
-        role = role if role in ROLES else ""
         return Request(identity, request_id, message, payload, role, _name(frames[3]), _source_fd(frames[0]))
 
     def _reject_fault(self, frames: list[zmq.Frame], error: Exception) -> None:

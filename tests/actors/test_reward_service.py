@@ -12,7 +12,7 @@ import zmq
 
 from actors.reward_client import RewardClient
 from actors.reward_model import RewardModelScorer
-from actors.reward_service import RewardService
+from actors.reward_service import RewardService, open_reward_server
 from common.sockets import Client, Request, Server, SocketSecurity, free_port
 from common.types import ErrorReply, Heartbeat, RewardReply, RewardRequest
 from common.wire import decode, encode
@@ -30,7 +30,7 @@ def rm_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 @pytest.fixture
 def service(rm_dir: Path):
-    server = Server("127.0.0.1", free_port(), SocketSecurity(), name="reward")
+    server = open_reward_server("127.0.0.1", free_port(), SocketSecurity())
     scorer = RewardModelScorer(rm_dir, "float32", batch_size=4, max_len=512, normalize=False)
     yield RewardService(scorer, server)
     server.close()
@@ -97,16 +97,40 @@ def test_queued_groups_share_one_scoring_call_up_to_the_batch_size():
     server = _QueuedServer([_request(i, ["a" * i, "b"]) for i in range(1, 5)])  # 4 groups of 2 completions
     scorer = _CountingScorer()
     service = RewardService(scorer, server)
-    assert service.serve_batch(0.0) == 3  # 0, 2, 4 < 5 completions taken: a third group joins, then 6 >= 5
-    assert service.serve_batch(0.0) == 1
-    assert scorer.calls == [6, 2]
-    assert [(r.request_id, r.scores) for r in server.replies] == [(i, [float(i), 1.0]) for i in range(1, 5)]
+    assert service.serve_batch(0.0) == 2  # 2 + 2 + 1 of the third group: 5 completions, two groups complete
+    assert service.serve_batch(0.0) == 2  # the fourth group (not reached before), then the rest of the third
+    assert scorer.calls == [5, 3]
+    replies = sorted((r.request_id, r.scores) for r in server.replies)
+    assert replies == [(i, [float(i), 1.0]) for i in range(1, 5)]
+
+
+def test_a_small_request_is_not_starved_behind_a_huge_batch() -> None:
+    """Issue 37, item 6 (before: one huge batch made another request wait 91.5 s). A group of 4,000 completions
+    arrives first, a group of 2 right after: the small one is answered after at most two batches (10 completions
+    scored), the huge one after all of its own, each with its own scores."""
+    huge = RewardRequest(1, PROMPT, [str(i) for i in range(4000)])
+    small = RewardRequest(2, PROMPT, ["ab", "abc"])
+    server = _QueuedServer(
+        [Request(b"a", b"\0" * 8, huge, [], "generator"), Request(b"b", b"\0" * 8, small, [], "generator")]
+    )
+    scorer = _CountingScorer()
+    service = RewardService(scorer, server)
+    started = time.monotonic()
+    while not server.replies:
+        service.serve_batch(0.0)
+    assert [r.request_id for r in server.replies] == [2] and server.replies[0].scores == [2.0, 3.0]
+    assert sum(scorer.calls) <= 2 * scorer.batch_size
+    while len(server.replies) < 2:
+        service.serve_batch(0.0)
+    assert server.replies[1].scores == [float(len(str(i))) for i in range(4000)]
+    assert time.monotonic() - started < 10
 
 
 def test_malformed_and_refused_messages_are_counted_and_the_service_stays_up(service: RewardService):
     address = _address(service)
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
+    raw.setsockopt(zmq.METADATA, b"X-Tandem-Role:generator")  # a generator's socket, sending garbage
     raw.connect(f"tcp://{address}")
     raw.send_multipart([b"", b"\1" * 8, b"\xc1 not msgpack"])  # garbage
     raw.send_multipart([b"", b"\2" * 8, msgpack.packb({"p": 999, "t": "reward_request", "a": 0, "f": {}})])
@@ -131,7 +155,7 @@ def test_malformed_and_refused_messages_are_counted_and_the_service_stays_up(ser
         assert isinstance(client.receive(5.0)[1], ErrorReply)
         client.close()
     rejected = dict(service.server.rejected)
-    assert rejected == {"garbage": 1, "wrong_version": 1, "invalid_fields": 1, "refused": 2}
+    assert rejected == {"garbage": 1, "wrong_version": 1, "invalid_fields": 1, "forbidden_role": 1, "refused": 1}
     client = RewardClient(address, SocketSecurity(), timeout_s=60.0, name="generator-0")
     client.submit("after", PROMPT, ["7"], time.monotonic())
     [result] = _serve_until(service, client, 1)
