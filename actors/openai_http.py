@@ -54,6 +54,7 @@ log = logging.getLogger("tandem.actors.openai_server")
 _faults = RateLimitedLog(log)
 
 LISTEN_BACKLOG = 2048  # connects queued before uvicorn accepts them (the kernel caps it at net.core.somaxconn)
+INLINE_PARSE_BYTES = 64 << 10  # bodies up to this size are parsed on the event loop (< 1 ms); larger: off it
 BODY_READ_TIMEOUT_S = 30.0  # a body that trickles in slower than this is refused (408): it holds a connection
 HEAD_TIMEOUT_S = 10.0  # a connection sends each request head within this (of connecting, or of its last answer)
 START_TIMEOUT_S = 30.0
@@ -289,7 +290,11 @@ class AgentApp:
             data = await asyncio.wait_for(self._read(request, limit), BODY_READ_TIMEOUT_S)
         except TimeoutError:
             raise Refusal(408, "body_timeout", f"the body did not arrive within {BODY_READ_TIMEOUT_S:g}s") from None
-        body = json.loads(data) if data else {}
+        # A large body is parsed on a worker thread: the event loop goes on serving the other agents meanwhile.
+        if len(data) > INLINE_PARSE_BYTES:
+            body = await asyncio.to_thread(json.loads, data)
+        else:
+            body = json.loads(data) if data else {}
         if not isinstance(body, dict):
             raise ValueError("the request body must be a JSON object")
         return body

@@ -352,10 +352,9 @@ class AgentServer:
                 f"the {EPISODE_HEADER} header is required: claim an episode with "
                 "POST /tandem/episodes and send its episode_id"
             )
-        messages = agent_messages(body.get("messages"), "messages")
-        if not messages:
-            raise ValueError("messages must not be empty")
-        tools = request_tools(body)
+        # Checked on a worker thread (a tool list's JSON schemas take ~20 ms a tool): the event loop serves the
+        # other agents meanwhile. Their errors (TypeError/ValueError: 400) come back here.
+        messages, tools = await asyncio.to_thread(_checked_chat, body)
         reply: concurrent.futures.Future = concurrent.futures.Future()
         self.episode(episode_id).deliver(_Event("chat", messages, 0.0, reply, tools))
         answer: ModelReply = await result_within(reply, REPLY_WAIT_S, "model turn")
@@ -378,3 +377,11 @@ class AgentServer:
         self.http.stop()
         with AgentServer._lock:
             AgentServer._shared = {k: v for k, v in AgentServer._shared.items() if v is not self}
+
+
+def _checked_chat(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """A chat request's messages and tools, checked (`actors.openai_format`; TypeError/ValueError say what is wrong)."""
+    messages = agent_messages(body.get("messages"), "messages")
+    if not messages:
+        raise ValueError("messages must not be empty")
+    return messages, request_tools(body)
