@@ -25,12 +25,18 @@ Scoring: `common.eval_metrics.score_completion` with `eval.reward_fn or env.rewa
 `env.plugin_paths`, as training's reward is). A prompt too long for `model.max_model_len` gets empty completions
 (0 tokens, truncated) so the result keeps its layout; logged and counted (`actor/eval_prompts_too_long`).
 
+Liveness: the generator's heartbeats list the eval lease it holds (`lease_ids`), and the buffer renews it for as
+long as the generator lives and makes progress, however long the evaluation takes on a slow machine: the grant's
+`deadline` is only the first one, and nothing here drops work by it. The buffer grants an eval lease only to a
+generator for which it holds none, so a second grant means the buffer ended the first (expired it: the generator
+was taken for stuck or dead): the old lease is dropped (its requests aborted, counted `actor/eval_superseded`) and
+the new one taken. A generator never samples one eval lease while being granted others.
+
 Failure modes (survived, counted, logged; never fatal): a reward function that raises on a completion (it is
 scored 0 with no components, its strict/lenient verdicts kept from its text: `actor/eval_reward_errors`); a
 rejected result (`EvalAck` "rejected" or an `ErrorReply`: logged with the reason and dropped, `actor/eval_rejected`;
-the buffer grants its set again); the buffer away (the result is kept and sent again until the grant's deadline);
-a lease or a result past the grant's deadline (the buffer expired it and put its set back as due: dropped,
-`actor/eval_expired`); a second grant while one is held, or a grant that samples nothing (logged, ignored).
+the buffer grants its set again); the buffer away (the result is kept and sent again; at most `MAX_UNSENT` results,
+the oldest dropped, `actor/eval_expired`); a grant that samples nothing (logged, ignored).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ from common.eval_metrics import (
 from common.types import ErrorReply, EvalAck, EvalGrant, EvalResult, RunOver
 
 log = logging.getLogger("tandem.actors.evaluation")
+MAX_UNSENT = 8  # finished results kept while the buffer does not answer (one per round at most; older ones dropped)
 
 EVAL_REQUEST_PREFIX = "eval:"
 HOLD_AFTER_REDOS = 2  # inflight mode: after this many redos of one lease, weights loads wait for it
@@ -113,7 +120,7 @@ class Evaluator:
         self.generator_id = generator_id
         self.max_model_len = max_model_len
         self.lease: _Lease | None = None
-        self.unsent: deque[tuple[EvalResult, float]] = deque()  # (result, its grant's deadline), oldest first
+        self.unsent: deque[EvalResult] = deque()  # finished results not yet answered, oldest first
         self.counts: Counter[str] = Counter()
 
     @classmethod
@@ -144,16 +151,19 @@ class Evaluator:
         times already, see the module docstring)."""
         return self.in_engine and self.lease is not None and self.lease.attempt >= HOLD_AFTER_REDOS
 
+    def lease_ids(self) -> list[int]:
+        """The eval lease being sampled, for the heartbeat (which renews it at the buffer)."""
+        return [] if self.lease is None else [self.lease.grant.lease_id]
+
     def accept(self, grant: EvalGrant) -> bool:
-        """Take a grant (rendering its prompts); False, logged, when one is held already or it samples nothing."""
-        if self.lease is not None:
-            log.warning(
-                "eval grant %d (%s) ignored: eval lease %d is still sampled (the buffer expires the new one)",
-                grant.lease_id,
-                grant.set_name,
-                self.lease.grant.lease_id,
-            )
+        """Take a grant (rendering its prompts); False, logged, when it samples nothing. A lease still held is
+        dropped first: the buffer grants only to a generator it holds no active eval lease for, so it ended that one
+        (module docstring); a repeat of the held grant is ignored."""
+        if self.lease is not None and self.lease.grant.lease_id == grant.lease_id:
             return False
+        if self.lease is not None:
+            self.counts["superseded"] += 1
+            self.drop(f"the buffer ended it and granted eval lease {grant.lease_id} ({grant.set_name}) instead")
         if not grant.prompts or grant.per_prompt < 1:
             log.warning(
                 "eval grant %d (%s) samples nothing (%d prompts x %d): ignored",
@@ -280,7 +290,10 @@ class Evaluator:
         ]
         result = build_eval_result(grant, scored, self.generator_id, lease.version, lease.started_at, time.time())
         self.counts["completions"] += len(scored)
-        self.unsent.append((result, grant.deadline))
+        self.unsent.append(result)
+        while len(self.unsent) > MAX_UNSENT:
+            self.counts["expired"] += 1
+            log.warning("eval result of lease %d never answered: dropped", self.unsent.popleft().lease_id)
         self.lease = None
 
     def _score(self, sample: FinishedSample, metadata: Mapping[str, Any], set_name: str) -> ScoredCompletion:
@@ -301,20 +314,11 @@ class Evaluator:
             return ScoredCompletion(completion, 0.0, {}, strict, lenient, passed)
 
     # ------------------------------------------------------------------------------------------- to the buffer
-    def deliver(self, link: BufferLink, now_wall: float | None = None) -> int:
-        """Drop what is past its grant's deadline, then send the finished results oldest first until the buffer
-        stops answering; returns how many it answered."""
-        now_wall = time.time() if now_wall is None else now_wall
-        if self.lease is not None and now_wall > self.lease.grant.deadline:
-            self.counts["expired"] += 1
-            self.drop("past its deadline (the buffer grants its set again)")
-        while self.unsent and self.unsent[0][1] < now_wall:
-            result, _ = self.unsent.popleft()
-            self.counts["expired"] += 1
-            log.warning("eval result of lease %d not delivered before its deadline: dropped", result.lease_id)
+    def deliver(self, link: BufferLink) -> int:
+        """Send the finished results oldest first until the buffer stops answering; returns how many it answered."""
         answered = 0
         while self.unsent and link.ready(time.monotonic()):
-            result, _ = self.unsent[0]
+            result = self.unsent[0]
             reply = link.call(result)
             if reply is None:  # the buffer is away: sent again later, until the deadline
                 break
@@ -344,7 +348,8 @@ class Evaluator:
 
     def metrics(self) -> dict[str, float]:
         """Counts since start (`actor/eval_...`), for the generator's report."""
-        names = ("leases", "completions", "redone", "reward_errors", "rejected", "expired", "prompts_too_long")
+        names = ("leases", "completions", "redone", "reward_errors", "rejected", "expired", "superseded")
+        names += ("prompts_too_long",)
         values = {f"actor/eval_{name}": float(self.counts[name]) for name in names}
         values["actor/eval_delivered"] = float(self.counts["results_accepted"] + self.counts["results_duplicate"])
         values["actor/eval_unsent"] = float(len(self.unsent))

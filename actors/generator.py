@@ -6,9 +6,12 @@
 One loop, one thread, each pass in this order (`run` below):
   1. SIGTERM seen -> drain: no more leases or weight loads; finish in-flight samples and push them (at most
      `generator.drain_timeout_s`).
-  2. heartbeat every `HEARTBEAT_S` (the buffer re-issues the leases of a silent generator). Once the learner has
-     reached `learner.total_steps` the buffer answers heartbeats and lease requests `RunOver`: the generator
-     stops sampling at once (nothing will train it), delivers the groups it built, returns the rest, exits 0.
+  2. heartbeat: hand the heartbeat thread (`actors.liveness.Pulse`, every `HEARTBEAT_S` on a socket of its own,
+     whatever one engine step or environment call takes) the leases held and the progress made (engine steps that
+     ran a request, samples finished). The buffer renews a live generator's leases for as long as it makes progress,
+     and re-issues those of a silent or stuck one. Once the learner has reached `learner.total_steps` the buffer
+     answers heartbeats and lease requests `RunOver`: the generator stops sampling at once (nothing will train
+     it), delivers the groups it built, returns the rest, exits 0.
   3. push built groups (the outbox keeps them, bounded, while the buffer is away; reconnect with back-off), then
      the finished eval result, if any (`actors.evaluation`: kept until acknowledged or past its grant's deadline).
   4. weights: poll the publisher; load a newer version when no sample runs (default: stop adding requests and
@@ -54,6 +57,7 @@ from typing import Any
 from actors.engine_api import Engine, open_engine
 from actors.evaluation import Evaluator, is_eval_request
 from actors.groups import LeaseBook
+from actors.liveness import HEARTBEAT_S, Pulse
 from actors.outbox import BufferLink, Outbox
 from actors.rollouts import Rollouts, rollouts_maker
 from actors.weights import (
@@ -71,7 +75,6 @@ from common.sockets import SocketSecurity
 from common.types import (
     ErrorReply,
     EvalGrant,
-    Heartbeat,
     LeaseGrant,
     LeaseRefused,
     LeaseRequest,
@@ -79,7 +82,6 @@ from common.types import (
     RunOver,
 )
 
-HEARTBEAT_S = 2.0  # well under the buffer's heartbeat_timeout_s
 REPORT_S = 5.0
 WEIGHTS_POLL_S = 1.0
 LEASE_RETRY_S = 1.0  # after an empty grant or an error reply to a lease request
@@ -111,8 +113,14 @@ def run(config: TandemConfig) -> int:
         ),
         Evaluator.from_config(config, engine),  # None: no eval sets, or multi-turn
         MetricsSink(config.run.run_dir, f"generator-{gen.index}", simulation=config.run.simulate),
+        Pulse(  # its own socket: the loop's link is the loop's
+            BufferLink(gen.buffer_address, security, gen.index, gen.reconnect_max_s),
+            gen.index,
+            period_s=min(HEARTBEAT_S, config.buffer.heartbeat_timeout_s / 4),
+        ),
     )
     try:
+        actor.pulse.start()
         actor.sync_weights_at_start()
         while not actor.done():
             now = time.monotonic()
@@ -180,7 +188,9 @@ class Generator:
         weights: WeightsPoller,
         evaluation: Evaluator | None,
         metrics: MetricsSink,
+        pulse: Pulse,
     ) -> None:
+        """`pulse`: the heartbeat thread, started by the caller (`run`); a test may drive the loop without it."""
         self.settings = settings
         self.index = settings.index
         self.engine = engine
@@ -191,13 +201,14 @@ class Generator:
         self.book = LeaseBook()
         self.evaluation = evaluation
         self.metrics = metrics
+        self.pulse = pulse
+        self.worked = 0  # progress since the last heartbeat phase: engine steps that ran a request, samples finished
         self.pending_update: WeightsUpdate | None = None
         self.draining = False
         self.exhausted = False
         self.run_over = False  # the buffer said the learner reached its last step
         self.drain_deadline = float("inf")
         self.next_lease = 0.0
-        self.next_heartbeat = 0.0
         self.stats = _Stats(time.monotonic())
 
     # ------------------------------------------------------------------------------------------------ lifecycle
@@ -226,7 +237,8 @@ class Generator:
         if self.draining:  # queued prompts will not run: they are returned
             running = self.rollouts.active()
             return time.monotonic() >= self.drain_deadline or (not running and len(self.outbox) == 0)
-        evaluating = self.evaluation is not None and self.evaluation.busy  # bounded by its grant's deadline
+        evaluation = self.evaluation  # an unsent result waits for the buffer only while the buffer answers
+        evaluating = evaluation is not None and (evaluation.lease is not None or (evaluation.busy and self.link.up))
         return self.exhausted and self.book.in_flight() == 0 and len(self.outbox) == 0 and not evaluating
 
     def return_unfinished_leases(self) -> None:
@@ -251,6 +263,7 @@ class Generator:
                     self.book.close_prompt(lease_id, prompt_id)
 
     def close(self) -> None:
+        self.pulse.stop()
         self.report(time.monotonic(), force=True)
         self.engine.shutdown()
         self.rollouts.close()
@@ -260,12 +273,17 @@ class Generator:
 
     # ---------------------------------------------------------------------------------------------- loop phases
     def heartbeat(self, now: float) -> None:
-        if now < self.next_heartbeat or not self.link.ready(now):
-            return
-        self.next_heartbeat = now + HEARTBEAT_S
-        reply = self.link.call(Heartbeat(self.index, self.engine.policy_version, self.book.lease_ids()))
-        if isinstance(reply, RunOver):
-            self._on_run_over(reply)
+        """Hand the heartbeat thread what it reports (version, leases, progress); act on a RunOver it heard."""
+        self._note_liveness()
+        if self.pulse.run_over is not None:
+            self._on_run_over(self.pulse.run_over)
+
+    def _note_liveness(self) -> None:
+        """What the next heartbeat says; also called as soon as a lease is taken, so that the heartbeats list it
+        before the next engine step (which may outlast lease_timeout_s)."""
+        eval_leases = self.evaluation.lease_ids() if self.evaluation is not None else []
+        self.pulse.note(self.engine.policy_version, self.book.lease_ids(), eval_leases, self.worked)
+        self.worked = 0
 
     def update_weights(self, now: float) -> None:
         """Fetch a newer version when the poller says so; load it once it is safe (see the module docstring)."""
@@ -315,8 +333,10 @@ class Generator:
         reply = self.link.call(LeaseRequest(self.index, wanted, self.engine.policy_version))
         if isinstance(reply, EvalGrant):
             self._on_eval_grant(now, reply)
+            self._note_liveness()
         elif isinstance(reply, LeaseGrant) and reply.prompts:
             self.book.add_grant(reply)
+            self._note_liveness()
             self.stats.lease_waits.append(time.monotonic() - self.stats.wanting_since)
             self.stats.wanting_since = None
         elif isinstance(reply, LeaseRefused):
@@ -397,7 +417,9 @@ class Generator:
                 self.weights.idle_wait(IDLE_WAIT_S)  # wakes as soon as a weights fetch finishes
             self.stats.idle_s += time.monotonic() - now
         else:
+            self.worked += 1
             for sample in self.engine.step():
+                self.worked += 1
                 self.stats.tokens += len(sample.completion_tokens)  # eval tokens too: the engine's throughput
                 if self.evaluation is not None and is_eval_request(sample.request_id):
                     self.evaluation.on_sample(sample)

@@ -22,7 +22,14 @@ from collections.abc import Mapping
 
 FLOWS = ("arrived", "trained", "served", "dropped_stale", "dropped_no_signal", "evicted", "rejected")
 OUTFLOWS = ("trained", "dropped_stale", "dropped_no_signal", "evicted", "rejected")
-EVENTS = ("duplicates", "leases_issued", "leases_expired", "prompts_reissued", "generators_lost")
+EVENTS = (
+    "duplicates",
+    "leases_issued",
+    "leases_expired",
+    "prompts_reissued",
+    "generators_lost",
+    "generators_stuck",
+)
 
 
 class Ledger:

@@ -8,8 +8,10 @@
 Once the learner's final report came (VersionReport.final), lease requests and heartbeats are answered
 `RunOver`, and `run_over(now)` says when every live generator has heard it (`buffers.run_end`).
 
-Evaluation (`state.evaluation`, when eval.sets is set: `buffers.evaluation`): a lease request is answered with an
-`EvalGrant` ahead of admission control whenever the scheduler has a round for that generator; an `EvalResult` is
+Evaluation (`state.evaluation`, when eval.sets is set: `buffers.evaluation`): once the run's first training batch
+was drawn (before it, an eval round on a slow machine would delay the learner's first step), a lease request is
+answered with an `EvalGrant` ahead of admission control whenever the scheduler has a round for that generator;
+a heartbeat listing the eval lease renews it, as it renews training leases; an `EvalResult` is
 answered `EvalAck`. Eval leases never count in `_admitted`, are not staleness-checked and never reach the replay
 buffer or the ledger. With eval.at_end, `RunOver` waits for the final round (every set done, or
 eval.final_timeout_s after the final report): meanwhile lease requests get eval grants, or a refusal ('stale'
@@ -126,7 +128,7 @@ class BufferCore:
         if self.end.over and not self._final_eval_waiting(now):
             return [(reply_to, self.end.tell(request.generator_id))]
         evaluation = self.state.evaluation
-        if evaluation is not None:
+        if evaluation is not None and self._eval_may_run():
             grant = evaluation.grant(request.generator_id, request.policy_version, now)
             if grant is not None:
                 self.state.record_eval(now)
@@ -146,6 +148,11 @@ class BufferCore:
         if lease is None:  # every epoch is issued, but outstanding prompts may still come back for re-issue
             return [(reply_to, LeaseRefused("full", admission.min_version, RETRY_FULL_S))]
         return [(reply_to, LeaseGrant(lease.lease_id, lease.deadline, dispenser.items(lease)))]
+
+    def _eval_may_run(self) -> bool:
+        """Eval grants wait for the run's first training batch: on a slow machine an eval round sampled first
+        (hundreds of requests) would delay the learner's first step by as long as it takes. Rounds stay due."""
+        return self.state.drawn_high > 0 or self.end.over
 
     def _admit(self, request: LeaseRequest) -> Admission:
         """`buffers.staleness.admit`, widened while dynamic sampling filters (`NoSignalFilter.admission`)."""
@@ -202,7 +209,10 @@ class BufferCore:
         leases = self.state.dispenser.leases
         owners = {i: leases[i].generator_id for i in heartbeat.lease_ids if i in leases}
         self._check(heartbeat_lease_problem(heartbeat, owners))
-        self.state.dispenser.seen(heartbeat.generator_id, now)
+        self.state.dispenser.heartbeat(heartbeat.generator_id, heartbeat.lease_ids, heartbeat.progress, now)
+        evaluation = self.state.evaluation
+        if evaluation is not None and self.state.dispenser.making_progress(heartbeat.generator_id, now):
+            evaluation.renew(heartbeat.generator_id, heartbeat.eval_lease_ids, now)
         if self.end.over and not self._final_eval_waiting(now):
             return [(reply_to, self.end.tell(heartbeat.generator_id))]
         return [(reply_to, Ok(self.state.learner_version))]
@@ -348,15 +358,22 @@ class BufferCore:
         final evaluation past eval.final_timeout_s, answer timed-out batch requests, compact the journal."""
         dispenser = self.state.dispenser
         if self.state.evaluation is not None:  # before `forget`, which drops dead generators that hold no lease
-            self._tick_eval(now, dispenser.dead_generators(now))
+            self._tick_eval(now, [*dispenser.dead_generators(now), *dispenser.stalled_generators(now)])
         due = dispenser.due(now)
         if due:
-            dead = set(dispenser.dead_generators(now))
+            whys = {lease_id: dispenser.why_due(lease_id, now) for lease_id in due}
             for lease_id in due:
                 lease = dispenser.leases[lease_id]
-                why = f"generator {lease.generator_id} silent" if lease.generator_id in dead else "deadline passed"
+                why = {
+                    "silent": f"generator {lease.generator_id} silent for {dispenser.heartbeat_timeout_s:.0f}s",
+                    "stuck": f"generator {lease.generator_id} made no progress for {dispenser.stall_timeout_s:.0f}s",
+                    "deadline": f"no heartbeat listed it for {dispenser.lease_timeout_s:.0f}s",
+                }[whys[lease_id]]
                 log.warning("lease %d expired (%s): re-issuing %d prompts", lease_id, why, len(lease.pending))
-            self.state.ledger.event("generators_lost", len(dead & {dispenser.leases[i].generator_id for i in due}))
+            for kind, event in (("silent", "generators_lost"), ("stuck", "generators_stuck")):
+                generators = {dispenser.leases[i].generator_id for i in due if whys[i] == kind}
+                if generators:
+                    self.state.ledger.event(event, len(generators))
             self.state.expire(due, now)
         dispenser.forget(now)
         replies = [

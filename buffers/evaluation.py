@@ -19,8 +19,9 @@ resumes from an older checkpoint does not re-open the versions it had reached.
 
 Leases. A generator that holds no eval lease and samples with policy_version >= a due round's version gets that
 round (the first such set in eval.sets order) as an `EvalGrant`, with its own lease ids. The lease ends when its
-result is accepted, when its result is rejected, or when it expires (its deadline passed, or its generator fell
-silent past buffer.heartbeat_timeout_s); a rejected or expired lease makes its round due again (unless a newer
+result is accepted, when its result is rejected, or when it expires (no heartbeat of its generator listed it for
+lease_timeout_s: `renew`; or its generator fell silent past buffer.heartbeat_timeout_s, or stuck past
+buffer.stall_timeout_s); a rejected or expired lease makes its round due again (unless a newer
 round of that set is due, leased or done: then it is superseded). Ended leases are kept `retain_s` so that a
 re-sent result is told `duplicate`.
 
@@ -279,6 +280,14 @@ class EvalScheduler:
             max_tokens=self.max_tokens,
             prompts=[PromptItem(pid, 0, records[pid].messages, records[pid].metadata) for pid in lease.prompt_ids],
         )
+
+    def renew(self, generator_id: int, lease_ids: Sequence[int], now: float) -> None:
+        """A heartbeat of `generator_id` lists these eval leases as being sampled: its own active ones get a new
+        deadline, now + lease_timeout_s (a live generator's evaluation is never cut by its length)."""
+        for lease_id in lease_ids:
+            lease = self.leases.get(lease_id)
+            if lease is not None and lease.state == ACTIVE and lease.generator_id == generator_id:
+                lease.deadline = max(lease.deadline, now + self.lease_timeout_s)
 
     def _end(self, lease: EvalLease, state: str, now: float) -> None:
         """End an active lease; an expired or rejected one sends its round back (it may be superseded)."""

@@ -1,10 +1,21 @@
 """Prompt leases: the dataset cursor, epochs, re-issue of unfinished prompts, and generator liveness.
 
-    dispenser = PromptDispenser(prompts, seed=0, epochs=0, lease_timeout_s=300, heartbeat_timeout_s=30)
+    dispenser = PromptDispenser(prompts, seed=0, epochs=0, lease_timeout_s=300, heartbeat_timeout_s=30,
+                                stall_timeout_s=600)
     grant = dispenser.take(generator_id=0, policy_version=3, count=8, now=time.time())   # a plain record, or None
     dispenser.open(grant)                           # the lease is outstanding (also how a journal replays it)
+    dispenser.heartbeat(generator_id, lease_ids, progress, now)   # alive: renews its leases
     outcome = dispenser.complete(lease_id, prompt_id)   # True: first group for that prompt; False: duplicate
-    dispenser.expire(dispenser.due(now), now)           # deadline passed or generator silent: re-issue
+    dispenser.expire(dispenser.due(now), now)           # holder dead, stuck, or lease never renewed: re-issue
+
+Liveness is not speed. A lease bounds how long a *dead* or *stuck* generator holds prompts, never how long a live
+one may take to finish them:
+  dead     no message from the generator for `heartbeat_timeout_s` (its heartbeats come from a thread of their own,
+           whatever one engine step or environment call takes: `actors.liveness`);
+  stuck    heartbeats come, but the progress counter they carry (engine steps that ran a request, environment calls
+           that returned) has not moved for `stall_timeout_s` while the generator holds a lease;
+  orphan   a lease no heartbeat listed for `lease_timeout_s` (its deadline; every heartbeat that lists it, from a
+           generator that is not stuck, moves the deadline to now + lease_timeout_s).
 
 A prompt *instance* is (epoch, prompt_id). Epochs are exact: epoch e serves every prompt once, in the
 permutation `default_rng((seed, e)).permutation(n)` (the same for a given seed), then epoch e + 1 starts;
@@ -15,7 +26,9 @@ of the queue, before the cursor moves on. No instance is lost and none is comple
 
 Ended leases (closed when every prompt came back, or expired) are kept for `retain_s` so that a group re-sent
 after a lost ack, or a late group from an expired lease, is recognised: it is accepted if its instance is
-still live (and any other lease holding it is relieved of it), a duplicate otherwise.
+still live (and any other lease holding it is relieved of it), a duplicate otherwise. An ended lease is kept past
+`retain_s` for as long as one of its instances is still live (re-issued, not yet completed by anyone), so that
+finished work for it is never refused as "unknown": the first group to come back wins.
 
 All times are unix seconds (`now` is passed in, so tests control the clock). A lease never holds the same
 prompt id twice (group ids are (lease_id, prompt_id)), so a lease over a tiny dataset may be shorter than asked.
@@ -84,6 +97,7 @@ class PromptDispenser:
         lease_timeout_s: float,
         heartbeat_timeout_s: float,
         retain_s: float | None = None,
+        stall_timeout_s: float = float("inf"),
     ) -> None:
         if not prompts:
             raise ValueError("prompts: the dataset is empty (check env.kind / env.source / env.num_prompts)")
@@ -93,6 +107,7 @@ class PromptDispenser:
         self.prompt_ids = [record.prompt_id for record in prompts]
         self.seed, self.epochs = seed, epochs
         self.lease_timeout_s, self.heartbeat_timeout_s = lease_timeout_s, heartbeat_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self.retain_s = max(lease_timeout_s, heartbeat_timeout_s) if retain_s is None else retain_s
         self.epoch, self.position = 0, 0
         self.next_lease_id = 1
@@ -100,6 +115,7 @@ class PromptDispenser:
         self.live: dict[tuple[int, int], int | None] = {}  # instance -> holding lease id, None = queued
         self.leases: dict[int, Lease] = {}  # active and recently ended
         self.last_seen: dict[int, float] = {}  # generator_id -> unix time of its last message
+        self.progress: dict[int, tuple[int, float]] = {}  # generator_id -> (progress counter, when it last moved)
         self.outstanding = 0  # prompts pending in active leases
         self._permutation: tuple[int, np.ndarray] | None = None
 
@@ -165,6 +181,7 @@ class PromptDispenser:
             "generator_id": generator_id,
             "policy_version": policy_version,
             "deadline": now + self.lease_timeout_s,
+            "granted_at": now,
             "prompts": [[pid, e] for e, pid in chosen],
             "cursor": [epoch, position],
         }
@@ -181,6 +198,9 @@ class PromptDispenser:
         self.epoch, self.position = grant["cursor"]
         self.next_lease_id = max(self.next_lease_id, lease.lease_id + 1)
         self.outstanding += len(prompts)
+        if "granted_at" in grant:  # a new lease restarts its holder's stall clock (records written before: no)
+            value = self.progress.get(lease.generator_id, (0, 0.0))[0]
+            self.progress[lease.generator_id] = (value, max(grant["granted_at"], self._moved_at(lease.generator_id)))
         return lease
 
     def items(self, lease: Lease) -> list[PromptItem]:
@@ -246,14 +266,43 @@ class PromptDispenser:
         """A message came from this generator: it is alive."""
         self.last_seen[generator_id] = max(now, self.last_seen.get(generator_id, now))
 
+    def heartbeat(self, generator_id: int, lease_ids: Sequence[int], progress: int, now: float) -> None:
+        """A heartbeat: the generator is alive, its progress counter is `progress`; the active leases it lists (its
+        own: the caller checked) get a new deadline, now + lease_timeout_s, unless the generator is stuck."""
+        self.seen(generator_id, now)
+        value, moved_at = self.progress.get(generator_id, (progress, now))
+        if progress != value or generator_id not in self.progress:
+            moved_at = now
+        self.progress[generator_id] = (progress, moved_at)
+        if not self.making_progress(generator_id, now):
+            return
+        for lease_id in lease_ids:
+            lease = self.leases.get(lease_id)
+            if lease is not None and lease.state == ACTIVE and lease.generator_id == generator_id:
+                lease.deadline = max(lease.deadline, now + self.lease_timeout_s)
+
+    def making_progress(self, generator_id: int, now: float) -> bool:
+        """Its progress counter moved within stall_timeout_s (or it holds nothing yet that started the clock)."""
+        return now - self.progress.get(generator_id, (0, now))[1] <= self.stall_timeout_s
+
+    def _moved_at(self, generator_id: int) -> float:
+        return self.progress.get(generator_id, (0, 0.0))[1]
+
     def due(self, now: float) -> list[int]:
-        """Active leases to expire now: their deadline passed, or their generator was silent too long."""
-        dead = set(self.dead_generators(now))
+        """Active leases to expire now: their generator is dead or stuck, or no heartbeat renewed them in time."""
+        lost = set(self.dead_generators(now)) | set(self.stalled_generators(now))
         return [
             lease.lease_id
             for lease in self.leases.values()
-            if lease.state == ACTIVE and (lease.deadline < now or lease.generator_id in dead)
+            if lease.state == ACTIVE and (lease.deadline < now or lease.generator_id in lost)
         ]
+
+    def why_due(self, lease_id: int, now: float) -> str:
+        """Why `due` returned this lease, for the log: 'silent', 'stuck' or 'deadline'."""
+        generator_id = self.leases[lease_id].generator_id
+        if generator_id in self.dead_generators(now):
+            return "silent"
+        return "stuck" if generator_id in self.stalled_generators(now) else "deadline"
 
     def holders(self) -> set[int]:
         """Generators that hold an active lease."""
@@ -262,6 +311,13 @@ class PromptDispenser:
     def dead_generators(self, now: float) -> list[int]:
         """Generators silent for longer than heartbeat_timeout_s."""
         return [gid for gid, seen in self.last_seen.items() if now - seen > self.heartbeat_timeout_s]
+
+    def stalled_generators(self, now: float) -> list[int]:
+        """Generators that hold an active lease and whose progress counter has not moved for stall_timeout_s."""
+        holding = self.holders()
+        return [
+            gid for gid, (_, moved) in self.progress.items() if gid in holding and now - moved > self.stall_timeout_s
+        ]
 
     def expire(self, lease_ids: Sequence[int], now: float) -> int:
         """Expire these active leases; their pending prompts go to the front of the queue. Returns how many."""
@@ -273,14 +329,22 @@ class PromptDispenser:
         return requeued
 
     def forget(self, now: float) -> None:
-        """Drop ended leases older than `retain_s` and generators silent with no active lease."""
-        ended = [i for i, x in self.leases.items() if x.state != ACTIVE and now - x.ended_at > self.retain_s]
+        """Drop ended leases older than `retain_s` (but none with an instance still live: a late group for it is
+        still wanted) and generators silent with no active lease."""
+        ended = [
+            i
+            for i, x in self.leases.items()
+            if x.state != ACTIVE
+            and now - x.ended_at > self.retain_s
+            and not any((epoch, pid) in self.live for pid, epoch in x.prompts.items())
+        ]
         for lease_id in ended:
             del self.leases[lease_id]
         holding = self.holders()
         for gid in self.dead_generators(now):
             if gid not in holding:
                 del self.last_seen[gid]
+                self.progress.pop(gid, None)
 
     # ------------------------------------------------------------------------------------------ persistence
     def snapshot(self) -> dict[str, Any]:
@@ -320,5 +384,16 @@ class PromptDispenser:
         self.refresh_generators(now)
 
     def refresh_generators(self, now: float) -> None:
-        """After a restart: every generator holding an active lease is presumed alive as of `now`."""
-        self.last_seen = {lease.generator_id: now for lease in self.leases.values() if lease.state == ACTIVE}
+        """After a restart: every generator holding an active lease is presumed alive, and making progress, as of
+        `now`."""
+        active = [lease for lease in self.leases.values() if lease.state == ACTIVE]
+        self.last_seen = {lease.generator_id: now for lease in active}
+        self.progress = {lease.generator_id: (0, now) for lease in active}
+
+    def restart(self, now: float) -> None:
+        """After a buffer restart (the journal replayed): `refresh_generators`, and every active lease gets a fresh
+        deadline, since heartbeats renewed them without a journal record and the recorded deadlines are old."""
+        self.refresh_generators(now)
+        for lease in self.leases.values():
+            if lease.state == ACTIVE:
+                lease.deadline = max(lease.deadline, now + self.lease_timeout_s)

@@ -60,6 +60,7 @@ class BufferSettings:
     groups_per_step: int  # learner.groups_per_step: B
     sync_every: int  # learner.sync_every: how far the learner's reports may lag its weights
     seed: int
+    stall_timeout_s: float = float("inf")  # buffer.stall_timeout_s: heartbeats without progress (buffers.leases)
     # What a group may hold (buffers.checks.group_problem). The defaults are the widest the config allows (any
     # int32 id, model.max_model_len's upper bound); `from_config` always sets the run's own.
     vocab_size: int = 2**31  # buffer.vocab_size, else the model's
@@ -93,6 +94,7 @@ class BufferSettings:
             config.learner.groups_per_step,
             config.learner.sync_every,
             config.run.seed,
+            b.stall_timeout_s,
             b.vocab_size or model_vocab_size(config.model.path),
             config.model.max_model_len,
             b.max_abs_reward,
@@ -124,7 +126,12 @@ class BufferState:
         self.journal = journal
         self.evaluation = evaluation
         self.dispenser = PromptDispenser(
-            prompts, settings.seed, settings.epochs, settings.lease_timeout_s, settings.heartbeat_timeout_s
+            prompts,
+            settings.seed,
+            settings.epochs,
+            settings.lease_timeout_s,
+            settings.heartbeat_timeout_s,
+            stall_timeout_s=settings.stall_timeout_s,
         )
         self.replay = ReplayBuffer(settings.capacity, settings.max_reuse, settings.sampling, settings.seed)
         self.book = BatchBook()
@@ -203,7 +210,7 @@ class BufferState:
                 )
             guard.replay(record)
         self._held.clear()
-        self.dispenser.refresh_generators(now)
+        self.dispenser.restart(now)
         if self.evaluation is not None:  # an eval lease's holder gets a fresh heartbeat window too
             for lease in self.evaluation.leases.values():
                 if lease.state == "active":

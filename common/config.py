@@ -649,7 +649,12 @@ class BufferConfig(_Section):
         "the bound: `benchmarks/length_bias_episodes.py`, docs/algorithms.md), else `fifo`.",
     )
     lease_timeout_s: float = Field(
-        300.0, description="A lease not completed by then is re-issued.", gt=0, le=MAX_TIMEOUT_S
+        300.0,
+        description="A lease that no heartbeat of its generator listed for this long is re-issued. Not a cap on "
+        "rollout length: a live generator's heartbeats (sent from a thread of their own, whatever one engine step "
+        "or environment call takes) renew its leases for as long as it makes progress (stall_timeout_s).",
+        gt=0,
+        le=MAX_TIMEOUT_S,
     )
     heartbeat_timeout_s: float = Field(
         30.0,
@@ -665,6 +670,15 @@ class BufferConfig(_Section):
         "config.json; 49152 for `smollm2` and `tiny`). Groups with other ids are rejected (counted: bad_token).",
         ge=0,
         le=2**31,  # token ids travel as int32
+    stall_timeout_s: float = Field(
+        900.0,
+        description="A generator that heartbeats but shows no progress (no engine step that ran a request, no "
+        "sample finished) for this long while holding leases is stuck: its leases are re-issued (counted: "
+        "generators_stuck). Keep it above the longest single engine step, and above the longest environment "
+        "call (env.step_timeout_s) a generator may wait on with no request running.",
+        gt=0,
+        le=MAX_TIMEOUT_S,
+    )
     )
     max_abs_reward: float = Field(
         1e6,

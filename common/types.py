@@ -119,11 +119,17 @@ class LeaseRefused:
 
 @message("heartbeat")
 class Heartbeat:
-    """Generator -> buffer, periodically: 'I am alive, these leases are mine'."""
+    """Generator -> buffer, periodically, from a thread of its own (`actors.liveness`): 'I am alive, these leases are
+    mine, and this is how far I got'. The buffer renews the listed leases while `progress` moves (buffers.leases)."""
 
     generator_id: int = count()
     policy_version: int = version()
     lease_ids: list[int] = count()
+    # Monotone counter of work done (engine steps that ran a request + samples finished): the buffer
+    # takes a generator whose counter stands still for buffer.stall_timeout_s as stuck. 0 from older peers.
+    progress: int = _default(0)
+    # The eval lease the generator is sampling (at most one; ids of buffers.evaluation, not of lease_ids): renewed.
+    eval_lease_ids: list[int] = field(default_factory=list, metadata={"low": 0, "high": MAX_COUNT})
 
 
 @message("lease_return")

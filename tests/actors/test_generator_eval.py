@@ -24,6 +24,7 @@ import pytest
 from actors.engine_api import EVAL_PRIORITY, TRAINING_PRIORITY, FinishedSample
 from actors.evaluation import Evaluator, is_eval_request
 from actors.generator import Generator, GeneratorSettings
+from actors.liveness import Pulse
 from actors.rollouts import rollouts_maker
 from actors.sim_engine import SimEngine
 from actors.weights import WeightsUpdate
@@ -271,6 +272,7 @@ def make_generator(
         FakeWeights(),  # type: ignore[arg-type]
         Evaluator.from_config(config, engine),
         MetricsSink(config.run.run_dir, "generator-0", simulation=True),
+        Pulse(link, 0),  # type: ignore[arg-type]  # not started: the loop's heartbeat phase only notes its state
     )
 
 
@@ -400,7 +402,7 @@ def test_mixed_versions_found_at_the_end_redo_the_whole_lease(tmp_path):
     while engine.num_unfinished():
         for sample in engine.step():
             evaluation.on_sample(sample)
-    ((result, _),) = evaluation.unsent
+    (result,) = evaluation.unsent
     assert result.policy_version == 1 and result.generator_id == 3 and evaluation.lease is None
 
 
@@ -464,15 +466,33 @@ def test_buffer_away_keeps_the_result_and_a_rejected_ack_drops_it(tmp_path, clos
     assert values["actor/eval_rejected"] == 1 and values["actor/eval_delivered"] == 0
 
 
-def test_eval_work_past_its_deadline_is_dropped(tmp_path):
+def test_eval_work_past_its_first_deadline_goes_on(tmp_path):
+    """The grant's deadline is the first one only: heartbeats renew the lease at the buffer (actors.liveness), so a
+    slow evaluation is never dropped by it."""
     engine = TextEngine()
     evaluation = Evaluator(engine, reward, generator_id=0, max_model_len=1024)
     evaluation.accept(eval_grant(deadline_s=-1.0))
     evaluation.submit()
     link = FakeLink([])
     evaluation.deliver(link)  # type: ignore[arg-type]
-    assert evaluation.lease is None and engine.num_unfinished() == 0 and evaluation.counts["expired"] == 1
-    assert link.sent == []
+    assert evaluation.lease is not None and engine.num_unfinished() > 0 and evaluation.counts["expired"] == 0
+    assert evaluation.lease_ids() == [7]
+
+
+def test_a_second_grant_replaces_the_held_lease(tmp_path):
+    """The buffer grants only to a generator it holds no eval lease for: a second grant means it ended the first, so
+    the first is dropped (its requests aborted) and the second sampled; a repeat of the held grant changes nothing."""
+    engine = TextEngine()
+    evaluation = Evaluator(engine, reward, generator_id=0, max_model_len=1024)
+    assert evaluation.accept(eval_grant(lease_id=7))
+    evaluation.submit()
+    first = set(evaluation.lease.outstanding())
+    assert not evaluation.accept(eval_grant(lease_id=7)) and evaluation.lease_ids() == [7]
+    assert evaluation.accept(eval_grant(lease_id=8))
+    assert evaluation.lease_ids() == [8] and evaluation.counts["superseded"] == 1
+    evaluation.submit()
+    assert first.isdisjoint(evaluation.lease.outstanding())
+    assert engine.num_unfinished() == len(evaluation.lease.outstanding())
 
 
 def test_a_grant_to_a_generator_that_does_not_evaluate_is_ignored(tmp_path, closing, caplog):
@@ -510,7 +530,7 @@ def test_prompts_too_long_get_empty_truncated_completions(tmp_path):
     evaluation = Evaluator(engine, reward, generator_id=0, max_model_len=len("user: a=1"))  # every prompt too long
     assert evaluation.accept(eval_grant())
     assert evaluation.submit() == 0 and engine.num_unfinished() == 0
-    ((result, _),) = evaluation.unsent
+    (result,) = evaluation.unsent
     result.validate()
     assert (result.num_tokens == 0).all() and (result.truncated == 1).all()
     assert (result.strict == 0).all() and (result.lenient == 0).all() and (result.rewards == 0).all()

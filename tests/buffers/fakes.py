@@ -36,6 +36,11 @@ def fake_prompts(count: int) -> list[FakePrompt]:
     return [FakePrompt(i, [{"role": "user", "content": f"{i} + 1 = ?"}], {"answer": i + 1}) for i in range(count)]
 
 
+def without_deadlines(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """A dispenser snapshot less its leases' deadlines: a restart renews them (`PromptDispenser.restart`)."""
+    return {**snapshot, "leases": [[*record[:3], None, *record[4:]] for record in snapshot["leases"]]}
+
+
 def make_group(
     lease_id: int,
     prompt: PromptItem | tuple[int, int],

@@ -306,3 +306,27 @@ def test_a_request_held_before_a_batch_of_another_shape_was_drawn_stays_held_and
     with pytest.raises(RequestRejected) as refused:
         core.handle(BatchRequest(0, 1, 2, 4, 0.0), reply_to="held", sender="a", now=10.0)
     assert refused.value.kind in ("batch_mismatch", "batch_shape")
+
+
+def test_a_late_group_for_a_reissued_prompt_is_accepted_once_and_the_second_copy_is_a_counted_duplicate() -> None:
+    """Generator 0 is taken for dead (silent past heartbeat_timeout_s = 3 s) and its prompts go to generator 1; long
+    after the lease retention (retain_s = lease_timeout_s = 10 s), generator 0's finished group comes back first:
+    it is accepted (first wins: finished work is refused only when it can no longer be trained), and generator 1's
+    copy of the same prompt is acked duplicate and counted."""
+    core = make_core(prompts=10)
+    first = lease(core, 1, generator=0, now=0.0)
+    prompt = first.prompts[0]
+    ask(core, Heartbeat(1, 0, [], progress=1), now=3.5)
+    core.tick(3.5)
+    assert core.counters()["leases_expired"] == 1 and core.counters()["generators_lost"] == 1
+    second = lease(core, 1, generator=1, now=3.5)
+    assert second.prompts[0].prompt_id == prompt.prompt_id  # re-issued first
+    for t in range(4, 60, 2):  # generator 1 keeps its lease alive by heartbeats
+        ask(core, Heartbeat(1, 0, [second.lease_id], progress=t), now=float(t))
+        core.tick(float(t))
+    late = ask(core, make_group(first.lease_id, prompt, generator_id=0), now=60.0)
+    assert late.status == "accepted"
+    copy = ask(core, make_group(second.lease_id, second.prompts[0], generator_id=1), now=61.0)
+    assert copy.status == "duplicate"
+    counters = core.counters()
+    assert counters["duplicates"] == 1 and counters["arrived_groups"] == 1 and counters["rejected"] == 0

@@ -52,11 +52,32 @@ def scheduler(**overrides: Any) -> EvalScheduler:
     return EvalScheduler(eval_config(**overrides), sets, max_tokens=16, lease_timeout_s=LEASE_TIMEOUT_S)
 
 
-def eval_core(journal: Journal | None = None, evaluate: bool = True, **overrides: Any) -> BufferCore:
-    """A core over 40 training prompts (make_settings), evaluating two sets of 3 prompts unless `evaluate` is false."""
+def eval_core(
+    journal: Journal | None = None, evaluate: bool = True, first_batch: bool | None = None, **overrides: Any
+) -> BufferCore:
+    """A core over 40 training prompts (make_settings), evaluating two sets of 3 prompts unless `evaluate` is false,
+    whose first training batch was drawn already (eval grants wait for it) when `first_batch` (default: without a
+    journal; with one, the test restores it first and then calls `draw_first_batch`)."""
+    first_batch = journal is None if first_batch is None else first_batch
     settings = {k: overrides.pop(k) for k in list(overrides) if k in make_settings().__dataclass_fields__}
     evaluation = scheduler(**overrides) if evaluate else None
-    return BufferCore(BufferState(make_settings(**settings), fake_prompts(40), journal, evaluation))
+    core = BufferCore(BufferState(make_settings(**settings), fake_prompts(40), journal, evaluation))
+    if first_batch:
+        draw_first_batch(core)
+    return core
+
+
+FIRST_BATCH_GENERATOR = 99  # a generator of its own, so that the tests' generators hold no training lease
+
+
+def draw_first_batch(core: BufferCore, now: float = 0.0) -> None:
+    """Lease, push and draw the run's first training batch (step 0), as a generator and a learner would."""
+    groups = core.settings.groups_per_step
+    grant = ask(core, LeaseRequest(FIRST_BATCH_GENERATOR, groups, 0), now)
+    assert isinstance(grant, LeaseGrant) and len(grant.prompts) == groups, grant
+    for prompt in grant.prompts:
+        ask(core, make_group(grant.lease_id, prompt, FIRST_BATCH_GENERATOR, size=GROUP), now)
+    assert isinstance(ask(core, BatchRequest(0, 0, 1, groups, 0.0), now), Batch)
 
 
 def advance(core: BufferCore, version: int, final: bool = False, now: float = 0.0) -> None:
@@ -133,7 +154,7 @@ def test_rounds_open_at_multiples_of_every_and_a_newer_one_supersedes_an_unlease
 
 
 def test_the_version_report_handler_opens_rounds() -> None:
-    core = eval_core()
+    core = eval_core(first_batch=False)
     assert isinstance(ask(core, VersionReport(4, 4, resync=True)), Ok)  # a fresh buffer takes a learner's resume
     assert core.state.evaluation.due == {"arithmetic": 4, "arithmetic-d2": 4}
     assert core.counters()["eval_rounds_opened"] == 1
@@ -165,6 +186,7 @@ def _play(core: BufferCore, evaluate: bool) -> list[Any]:
         evaluation = core.state.evaluation
         if (
             evaluate
+            and core.state.drawn_high > 0  # eval grants wait for the first training batch
             and version >= min(evaluation.due.values(), default=version + 1)
             and not evaluation.holds_lease(generator)
         ):
@@ -180,10 +202,11 @@ def _play(core: BufferCore, evaluate: bool) -> list[Any]:
     assert isinstance(grants[2], LeaseRefused) and grants[2].reason == "full"
     for generator, grant in enumerate(grants[:2]):
         replies += [ask(core, make_group(grant.lease_id, p, generator, GROUP, 0)) for p in grant.prompts]
+    replies.append(ask(core, BatchRequest(0, 0, 1, 2, 0.0)))  # the first batch: eval grants may come from now on
     if evaluate:
+        evals.update({generator: eval_grant(core, generator, 0) for generator in (0, 1)})
         assert ask(core, result_for(evals[0], 0, 0)).status == "accepted"
         assert ask(core, result_for(evals[1], 1, 0, total=1)).status == "rejected"
-    replies.append(ask(core, BatchRequest(0, 0, 1, 2, 0.0)))
     for step in (1, 2):  # two steps trained elsewhere: the 2 groups left at v0 are too stale for step 2 (η = 1)
         core.state.report_version(step, step)
         if evaluate:
@@ -195,7 +218,7 @@ def _play(core: BufferCore, evaluate: bool) -> list[Any]:
 
 
 def test_eval_traffic_changes_nothing_on_the_training_side() -> None:
-    plain, evaluating = eval_core(evaluate=False), eval_core()
+    plain, evaluating = eval_core(evaluate=False, first_batch=False), eval_core(first_batch=False)
     expected, got = _play(plain, evaluate=False), _play(evaluating, evaluate=True)
     assert [type(r) for r in got] == [type(r) for r in expected]
     for mine, theirs in zip(got, expected):
@@ -294,6 +317,39 @@ def test_a_dead_generators_eval_lease_expires_and_is_granted_again() -> None:
     assert counters["eval_issued"] == 2 * PROMPTS_PER_SET
 
 
+def test_heartbeats_renew_the_eval_lease_of_a_slow_generator() -> None:
+    """An evaluation that takes 10 x lease_timeout_s on a live generator keeps its lease; its result is accepted."""
+    core = eval_core(stall_timeout_s=60.0)
+    advance(core, 0)
+    grant = eval_grant(core, 0, now=0.0)
+    for t in range(2, int(10 * LEASE_TIMEOUT_S), 2):
+        assert isinstance(ask(core, Heartbeat(0, 0, [], progress=t, eval_lease_ids=[grant.lease_id]), t), Ok)
+        core.tick(t + 0.5)
+    assert core.counters()["eval_leases_expired"] == 0
+    assert ask(core, result_for(grant, 0, 0), now=10 * LEASE_TIMEOUT_S).status == "accepted"
+    # another generator cannot renew it: a heartbeat naming a foreign eval lease changes nothing
+    other = eval_grant(core, 1, now=100.0)
+    ask(core, Heartbeat(0, 0, [], progress=999, eval_lease_ids=[other.lease_id]), now=105.0)
+    assert core.state.evaluation.leases[other.lease_id].deadline == 100.0 + LEASE_TIMEOUT_S
+
+
+def test_eval_grants_wait_for_the_first_training_batch() -> None:
+    """On a slow machine an eval round sampled before the first batch would delay the learner's first step by as
+    long as it takes: until a batch was drawn, the due round stays due and the generator gets training prompts."""
+    core = eval_core(first_batch=False)
+    advance(core, 0)
+    assert core.state.evaluation.due == {"arithmetic": 0, "arithmetic-d2": 0}
+    first = ask(core, LeaseRequest(0, 2, 0))
+    assert isinstance(first, LeaseGrant) and isinstance(ask(core, LeaseRequest(1, 2, 0)), LeaseGrant)
+    assert core.counters()["eval_leases_issued"] == 0
+    for prompt in first.prompts:
+        ask(core, make_group(first.lease_id, prompt, 0, size=GROUP))
+    assert isinstance(ask(core, LeaseRequest(0, 2, 0)), LeaseRefused)  # full, and still no eval grant
+    assert isinstance(ask(core, BatchRequest(0, 0, 1, 2, 0.0)), Batch)
+    grant = eval_grant(core, 0)
+    assert (grant.set_name, grant.min_version) == ("arithmetic", 0)  # the round of version 0, still due
+
+
 def test_an_overdue_eval_lease_expires_and_ended_leases_are_forgotten() -> None:
     core = eval_core(heartbeat_timeout_s=1000.0)
     advance(core, 0)
@@ -369,6 +425,7 @@ def test_a_restarted_buffer_keeps_its_rounds_and_accepts_a_late_result(tmp_path:
     path = tmp_path / "journal.bin"
     core = eval_core(Journal(path))
     core.state.restore(0.0)
+    draw_first_batch(core)
     ask(core, VersionReport(0, 0, resync=True))
     grant = eval_grant(core, 0)
     assert ask(core, result_for(eval_grant(core, 1), 1, 0)).status == "accepted"
@@ -397,6 +454,7 @@ def test_a_journal_that_evaluated_replays_into_a_buffer_that_does_not(tmp_path: 
     path = tmp_path / "journal.bin"
     core = eval_core(Journal(path))
     core.state.restore(0.0)
+    draw_first_batch(core)
     ask(core, VersionReport(0, 0, resync=True))
     eval_grant(core, 0)
     training = training_view(core)
@@ -409,7 +467,7 @@ def test_a_journal_that_evaluated_replays_into_a_buffer_that_does_not(tmp_path: 
 
 # ------------------------------------------------------------------------------------------------ the end of a run
 def test_run_over_waits_for_the_final_round() -> None:
-    core = eval_core()
+    core = eval_core(first_batch=False)  # a learner resumed at its last step: the final round needs no batch
     assert isinstance(ask(core, VersionReport(3, 3, resync=True, final=True), now=0.0), Ok)
     assert core.state.evaluation.final_version == 3
     assert core.counters()["eval_final_pending"] == 2

@@ -27,7 +27,7 @@ from buffers.state import BufferSettings
 from common.config import ConfigError, load_config
 from common.types import Batch, BatchRequest, LeaseGrant, LeaseRefused, LeaseRequest, RolloutGroup, VersionReport
 from common.wire import decode, encode
-from tests.buffers.fakes import GROUP, OP_MIX, RandomRun, advance_learner, ask, make_core, make_group
+from tests.buffers.fakes import GROUP, OP_MIX, RandomRun, advance_learner, ask, make_core, make_group, without_deadlines
 
 EPS32 = 2.0**-23
 FILTERED = {"filter": "no_signal"}
@@ -320,7 +320,7 @@ def fingerprint(core: BufferCore) -> dict[str, Any]:
     return {
         "counters": core.counters(),
         "buffered": [(e.seq, e.uses, e.group.group_id) for e in state.replay.entries.values()],
-        "dispenser": state.dispenser.snapshot(),
+        "dispenser": without_deadlines(state.dispenser.snapshot()),
         "live": state.dispenser.live,
         "window": state.filter_window.snapshot(),
         "reward_sum": state.no_signal_reward_sum,  # exactly: float64 sums in the same order

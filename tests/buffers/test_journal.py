@@ -16,7 +16,17 @@ from buffers.checks import group_problem
 from buffers.core import BufferCore
 from buffers.journal import Journal, pack_record, read_records
 from common.types import Batch, BatchRequest, LeaseRequest
-from tests.buffers.fakes import GROUP, HOSTILE, OP_MIX, RandomRun, ask, hostile_group, make_core, make_group
+from tests.buffers.fakes import (
+    GROUP,
+    HOSTILE,
+    OP_MIX,
+    RandomRun,
+    ask,
+    hostile_group,
+    make_core,
+    make_group,
+    without_deadlines,
+)
 
 
 def _write(path: Path, records: list) -> Journal:
@@ -70,7 +80,7 @@ def _fingerprint(core: BufferCore) -> dict:
             (e.seq, e.uses, e.group.group_id, e.group.completion_tokens.tobytes())
             for e in state.replay.entries.values()
         ],
-        "dispenser": state.dispenser.snapshot(),
+        "dispenser": without_deadlines(state.dispenser.snapshot()),
         "live": state.dispenser.live,
         "drawn": {s: (b.seqs, sorted(b.delivered), [g.group_id for g in b.groups]) for s, b in book.drawn.items()},
         "completed": None if book.completed is None else (book.completed.step, book.completed.seqs),

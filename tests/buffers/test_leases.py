@@ -94,6 +94,69 @@ def test_silent_generator_loses_its_leases() -> None:
     assert dispenser.queued == 2
 
 
+def test_heartbeats_renew_a_live_generators_leases_however_long_its_rollouts_take() -> None:
+    """lease_timeout_s = 10: a lease listed by heartbeats that show progress never expires (here for 100 s)."""
+    dispenser = _dispenser(count=10, stall_timeout_s=20.0)
+    lease = _lease(dispenser, 2, now=0.0)
+    for t in range(2, 100, 2):
+        dispenser.heartbeat(0, [lease.lease_id], progress=t, now=float(t))
+        assert dispenser.due(now=t + 0.5) == []
+    assert lease.deadline == 98.0 + 10.0 and lease.state == "active"
+    # a heartbeat that does not list the lease leaves its deadline alone: it expires as an orphan
+    for t in range(100, 110, 2):
+        dispenser.heartbeat(0, [], progress=t, now=float(t))
+    assert dispenser.due(now=108.5) == [lease.lease_id] and dispenser.why_due(lease.lease_id, 108.5) == "deadline"
+
+
+def test_a_generator_that_heartbeats_without_progress_is_stuck() -> None:
+    dispenser = _dispenser(count=10, stall_timeout_s=20.0)
+    lease = _lease(dispenser, 2, now=0.0)
+    for t in range(2, 40, 2):  # alive (never silent for 3 s), but its counter stands at 7 from t = 2 on
+        dispenser.heartbeat(0, [lease.lease_id], progress=7, now=float(t))
+    assert dispenser.dead_generators(now=38.5) == []
+    assert dispenser.stalled_generators(now=21.0) == [] and dispenser.stalled_generators(now=22.5) == [0]
+    assert dispenser.due(now=22.5) == [lease.lease_id] and dispenser.why_due(lease.lease_id, 22.5) == "stuck"
+    # a stuck generator's heartbeats no longer renew: the deadline stayed where the last renewal (t = 22) left it
+    assert lease.deadline == 22.0 + 10.0
+
+
+def test_a_new_lease_restarts_the_stall_clock() -> None:
+    dispenser = _dispenser(count=10, stall_timeout_s=20.0)
+    dispenser.heartbeat(0, [], progress=3, now=0.0)  # idle for a long time: no lease, not stuck
+    dispenser.heartbeat(0, [], progress=3, now=50.0)
+    lease = _lease(dispenser, 2, now=50.0)
+    dispenser.heartbeat(0, [lease.lease_id], progress=3, now=52.0)
+    assert dispenser.stalled_generators(now=69.0) == [] and dispenser.stalled_generators(now=71.0) == [0]
+
+
+def test_a_late_group_for_a_reissued_prompt_is_wanted_past_the_retention() -> None:
+    """The expired lease is kept while one of its prompts is re-issued and not completed: its late group is accepted
+    (first wins) however late, and the re-issued copy is a duplicate; once nothing of it is live it is forgotten."""
+    dispenser = _dispenser(count=10, retain_s=5.0)
+    first = _lease(dispenser, 2, now=0.0)
+    pids = list(first.prompts)
+    dispenser.expire([first.lease_id], now=11.0)
+    second = _lease(dispenser, 2, now=12.0, generator_id=1)
+    dispenser.forget(now=500.0)
+    assert first.lease_id in dispenser.leases
+    assert dispenser.check(first.lease_id, pids[0], 0, 0) is None
+    assert dispenser.complete(first.lease_id, pids[0], now=500.0)
+    assert dispenser.complete(second.lease_id, pids[0], now=501.0) is False  # the second copy: a duplicate
+    assert dispenser.complete(second.lease_id, pids[1], now=502.0)
+    dispenser.forget(now=503.0)
+    assert first.lease_id not in dispenser.leases  # nothing of it is live any more
+
+
+def test_a_restart_gives_active_leases_a_fresh_deadline() -> None:
+    dispenser = _dispenser(count=10)
+    lease = _lease(dispenser, 2, now=0.0)
+    copy = _dispenser(count=10)
+    copy.restore(dispenser.snapshot(), now=500.0)
+    assert copy.leases[lease.lease_id].deadline == 10.0  # restored as recorded
+    copy.restart(now=500.0)  # heartbeats renewed it without a record: presume it alive as of the restart
+    assert copy.leases[lease.lease_id].deadline == 510.0 and copy.due(now=502.0) == []
+
+
 def test_returned_prompts_go_to_the_front() -> None:
     dispenser = _dispenser(count=10)
     lease = _lease(dispenser, 4)
