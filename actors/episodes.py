@@ -204,7 +204,7 @@ class EpisodeDriver:
         if callable(note):
             try:
                 note(prompt_tokens, len(sample.completion_tokens), sample.finish_reason)
-            except Exception as error:  # noqa: BLE001 - user code: the episode fails, the generator stays up
+            except BaseException as error:  # noqa: BLE001 - user code, SystemExit & co. too: the episode fails
                 self._finish(episode, f"env_error: on_model_turn: {type(error).__name__}: {error}"[:300])
                 return
         self._call(episode, "stepping", episode.env.step, self.engine.decode(sample.completion_tokens))
@@ -243,7 +243,9 @@ class EpisodeDriver:
         return list(self.requests)
 
     def metrics(self) -> dict[str, float]:
-        return self.stats.drain(self.runner.stuck_calls)
+        runner = self.runner
+        blocks = {"env/loop_blocks": runner.loop_blocks, "env/loop_blocked_s": runner.loop_blocked_s}
+        return {**self.stats.drain(runner.stuck_calls), **blocks, "env/loop_escapes": runner.loop_escapes}
 
     def close(self) -> None:
         """Stop the environment runner (environment calls still running are abandoned)."""
@@ -256,7 +258,7 @@ class EpisodeDriver:
         self.live[id(episode)] = episode
         try:
             episode.env = self.factory()
-        except Exception as error:  # noqa: BLE001 - user code: the episode fails, the generator stays up
+        except BaseException as error:  # noqa: BLE001 - user code, SystemExit & co. too: the episode fails
             self._finish(episode, f"env_error: factory: {type(error).__name__}: {error}"[:300])
             return
         self._call(episode, "resetting", episode.env.reset, group.prompt)

@@ -7,7 +7,7 @@
 HTTP protocol: POST `{"completion": str, "metadata": {...}}` as JSON to `reward_url`; the answer is
 `{"reward": float, "components": {name: float}}` (components optional), within `reward_timeout_s`.
 
-Failure mode (deliberately survived): a reward function that raises, an endpoint that fails, times out or answers
+Failure mode (deliberately survived): a reward function that raises (any BaseException), an endpoint that fails, times out or answers
 garbage, or a non-finite reward gives the sample `env.failure_reward` and no components; `score.error` says what
 happened, `errors` counts it, and it is logged. The generator stays up.
 """
@@ -57,7 +57,8 @@ class RewardScorer:
             components = {str(name): float(value) for name, value in components.items()}
             if not math.isfinite(reward) or not all(math.isfinite(v) for v in components.values()):
                 raise ValueError(f"reward {reward} or components {components} are not finite")
-        except Exception as error:  # noqa: BLE001 - a user reward function may raise anything: fall back, count, log
+        except BaseException as error:  # noqa: BLE001 - a user reward function may raise anything, SystemExit and
+            # KeyboardInterrupt too (the generator takes its signals by handler, so none is a real Ctrl-C): fall back
             self.errors += 1
             message = f"{type(error).__name__}: {error}"[:300]
             fallback = self.env.failure_reward

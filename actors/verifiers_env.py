@@ -325,7 +325,12 @@ class VerifiersEnvironment:
             episode = vf.Episode(env=vf.EnvInfo(id=env.config.env_id), task=info, traces=seat.traces)
             await env.finalize(task, episode)
             self.bridge.events.put_nowait(("done", episode_reward(seat.traces)))
-        except Exception as error:  # noqa: BLE001 - any failure of the env's hooks ends the episode as env_error
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # close() cancelled the episode
+                raise
+            self.bridge.events.put_nowait(("error", RuntimeError("a verifiers hook raised CancelledError")))
+        except BaseException as error:  # noqa: BLE001 - any failure of the env's hooks, SystemExit and
+            # KeyboardInterrupt included (a rubric's), ends the episode as env_error, never the event loop
             self.bridge.events.put_nowait(("error", error))
 
     async def close(self) -> None:

@@ -192,6 +192,44 @@ class ScriptedFactory:
         return env
 
 
+class BadPluginEnv(ScriptedEnv):
+    """An async environment whose step misbehaves as `how` says: raise `exit` (SystemExit), `interrupt`
+    (KeyboardInterrupt), `generator_exit`, `custom` (a BaseException subclass), `in_task` (SystemExit in a task it
+    started itself), or `block` (time.sleep(block_s) inside `async def step`: holds the event loop)."""
+
+    def __init__(self, how: str, block_s: float = 2.0) -> None:
+        super().__init__([Turn(done=True, reward=1.0)])
+        self.how, self.block_s = how, block_s
+
+    async def step(self, model_turn_text: str) -> Any:  # type: ignore[override]
+        misbehave(self.how, self.block_s)
+        if self.how == "in_task":
+            await asyncio.get_running_loop().create_task(_exit_in_task())
+        return self._respond(self._next_turn(), model_turn_text)
+
+
+class CustomBaseError(BaseException):
+    """A plug-in's own BaseException subclass."""
+
+
+def misbehave(how: str, block_s: float) -> None:
+    """Raise or block as `BadPluginEnv` documents (nothing for another `how`)."""
+    errors = {
+        "exit": SystemExit(3),
+        "interrupt": KeyboardInterrupt("interrupted"),
+        "generator_exit": GeneratorExit("closed"),
+        "custom": CustomBaseError("custom"),
+    }
+    if how in errors:
+        raise errors[how]
+    if how == "block":
+        time.sleep(block_s)  # the bug being survived: a blocking call inside async code
+
+
+async def _exit_in_task() -> None:
+    raise SystemExit(4)
+
+
 # ---------------------------------------------------------------------------- environments for the generator process
 class TwoTurnEnv:
     """For `tandem generator` tests: asks for a second turn, then ends with reward 1. Prompts whose metadata has
@@ -252,3 +290,12 @@ class PolicyEngine(ScriptedEngine):
         ]
         self.running.clear()
         return finished
+
+
+class AsyncTwoTurnEnv(TwoTurnEnv):
+    """TwoTurnEnv with an `async def step` that misbehaves on prompts whose metadata names `plugin_fault`
+    (`misbehave`: exit, interrupt, block for `block_s`)."""
+
+    async def step(self, model_turn_text: str) -> StepResult:  # type: ignore[override]
+        misbehave(self.metadata.get("plugin_fault", ""), float(self.metadata.get("block_s", 5.0)))
+        return TwoTurnEnv.step(self, model_turn_text)

@@ -149,6 +149,10 @@ class BrokenTask(vf.Task[vf.TaskData]):
     async def score_it(self, trace: vf.Trace) -> float:
         if "boom" in trace.last_reply:
             raise RuntimeError("the rubric exploded")
+        if "interrupt" in trace.last_reply:
+            raise KeyboardInterrupt("the rubric interrupted")
+        if "exit" in trace.last_reply:
+            raise SystemExit(3)
         return 1.0
 
 
@@ -189,6 +193,30 @@ def test_a_raising_verifiers_env_fails_only_its_own_episode(tokenizer, runner, t
     assert reasons[1].startswith("env_error: step: ") and "the rubric exploded" in reasons[1]
     assert reasons[2].startswith("env_error: step: ") and "run() gave up" in reasons[2]
     assert group.rewards.tolist()[1:] == [-1.0, -1.0]
+
+
+def test_a_rubric_raising_keyboard_interrupt_or_system_exit_ends_its_episode_not_the_loop(
+    tokenizer, runner, tmp_path
+) -> None:
+    """Before, a rubric's KeyboardInterrupt or SystemExit left the runner's event loop (every later episode of the
+    generator hung): now each ends its own episode as env_error, and the next group on the same runner scores."""
+    (tmp_path / "tandem_vf_broken.py").write_text(textwrap.dedent(BROKEN))
+    env = EnvConfig(environment="verifiers:tandem-vf-broken", plugin_paths=[str(tmp_path)])
+    try:
+        factory = environment_factory(env)
+        prompt = PromptItem(7, 0, [{"role": "user", "content": "Say something."}], {"vf_idx": 0})
+        engine = TextEngine(tokenizer, [["fine"], ["interrupt"], ["exit"]])
+        group = run_group(engine, factory, runner, prompt, n=3)
+        after = run_group(TextEngine(tokenizer, [["fine"], ["fine"]]), factory, runner, prompt, n=2)
+    finally:
+        sys.modules.pop("tandem_vf_broken", None)
+    reasons = list(group.finish_reasons)
+    assert reasons[0] == "done" and group.rewards.tolist() == [1.0, -1.0, -1.0]
+    # verifiers scores in a task of its own: its TaskError carries the rubric's exception (as PluginAbort)
+    assert reasons[1].startswith("env_error: step: ") and "KeyboardInterrupt: the rubric interrupted" in reasons[1]
+    assert reasons[2].startswith("env_error: step: ") and "SystemExit: 3" in reasons[2]
+    assert list(after.finish_reasons) == ["done", "done"] and after.rewards.tolist() == [1.0, 1.0]
+    assert runner.loop_escapes == 0
 
 
 def test_prompts_name_their_task_and_a_bad_index_is_refused(tmp_path) -> None:
