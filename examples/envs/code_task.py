@@ -18,8 +18,15 @@ malformed"). So an empty, short, long or garbled report, a crash or an early exi
 pass is to return the expected values: the reward measures the function, not the printing. (Before, an empty
 forged report passed every case: the comparison zipped the cases with however many outcomes came back.) Then:
   * every case passes: done, reward 1.0;
-  * else the model gets the first failures (arguments, what it returned or raised, what was expected) and tries
-    again, up to `max_attempts`; after the last: done, reward = the share of cases passed by that last attempt.
+  * else the model gets the first failures (arguments, what it returned or raised, and for some what was expected)
+    and tries again, up to `max_attempts`; after the last: done, reward = the share of the UNREVEALED cases passed
+    by that last attempt.
+Feedback never gives the answers away: a case whose expected value was shown is revealed and no longer scored, and
+at most half of the cases are ever revealed (the other failures are shown without their expected value). So a
+"solution" that computes nothing and replays the expected values of earlier feedback scores 0 (before, it passed
+every case by its third attempt). A single attempt reveals nothing: its reward is the share of all cases passed.
+The report is parsed bounded (`MAX_REPORT_CHARS`, values nested at most `MAX_DEPTH` deep): a deeper or larger one
+is malformed and scores 0 with that reason, never a `RecursionError` in `step`.
 A turn without code is asked for code (and counts as an attempt). The whole run of one attempt is bounded by
 `time_limit_s` and `memory_mb`. Where the kernel grants the sandbox no namespaces, a step raises
 `actors.sandbox.SandboxUnavailable` unless `allow_audit_hook_only = true` is among the environment's arguments.
@@ -39,6 +46,8 @@ from actors.sandbox import SandboxLimits, SandboxResult, run_python
 from common.envs import StepResult
 from common.tasks import PromptRecord
 
+MAX_REPORT_CHARS = 1 << 20  # the sandbox's output_bytes: a longer report cannot be the harness's
+MAX_DEPTH = 32  # arrays/objects inside each other in a report; the tasks' values nest 2 deep
 CODE_BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
 HARNESS = """
 import json, sys
@@ -104,14 +113,39 @@ def _failure(result: SandboxResult, limits: SandboxLimits) -> str | None:
     return None
 
 
+def nested_deeper(text: str, limit: int) -> bool:
+    """Whether the JSON `text` opens more than `limit` arrays/objects inside each other (brackets inside strings
+    are skipped): checked before `json.loads`, whose recursion a deeply nested report would exhaust."""
+    depth, in_string, escaped = 0, False, False
+    for char in text:
+        if escaped:
+            escaped = False
+        elif in_string:
+            escaped, in_string = char == "\\", char != '"'
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif char in "]}":
+            depth -= 1
+    return False
+
+
 def parse_report(text: str, count: int) -> list[dict[str, Any]] | str:
     """The harness's report, checked: exactly `count` outcomes, each {"value": JSON} or {"error": str}, or the
     load error. Anything else is the reason it was refused (a string): the report came from code under test, so
-    it is judged as hostile input, never trusted for its shape."""
+    it is judged as hostile input, never trusted for its shape, size or depth (a report over `MAX_REPORT_CHARS`
+    or nested deeper than `MAX_DEPTH` is refused unread: parsing it would raise `RecursionError`)."""
     malformed = "the test report was malformed (the program printed over it, or exited before it)"
+    if len(text) > MAX_REPORT_CHARS:
+        return f"the test report was malformed (over {MAX_REPORT_CHARS} characters)"
+    if nested_deeper(text, MAX_DEPTH):
+        return f"the test report was malformed (values nested deeper than {MAX_DEPTH})"
     try:
         report = json.loads(text)
-    except ValueError:  # deliberately survived: the solution may print anything after the marker
+    except (ValueError, RecursionError):  # deliberately survived: the solution may print anything after the marker
         return malformed
     if isinstance(report, dict) and set(report) == {"load_error"} and isinstance(report["load_error"], str):
         return report["load_error"][:300]
@@ -148,6 +182,7 @@ class CodeEnv:
         self.function = str(task.metadata["function"])
         self.cases = json.loads(task.metadata["cases"])
         self.attempts = 0
+        self.revealed: set[int] = set()  # cases whose expected value feedback has shown: no longer scored
         return list(task.messages)
 
     def step(self, model_turn_text: str) -> StepResult:
@@ -160,21 +195,37 @@ class CodeEnv:
             ask = f"Please write the function `{self.function}` in a ```python code block."
             return StepResult([{"role": "user", "content": ask}], reward=0.0)
         outputs = run_cases(code, self.function, self.cases, self.limits)
-        failures = [
-            (args, expected, out)
-            for (args, expected), out in zip(self.cases, outputs)
+        failed = [
+            i
+            for i, ((_, expected), out) in enumerate(zip(self.cases, outputs))
             if "error" in out or _canonical(out["value"]) != _canonical(expected)
         ]
-        passed = len(self.cases) - len(failures)
-        if not failures or last:
-            return StepResult([], reward=passed / len(self.cases), done=True, info={"passed": passed})
+        passed = len(self.cases) - len(failed)
+        if not failed or last:
+            scored = self._unrevealed(self.revealed)
+            reward = sum(i not in failed for i in scored) / len(scored)
+            return StepResult([], reward=reward, done=True, info={"passed": passed})
+        return StepResult([{"role": "user", "content": self._feedback(failed, outputs, passed)}], reward=0.0)
+
+    def _unrevealed(self, revealed: set[int]) -> list[int]:
+        """The cases scored: those whose arguments no revealed case shares (a repeated case is revealed too)."""
+        shown = {_canonical(self.cases[i][0]) for i in revealed}
+        return [i for i, (args, _) in enumerate(self.cases) if _canonical(args) not in shown]
+
+    def _feedback(self, failed: list[int], outputs: list[dict[str, Any]], passed: int) -> str:
+        """The first `failures_shown` failures; the expected value only of cases already revealed, or while at
+        least half the cases stay unrevealed (those become revealed: the reward no longer counts them)."""
         lines = [f"{passed} of {len(self.cases)} tests passed. Failures:"]
-        for args, expected, out in failures[: self.failures_shown]:
+        for i in failed[: self.failures_shown]:
+            args, expected = self.cases[i]
+            out = outputs[i]
             got = f"raised {out['error']}" if "error" in out else f"returned {repr(out['value'])[:200]}"
-            call = f"{self.function}({', '.join(map(repr, args))})"
-            lines.append(f"- {call} {got}, expected {expected!r}")
+            if i not in self.revealed and 2 * len(self._unrevealed(self.revealed | {i})) >= len(self.cases):
+                self.revealed.add(i)
+            shown = f"expected {expected!r}" if i in self.revealed else "a hidden test: its expected value is not shown"
+            lines.append(f"- {self.function}({', '.join(map(repr, args))}) {got}, {shown}")
         lines.append("Fix the function and reply with the whole corrected code.")
-        return StepResult([{"role": "user", "content": "\n".join(lines)}], reward=0.0)
+        return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------ the task set

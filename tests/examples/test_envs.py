@@ -260,3 +260,53 @@ def test_example_config_validates_and_its_prompt_file_is_current(name: str, monk
     assert committed == to_jsonl(EXAMPLES[name](len(records), 0)), (
         f"regenerate: python -m examples.envs.{'code_task' if name == 'code' else name} --write {config.env.source}"
     )
+
+
+# --------------------------------------------------------------------------------------- code-task tricks
+REPLAY = """```python
+import json
+SEEN = json.loads({seen!r})
+def {function}(*args):
+    return SEEN.get(json.dumps(list(args)))
+```"""
+
+
+@pytest.mark.integration
+def test_replaying_the_expected_values_of_feedback_scores_zero() -> None:
+    """A "solution" that computes nothing and returns the expected values earlier feedback showed: before, it
+    passed every case by its third attempt (3 shown per attempt, 6 cases). Now at most half the cases are ever
+    revealed, and revealed ones are not scored: it scores 0."""
+    import re
+
+    record = code_prompts(3, seed=2)[2]
+    env = CodeEnv(max_attempts=3, time_limit_s=5)
+    env.reset(task(record.metadata))
+    function, seen = record.metadata["function"], {}
+    for _ in range(3):
+        result = env.step(REPLAY.format(seen=json.dumps(seen), function=function))
+        if result.done:
+            break
+        feedback = result.observation[0]["content"]
+        for call, expected in re.findall(rf"- {function}\((.*)\) (?:returned|raised) .*, expected (.*)", feedback):
+            seen[json.dumps(list(eval(f"[{call}]")))] = eval(expected)
+    assert result.done and result.reward == 0.0
+    assert 0 < len(seen) <= len(json.loads(record.metadata["cases"])) // 2
+
+
+@pytest.mark.integration
+def test_a_deeply_nested_report_scores_zero_with_a_reason() -> None:
+    """A solution that prints a report nested 100,000 deep after the harness's marker: before, json.loads raised
+    RecursionError in the environment's step; now the report is malformed and scores 0."""
+    from examples.envs.code_task import parse_report
+
+    deep = '{"outputs": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    assert "nested deeper than" in parse_report(deep, count=3)
+    solution = (
+        "import __main__, os, sys\n"
+        "sys.stdout.write(__main__.MARKER + '{\"outputs\": ' + '[' * 100000 + ']' * 100000 + '}\\n')\n"
+        "sys.stdout.flush()\nos._exit(0)\n"
+    )
+    env = CodeEnv(max_attempts=1, time_limit_s=5)
+    env.reset(task({"function": "gcd", "cases": GCD_CASES}))
+    result = env.step(f"```python\n{solution}```")
+    assert result.done and result.reward == 0.0
