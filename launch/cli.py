@@ -17,7 +17,8 @@ so `tandem --help` and config errors answer at once.
     tandem eval MODEL [MODEL ...] [--sets ...]    # offline vLLM evaluation of models/checkpoints (launch.evaluate)
     tandem plot RUN_DIR [--out FILE.png]          # a run's eval curves vs version and wall time (launch.plot)
     tandem config CONFIG                          # print the resolved config as JSON, after checking the paths
-                                                  # a run needs here (--no-path-checks: a config for elsewhere)
+                                                  # a run needs here (--no-path-checks: a config for elsewhere);
+                                                  # on stderr, what model.dtype "auto" chooses on this machine
     tandem keys DIR                               # CurveZMQ keys: the server's and one per role (run.curve_keys_dir)
 
 CONFIG is a TOML file, or the name of a config shipped in the package (`launch/configs/`, installed with the
@@ -235,7 +236,10 @@ def main(argv: list[str] | None = None) -> int:
             problems = [f"{problem} (for a config of other machines: --no-path-checks)" for problem in problems]
         return config_error(config_path, problems, overrides, override_spellings(overrides))
     if args.command == "config":
+        from common.dtypes import machine_summary, read_cpu_flags
+
         print(config.model_dump_json(indent=2))
+        print(machine_summary(config.model.dtype, read_cpu_flags()), file=sys.stderr)  # stdout stays JSON
         return 0
     module, function = ROLES["run" if args.command == "demo" else args.command].split(":")
     try:

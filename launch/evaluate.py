@@ -5,8 +5,8 @@
     tandem eval runs/demo/checkpoints/step-000030 --samples 4 --temperature 1.0 --out step30.json
     tandem eval runs/ppo/model --reward-model runs/rm/model --config examples/rlhf/ppo.toml
 
-Each MODEL is evaluated in turn: one vLLM engine (the config's model.dtype, max_model_len and generator CPU
-settings), every set's prompts sampled `--samples` times, the engine shut down before the next model starts. Then
+Each MODEL is evaluated in turn: one vLLM engine (the config's model.dtype, `_model_settings`; max_model_len and
+generator CPU settings), every set's prompts sampled `--samples` times, the engine shut down before the next model starts. Then
 the completions are scored (common.eval_metrics: strict and lenient accuracy, pass@1 / pass@k, reward and its
 components, length, truncation), with --reward-model also by a reward model (loaded once, after every engine is
 down). It prints one table (rows: set x model) and writes the figures as JSON (`--out`, default ./eval.json).
@@ -38,7 +38,6 @@ DEFAULT_OUT = "eval.json"
 DEFAULT_MAX_TOKENS = 64
 SAMPLED_TEMPERATURE = 1.0  # the temperature of --samples K > 1 when --temperature is not given
 USAGE_ERROR = 2
-DTYPE_NAMES = ("float32", "bfloat16")  # the model.dtype values (common.config.ModelConfig)
 STEP_DIR_PREFIX = "step-"
 
 
@@ -133,7 +132,6 @@ class EvalPlan:
     max_tokens: int
     reward_model: Path | None
     out: Path
-    dtype_from_model: bool = True  # no --config: each model is run in the dtype it was saved in (`_model_settings`)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -154,7 +152,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--config",
-        help="a run config (TOML or a run's config.json): its model.dtype (default: each model's saved dtype) and "
+        help="a run config (TOML or a run's config.json): its model.dtype (default and 'auto': chosen on this "
+        "machine, a model saved in float32 kept in float32) and "
         "max_model_len, generator CPU settings, "
         "run.seed, env.reward_fn (default common.tasks:arithmetic_reward) and [reward] dtype/batch_size",
     )
@@ -236,7 +235,6 @@ def plan(argv: list[str]) -> EvalPlan:
         args.max_tokens,
         args.reward_model,
         args.out,
-        dtype_from_model=args.config is None,
     )
 
 
@@ -244,16 +242,19 @@ def plan(argv: list[str]) -> EvalPlan:
 
 
 def _model_settings(plan: EvalPlan, model_dir: Path) -> ModelConfig:
-    """The [model] settings a model is evaluated with: --config's, or without one the model's own saved dtype
-    (config.json's `dtype`, older `torch_dtype`) when it is one Tandem runs. Casting a model fine-tuned in float32
-    to bfloat16 rounds its updates away: an Adam step of lr 2e-5 moves a weight of ~0.05 by ~4e-4 of itself, below
-    bfloat16's 2^-8 = 4e-3 resolution (measured: an SFT model's held-out strict accuracy 0.875 in float32, 0.020
-    cast to bfloat16)."""
-    if not plan.dtype_from_model:
-        return plan.config.model
+    """The [model] settings a model is evaluated with: --config's. An explicit model.dtype there is kept for every
+    model; with `auto` (also without --config) a model saved in float32 (config.json's `dtype`, older
+    `torch_dtype`) stays float32, and any other is run as `auto` chooses on this machine (common.dtypes: a bfloat16
+    model in float32 where bf16 is emulated, which is exact). Casting a model fine-tuned in float32 to bfloat16
+    rounds its updates away: an Adam step of lr 2e-5 moves a weight of ~0.05 by ~4e-4 of itself, below bfloat16's
+    2^-8 = 4e-3 resolution (measured: an SFT model's held-out strict accuracy 0.875 in float32, 0.020 cast to
+    bfloat16)."""
+    model = plan.config.model
+    if model.dtype != "auto":
+        return model
     saved = _hf_config(model_dir) or {}
     dtype = saved.get("dtype") or saved.get("torch_dtype")
-    return plan.config.model.model_copy(update={"dtype": dtype}) if dtype in DTYPE_NAMES else plan.config.model
+    return model.model_copy(update={"dtype": "float32"}) if dtype == "float32" else model
 
 
 def _generate(plan: EvalPlan, model_dir: Path) -> dict[str, list[list[Any]]]:

@@ -245,6 +245,40 @@ def export_hf_model(
             shutil.copy2(Path(source_dir) / name, directory / name)
 
 
+SAFETENSORS_FLOATS = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+MAX_SAFETENSORS_HEADER = 100 << 20  # bytes; a longer header is no export of ours
+
+
+def saved_dtype(hf_dir: Path) -> str | None:
+    """The dtype of the floating-point tensors of `hf_dir/model.safetensors` (read from the file's header: no
+    tensor is loaded), or None without the file, without floating tensors, or with more than one such dtype."""
+    path = Path(hf_dir) / "model.safetensors"
+    if not path.is_file():
+        return None
+    with open(path, "rb") as file:
+        size = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(size)) if 0 < size <= MAX_SAFETENSORS_HEADER else {}
+    found = {SAFETENSORS_FLOATS.get(spec.get("dtype")) for key, spec in header.items() if key != "__metadata__"}
+    found.discard(None)
+    return found.pop() if len(found) == 1 else None
+
+
+def check_resume_dtype(checkpoint: Path, dtype: str, requested: str) -> None:
+    """Raise ValueError when `checkpoint` was trained in another dtype than `dtype` (this learner's, resolved from
+    model.dtype = `requested`): DeepSpeed's optimizer state is laid out for the dtype it was saved with (bf16
+    keeps float32 master weights beside the model's, float32 none), and `auto` chooses per machine, so a run
+    resumed on another kind of machine may choose otherwise. A checkpoint without an HF export passes."""
+    saved = saved_dtype(Path(checkpoint) / "hf")
+    if saved is not None and saved != dtype:
+        chose = (
+            f"model.dtype = 'auto' chose {dtype} on this machine" if requested == "auto" else f"model.dtype = {dtype}"
+        )
+        raise ValueError(
+            f"{checkpoint} was trained in {saved}, and {chose}: a DeepSpeed checkpoint resumes only in its own "
+            f"dtype; resume with --model.dtype {saved}, or start the run again without learner.resume"
+        )
+
+
 PEFT_PREFIX = "base_model.model."  # the key prefix of peft's adapter_model.safetensors
 
 

@@ -31,16 +31,25 @@ import torch
 from torch import nn
 
 from common.config import LoraConfig
+from common.dtypes import choose_dtype
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """`model.dtype` as a torch dtype; raises ValueError naming the allowed values."""
+    """A resolved `model.dtype` (`training_dtype`) as a torch dtype; raises ValueError naming the allowed values."""
     try:
         return DTYPES[name]
     except KeyError:
         raise ValueError(f"model.dtype: must be one of {sorted(DTYPES)} (got {name!r})") from None
+
+
+def training_dtype(requested: str, device: torch.device) -> str:
+    """`model.dtype` resolved for a learner computing on `device` (`common.dtypes`: `auto` is bfloat16 on a CUDA
+    device of compute capability >= 8.0 or a CPU with avx512_bf16/amx_bf16, else float32), logged with its reason;
+    bfloat16 on a CPU that emulates it is warned about once."""
+    cuda_bf16 = torch.cuda.is_bf16_supported(including_emulation=False) if device.type == "cuda" else None
+    return choose_dtype(requested, cuda_bf16).dtype
 
 
 def _check_model_dir(model_dir: Path) -> None:

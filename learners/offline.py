@@ -132,6 +132,7 @@ class OfflineTrainer:
 
         from common.model_prep import resolve_model_path
         from learners import engine as eng
+        from learners.models import torch_dtype, training_dtype
         from learners.offline_stages import make_stage
 
         stage_cfg = getattr(config, name)
@@ -141,12 +142,13 @@ class OfflineTrainer:
         self.rank_rows = stage_cfg.batch_size // dist.world_size
         self.micro_batch_size = config.learner.micro_batch_size
         self.micro_steps = math.ceil(self.rank_rows / self.micro_batch_size)
-        self.stage = make_stage(name, config, self.model_dir, self.tokenizer, eng.device())
+        self.requested_dtype, self.dtype = config.model.dtype, training_dtype(config.model.dtype, eng.device())
+        self.stage = make_stage(name, config, self.model_dir, self.tokenizer, eng.device(), torch_dtype(self.dtype))
         learner = config.learner
         settings = eng.EngineSettings(
             lr=learner.lr,
             zero_stage=learner.zero_stage,
-            bf16=config.model.dtype == "bfloat16",
+            bf16=self.dtype == "bfloat16",
             micro_batch_size=self.micro_batch_size,
             micro_steps=self.micro_steps,
             weight_decay=learner.weight_decay,
@@ -221,6 +223,11 @@ class OfflineTrainer:
         self.export(directory / "hf")
 
     def load_state(self, directory: Path) -> None:
+        """Restore what `save_state` wrote; another dtype than the checkpoint's raises ValueError (resolved
+        model.dtype: `learners.checkpoint.check_resume_dtype`)."""
+        from learners.checkpoint import check_resume_dtype
+
+        check_resume_dtype(directory, self.dtype, self.requested_dtype)
         self.engine.load(directory / "deepspeed", tag="policy")
 
     def export(self, directory: Path) -> None:

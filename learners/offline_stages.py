@@ -1,7 +1,7 @@
 """What differs between the offline stages (`tandem sft`, `tandem rm`, `tandem dpo`): one small object each,
 used by the one loop of `learners.offline`.
 
-    stage = make_stage("dpo", config, model_dir, tokenizer, device)   # SftStage | RewardStage | DpoStage
+    stage = make_stage("dpo", config, model_dir, tokenizer, device, dtype)    # SftStage | RewardStage | DpoStage
     rows_train, rows_eval = stage.rows()                     # from stage cfg's source (or `arithmetic`)
     example = stage.tokenize(tokenizer, row, max_len)        # ChatExample | PairExample
     units = stage.loss_units(examples)                       # what the loss averages over: tokens | pairs
@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from common.config import DpoConfig, RmConfig, SftConfig, TandemConfig
 from learners.logprobs import logprobs_from_logits
 from learners.losses import bradley_terry_loss, dpo_loss, sft_token_nll
-from learners.models import load_policy, load_reference, torch_dtype
+from learners.models import load_policy, load_reference
 from learners.offline_data import (
     ChatExample,
     PairExample,
@@ -127,10 +127,11 @@ class SftStage:
 
     name = "sft"
 
-    def __init__(self, config: TandemConfig, model_dir: Path, tokenizer: Any, device: torch.device) -> None:
+    def __init__(
+        self, config: TandemConfig, model_dir: Path, tokenizer: Any, device: torch.device, dtype: torch.dtype
+    ) -> None:
         self.cfg, self.device, self.seed = config.sft, device, config.run.seed
         self.pad_id = pad_token_id(tokenizer)
-        dtype = torch_dtype(config.model.dtype)
         self.model: nn.Module = load_policy(model_dir, dtype, config.learner.gradient_checkpointing)
 
     def rows(self) -> tuple[list[list[dict]], list[list[dict]]]:
@@ -203,7 +204,9 @@ class RewardStage(_PairStage):
 
     name = "rm"
 
-    def __init__(self, config: TandemConfig, model_dir: Path, tokenizer: Any, device: torch.device) -> None:
+    def __init__(
+        self, config: TandemConfig, model_dir: Path, tokenizer: Any, device: torch.device, dtype: torch.dtype
+    ) -> None:
         from transformers import AutoModelForSequenceClassification
 
         self.cfg, self.device, self.seed = config.rm, device, config.run.seed
@@ -212,7 +215,7 @@ class RewardStage(_PairStage):
             str(model_dir),
             num_labels=1,
             pad_token_id=self.pad_id,
-            dtype=torch_dtype(config.model.dtype),
+            dtype=dtype,
             local_files_only=True,
         )
         model.config.use_cache = False
@@ -248,13 +251,14 @@ class DpoStage(_PairStage):
 
     name = "dpo"
 
-    def __init__(self, config: TandemConfig, model_dir: Path, tokenizer: Any, device: torch.device) -> None:
+    def __init__(
+        self, config: TandemConfig, model_dir: Path, tokenizer: Any, device: torch.device, dtype: torch.dtype
+    ) -> None:
         from common.model_prep import resolve_model_path
 
         self.cfg: DpoConfig = config.dpo
         self.device, self.seed = device, config.run.seed
         self.pad_id = pad_token_id(tokenizer)
-        dtype = torch_dtype(config.model.dtype)
         self.model: nn.Module = load_policy(model_dir, dtype, config.learner.gradient_checkpointing)
         self.reference = load_reference(resolve_model_path(self.cfg.reference or config.model.path), dtype).to(device)
 
@@ -280,10 +284,13 @@ class DpoStage(_PairStage):
 Stage = SftStage | RewardStage | DpoStage
 
 
-def make_stage(name: str, config: TandemConfig, model_dir: Path, tokenizer: Any, device: torch.device) -> Stage:
-    """The stage `name` (sft, rm, dpo) with its model(s) built from `model_dir` (model.path resolved) on the CPU
-    (the engine moves the trained one to `device`; DPO's reference goes there at once)."""
+def make_stage(
+    name: str, config: TandemConfig, model_dir: Path, tokenizer: Any, device: torch.device, dtype: torch.dtype
+) -> Stage:
+    """The stage `name` (sft, rm, dpo) with its model(s) built from `model_dir` (model.path resolved) on the CPU in
+    `dtype` (model.dtype resolved for this machine: `learners.models.training_dtype`); the engine moves the trained
+    one to `device`, DPO's reference goes there at once."""
     stages = {"sft": SftStage, "rm": RewardStage, "dpo": DpoStage}
     if name not in stages:
         raise ValueError(f"unknown offline stage {name!r} (one of {', '.join(STAGES)})")
-    return stages[name](config, model_dir, tokenizer, device)
+    return stages[name](config, model_dir, tokenizer, device, dtype)

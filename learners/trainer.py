@@ -92,7 +92,7 @@ from learners.batching import (
     split_to_count,
     token_budget_micro_batches,
 )
-from learners.checkpoint import export_adapter, export_hf_model
+from learners.checkpoint import check_resume_dtype, export_adapter, export_hf_model
 from learners.completion_logprobs import completion_logprobs, fused_head
 from learners.models import (
     ADAPTER,
@@ -106,6 +106,7 @@ from learners.models import (
     merged_layout,
     merged_weights,
     torch_dtype,
+    training_dtype,
 )
 from learners.objective import (
     PreUpdate,
@@ -143,7 +144,8 @@ class Trainer:
             )
         self.model_dir, self.algo, self.dist, self.temperature = Path(model_dir), algo, dist, temperature
         self.overlong_budget, self.overlong_window = overlong  # L_max and L_cache of algo.overlong = "penalty"
-        dtype = torch_dtype(model.dtype)
+        self.requested_dtype, self.dtype = model.dtype, training_dtype(model.dtype, eng.device())
+        dtype = torch_dtype(self.dtype)
         rank_samples = learner.groups_per_step // dist.world_size * algo.group_size
         if rank_samples % learner.mini_batches:
             raise ValueError(
@@ -157,7 +159,7 @@ class Trainer:
         settings = eng.EngineSettings(
             lr=learner.lr,
             zero_stage=learner.zero_stage,
-            bf16=model.dtype == "bfloat16",
+            bf16=self.dtype == "bfloat16",
             micro_batch_size=learner.micro_batch_size,
             micro_steps=self.micro_steps,
             weight_decay=learner.weight_decay,
@@ -450,7 +452,9 @@ class Trainer:
             export_adapter(directory / "adapter", adapter, adapter_weights(module, self.policy.zero3), write=write)
 
     def load_state(self, directory: Path) -> None:
-        """Restore what `save_state` wrote (same world size and ZeRO stage). Collective."""
+        """Restore what `save_state` wrote (same world size, ZeRO stage and dtype: `check_resume_dtype` raises
+        ValueError for another dtype before anything is loaded). Collective."""
+        check_resume_dtype(directory, self.dtype, self.requested_dtype)
         self.policy.load(directory / "deepspeed", tag="policy")
         if self.critic is not None:
             self.critic.load(directory / "deepspeed", tag="critic")

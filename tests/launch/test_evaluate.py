@@ -77,14 +77,19 @@ def test_models_that_cannot_be_evaluated_are_refused_saying_what_to_pass(tmp_pat
 # --------------------------------------------------------------------------------------- arguments
 
 
-def test_each_model_runs_in_its_saved_dtype_unless_a_config_says(tmp_path: Path) -> None:
-    """A float32 fine-tune cast to bfloat16 loses its updates (launch.evaluate._model_settings): without --config
-    every model keeps the dtype its config.json records; --config's model.dtype wins for all."""
+def test_a_float32_model_stays_float32_unless_a_config_says_otherwise(tmp_path: Path) -> None:
+    """A float32 fine-tune cast to bfloat16 loses its updates (launch.evaluate._model_settings): with model.dtype
+    `auto` (the default, with or without --config) a model saved in float32 keeps float32 and the others are run as
+    `auto` chooses on the machine; an explicit model.dtype in --config wins for all."""
     fp32 = _hf_dir(tmp_path / "fp32", {**HF_CONFIG, "dtype": "float32"})
     bf16 = _hf_dir(tmp_path / "bf16", {**HF_CONFIG, "torch_dtype": "bfloat16"})
     unknown = _hf_dir(tmp_path / "fp16", {**HF_CONFIG, "dtype": "float16"})  # not a Tandem dtype: the default
     own = plan([str(fp32), str(bf16), str(unknown), "--sets", "arithmetic"])
-    assert [evaluate._model_settings(own, d).dtype for d in own.models.values()] == ["float32", "bfloat16", "bfloat16"]
+    assert [evaluate._model_settings(own, d).dtype for d in own.models.values()] == ["float32", "auto", "auto"]
+    auto = tmp_path / "auto.toml"
+    auto.write_text("[model]\nmax_model_len = 512\n")
+    given = plan([str(fp32), str(bf16), "--sets", "arithmetic", "--config", str(auto)])
+    assert [evaluate._model_settings(given, d).dtype for d in given.models.values()] == ["float32", "auto"]
     config = tmp_path / "run.toml"
     config.write_text('[model]\ndtype = "bfloat16"\n')
     given = plan([str(fp32), "--sets", "arithmetic", "--config", str(config)])
