@@ -21,7 +21,8 @@ Failure modes: an unreachable publisher is not an error for the generator (it ke
 has and asks again after a back-off); a malformed reply raises `WeightsTransportError`, which the poller counts,
 logs and retries like an unreachable publisher. Malformed means anything `common.weights.check_frames` refuses
 (an unknown dtype, sizes or shapes that disagree with the bytes, bucket indices out of range, empty or repeated
-names) and an update whose tensor layout (names, dtypes, shapes) differs from the first one this source accepted.
+names) and an update whose tensor layout (names, dtypes, shapes) differs from the first one this source accepted
+(one floating dtype for another is no change: the engine casts an update into its own dtype, `LayoutGuard`).
 
 Adapter-only updates (learner.lora.sync = "adapter": `WeightsHeader.lora_rank` > 0) travel the same way; their
 tensors are checked as LoRA matrices (`common.weights.check_adapter`, a malformed one is a bad reply), and an engine
@@ -157,16 +158,25 @@ def ask_publisher(
     return reply, payload
 
 
+FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
+
+
 class LayoutGuard:
     """The tensor layout (names, dtypes, shapes) of the first update a source accepted, one per kind (full weights,
     adapter-only: a full update the engine then refuses must not bar the adapters that follow): `check` refuses an
-    update of a known kind with another layout (a different model) with `WeightsTransportError`."""
+    update of a known kind with another layout (a different model) with `WeightsTransportError`. One floating
+    dtype standing for another is the same layout: a learner restarted on a machine where `model.dtype = "auto"`
+    chose otherwise publishes the same model in another dtype, and the engine casts every tensor into its own
+    (actors/engine.py)."""
 
     def __init__(self) -> None:
         self.layouts: dict[bool, list[tuple[str, str, list[int]]]] = {}  # adapter-only? -> layout
 
     def check(self, header: WeightsHeader) -> None:
-        layout = [(spec.name, spec.dtype, list(spec.shape)) for spec in header.tensors]
+        layout = [
+            (spec.name, "float" if spec.dtype in FLOAT_DTYPES else spec.dtype, list(spec.shape))
+            for spec in header.tensors
+        ]
         known = self.layouts.setdefault(header.lora_rank > 0, layout)
         if layout != known:
             changed = next((new[0] for new, old in zip(layout, known) if new != old), "the tensor count")

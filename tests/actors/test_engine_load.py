@@ -32,16 +32,16 @@ from tests.actors.greedy_engine import greedy as _greedy
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
 
-def _start_fresh_engine(model_dir: Path, out: Path) -> subprocess.Popen:
-    """`python -m tests.actors.greedy_engine MODEL_DIR OUT`, from the checkout's root (where `tests` imports);
+def _start_fresh_engine(model_dir: Path, out: Path, dtype: str = "auto") -> subprocess.Popen:
+    """`python -m tests.actors.greedy_engine MODEL_DIR OUT DTYPE`, from the checkout's root (where `tests` imports);
     its output goes to OUT.log (files, not pipes: a full pipe would stall the engine until the test reads it)."""
     root = Path(__file__).resolve().parents[2]
-    argv = [sys.executable, "-m", "tests.actors.greedy_engine", str(model_dir), str(out)]
+    argv = [sys.executable, "-m", "tests.actors.greedy_engine", str(model_dir), str(out), dtype]
     with open(f"{out}.log", "w") as log:
         return subprocess.Popen(argv, cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _update(model_dir: Path, version: int):
+def _update(model_dir: Path, version: int, float32: bool = False):
     import torch
     from safetensors.torch import load_file
 
@@ -50,29 +50,29 @@ def _update(model_dir: Path, version: int):
     from launch.testing import pack_weights
 
     arrays, dtypes = {}, {}
-    for name, tensor in load_file(str(model_dir / "model.safetensors")).items():
-        arrays[name], dtypes[name] = tensor.contiguous().view(torch.uint16).numpy(), "bfloat16"
+    for name, tensor in load_file(str(model_dir / "model.safetensors")).items():  # the tiny model: bfloat16
+        if float32:  # as a learner that chose float32 publishes the same weights
+            arrays[name], dtypes[name] = tensor.float().numpy(), "float32"
+        else:
+            arrays[name], dtypes[name] = tensor.contiguous().view(torch.uint16).numpy(), "bfloat16"
     header, buckets = pack_weights(arrays, version, 1 << 20, dtypes)
     return WeightsUpdate(header, check_frames(header, [memoryview(b) for b in buckets]), time.monotonic())
 
 
-def test_in_place_loads_sample_exactly_as_a_fresh_engine_on_the_new_weights(tiny_model_dir: Path, tmp_path: Path):
-    from common.model_prep import make_tiny_model
-
-    new_dir = make_tiny_model(tmp_path / "seed1", seed=1)
-    fresh_out = tmp_path / "fresh.json"
-    fresh_engine = _start_fresh_engine(new_dir, fresh_out)
+def _beside_a_fresh_engine(old_dir: Path, new_dir: Path, out: Path, dtype: str, updates: list) -> tuple:
+    """Greedy samples of an engine (model.dtype `dtype`) on `old_dir` before and after each of `updates`, loaded in
+    order in place, and those of a fresh engine on `new_dir` started beside it in its own process:
+    (before, [after each update], fresh)."""
+    fresh_engine = _start_fresh_engine(new_dir, out, dtype)
     try:
-        engine = _engine(tiny_model_dir)
+        engine = _engine(old_dir, dtype)
         try:
-            before = _greedy(engine)
-            engine.load_weights(_update(new_dir, 1), inflight=False)
-            assert engine.last_load_path == "in_place" and engine.policy_version == 1
-            after_first = _greedy(engine)
-            engine.load_weights(_update(tiny_model_dir, 2), inflight=False)
-            back = _greedy(engine)
-            engine.load_weights(_update(new_dir, 3), inflight=False)
-            after_third = _greedy(engine)
+            assert dtype == "auto" or engine.dtype == dtype
+            before, after = _greedy(engine), []
+            for update in updates:
+                engine.load_weights(update, inflight=False)
+                assert engine.last_load_path == "in_place" and engine.policy_version == update.policy_version
+                after.append(_greedy(engine))
         finally:
             engine.shutdown()
         fresh_engine.wait(timeout=300)
@@ -80,11 +80,37 @@ def test_in_place_loads_sample_exactly_as_a_fresh_engine_on_the_new_weights(tiny
         if fresh_engine.poll() is None:
             os.killpg(fresh_engine.pid, signal.SIGKILL)  # its group: vLLM's engine process with it
             fresh_engine.wait()
-    assert fresh_engine.returncode == 0, Path(f"{fresh_out}.log").read_text()[-3000:]
-    fresh = [(tokens, logprobs) for tokens, logprobs in json.loads(fresh_out.read_text())]
+    assert fresh_engine.returncode == 0, Path(f"{out}.log").read_text()[-3000:]
+    fresh = [(tokens, logprobs) for tokens, logprobs in json.loads(out.read_text())]
     assert [t for t, _ in before] != [t for t, _ in fresh], "the two models must sample differently to tell them apart"
+    return before, after, fresh
+
+
+def test_in_place_loads_sample_exactly_as_a_fresh_engine_on_the_new_weights(tiny_model_dir: Path, tmp_path: Path):
+    from common.model_prep import make_tiny_model
+
+    new_dir = make_tiny_model(tmp_path / "seed1", seed=1)
+    updates = [_update(new_dir, 1), _update(tiny_model_dir, 2), _update(new_dir, 3)]
+    before, (after_first, back, after_third), fresh = _beside_a_fresh_engine(
+        tiny_model_dir, new_dir, tmp_path / "fresh.json", "auto", updates
+    )
     assert back == before  # the old weights back: the old engine's samples, bit for bit
     for loaded in (after_first, after_third):
         for (tokens, logprobs), (fresh_tokens, fresh_logprobs) in zip(loaded, fresh):
             assert tokens == fresh_tokens
             np.testing.assert_array_equal(logprobs, fresh_logprobs)
+
+
+def test_updates_in_another_dtype_are_cast_into_the_engines(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """model.dtype = "auto" chooses per machine: a float32 engine (a generator where bf16 is emulated) is sent the
+    learner's bfloat16 weights, then the same weights in float32. vLLM's weight loaders cast both into the engine's
+    dtype, so it samples exactly as a fresh float32 engine started on those weights (actors/engine.py, Dtypes)."""
+    from common.model_prep import make_tiny_model
+
+    new_dir = make_tiny_model(tmp_path / "seed1", seed=1)
+    updates = [_update(new_dir, 1), _update(tiny_model_dir, 2, float32=True), _update(new_dir, 3, float32=True)]
+    before, (from_bfloat16, back, from_float32), fresh = _beside_a_fresh_engine(
+        tiny_model_dir, new_dir, tmp_path / "fresh.json", "float32", updates
+    )
+    assert back == before
+    assert from_bfloat16 == from_float32 == [(list(t), list(lp)) for t, lp in fresh]

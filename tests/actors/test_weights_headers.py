@@ -95,3 +95,23 @@ def test_an_update_that_changes_the_model_layout_is_refused() -> None:
     finally:
         source.close()
         publisher.stop()
+
+
+def test_the_same_model_in_another_float_dtype_is_accepted_another_kind_is_not() -> None:
+    """model.dtype = "auto" chooses per machine: a learner restarted elsewhere publishes the same model in another
+    float dtype, which the engine casts into its own (actors/engine.py); an integer tensor is another layout."""
+    publisher = FakePublisher(free_port()).start()
+    source = ZmqWeightsSource(f"127.0.0.1:{publisher.port}", SocketSecurity(), generator_id=0, timeout_s=5)
+    as_float32 = {**ARRAYS, "model.embed_tokens.weight": ARRAYS["model.embed_tokens.weight"].astype(np.float32)}
+    try:
+        publisher.publish(1, ARRAYS, DTYPES)
+        assert source.fetch(0).policy_version == 1
+        publisher.publish(2, as_float32, {})  # bfloat16 -> float32
+        update = source.fetch(1)
+        assert update.policy_version == 2 and [s.dtype for s in update.header.tensors] == ["float32", "float32"]
+        publisher.publish(3, {**ARRAYS, "model.norm.weight": np.zeros(40, np.int32)}, DTYPES)
+        with pytest.raises(WeightsTransportError, match=r"changes the model's layout \(model.norm.weight\)"):
+            source.fetch(2)
+    finally:
+        source.close()
+        publisher.stop()
