@@ -670,14 +670,6 @@ class BufferConfig(_Section):
         gt=0,
         le=MAX_TIMEOUT_S,
     )
-    persist: bool = Field(False, description="Append accepted groups and lease/cursor state to a log in the run dir.")
-    epochs: int = Field(0, description="Passes over the prompts (0 = unlimited).", ge=0)
-    vocab_size: int = Field(
-        0,
-        description="Token ids a group may hold are [0, vocab_size); 0 = the model's (`vocab_size` of model.path's "
-        "config.json; 49152 for `smollm2` and `tiny`). Groups with other ids are rejected (counted: bad_token).",
-        ge=0,
-        le=2**31,  # token ids travel as int32
     stall_timeout_s: float = Field(
         900.0,
         description="A generator that heartbeats but shows no progress (no engine step that ran a request, no "
@@ -687,6 +679,14 @@ class BufferConfig(_Section):
         gt=0,
         le=MAX_TIMEOUT_S,
     )
+    persist: bool = Field(False, description="Append accepted groups and lease/cursor state to a log in the run dir.")
+    epochs: int = Field(0, description="Passes over the prompts (0 = unlimited).", ge=0)
+    vocab_size: int = Field(
+        0,
+        description="Token ids a group may hold are [0, vocab_size); 0 = the model's (`vocab_size` of model.path's "
+        "config.json; 49152 for `smollm2` and `tiny`). Groups with other ids are rejected (counted: bad_token).",
+        ge=0,
+        le=2**31,  # token ids travel as int32
     )
     max_abs_reward: float = Field(
         1e6,
