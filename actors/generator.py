@@ -203,6 +203,7 @@ class Generator:
         self.metrics = metrics
         self.pulse = pulse
         self.worked = 0  # progress since the last heartbeat phase: engine steps that ran a request, samples finished
+        self.tokens_sampled = 0  # cumulative, for the heartbeats: one token per request each engine step ran
         self.pending_update: WeightsUpdate | None = None
         self.draining = False
         self.exhausted = False
@@ -282,7 +283,9 @@ class Generator:
         """What the next heartbeat says; also called as soon as a lease is taken, so that the heartbeats list it
         before the next engine step (which may outlast lease_timeout_s)."""
         eval_leases = self.evaluation.lease_ids() if self.evaluation is not None else []
-        self.pulse.note(self.engine.policy_version, self.book.lease_ids(), eval_leases, self.worked)
+        self.pulse.note(
+            self.engine.policy_version, self.book.lease_ids(), eval_leases, self.worked, self.tokens_sampled
+        )
         self.worked = 0
 
     def update_weights(self, now: float) -> None:
@@ -418,6 +421,7 @@ class Generator:
             self.stats.idle_s += time.monotonic() - now
         else:
             self.worked += 1
+            self.tokens_sampled += self.engine.num_unfinished()  # unfinished samples count: a slow first group shows
             for sample in self.engine.step():
                 self.worked += 1
                 self.stats.tokens += len(sample.completion_tokens)  # eval tokens too: the engine's throughput

@@ -3,7 +3,7 @@
     pulse = Pulse(BufferLink(address, security, generator_id, reconnect_max_s), generator_id)
     pulse.start()
     ...                                    # the loop, after each engine step that ran a request:
-    pulse.note(policy_version, lease_ids, eval_lease_ids, worked=1)
+    pulse.note(policy_version, lease_ids, eval_lease_ids, worked=1, tokens=tokens_sampled)
     if pulse.run_over is not None: ...     # the buffer answered a heartbeat RunOver
     pulse.stop()
 
@@ -14,7 +14,8 @@ is thrown away. So the heartbeat runs here, every `HEARTBEAT_S` whatever the loo
 (ZeroMQ sockets are not thread-safe: the loop's `BufferLink` stays the loop's).
 
 What it reports is what the loop last noted: the policy version, the training leases and the eval lease it holds,
-and a progress counter (engine steps that ran a request, samples finished). The buffer renews the listed leases
+a progress counter (engine steps that ran a request, samples finished) and the completion tokens sampled so far
+(the buffer's generation rate, for the learner's report of a long wait). The buffer renews the listed leases
 while the counter moves, and takes a generator whose counter stands still for `buffer.stall_timeout_s` as stuck
 (`buffers.leases`): alive is not the same as making progress. A process that dies takes this thread with it, so a
 dead generator is still found within `heartbeat_timeout_s`.
@@ -47,6 +48,7 @@ class Pulse:
         self.lease_ids: tuple[int, ...] = ()
         self.eval_lease_ids: tuple[int, ...] = ()
         self.progress = 0
+        self.tokens = 0  # cumulative completion tokens sampled, as the loop last noted
         self.sent = 0  # heartbeats answered
         self.run_over: RunOver | None = None  # the buffer's RunOver, once a heartbeat got one
         self._stop = threading.Event()
@@ -56,10 +58,18 @@ class Pulse:
         self._thread.start()
 
     def note(
-        self, policy_version: int, lease_ids: list[int], eval_lease_ids: list[int] | tuple[int, ...], worked: int = 0
+        self,
+        policy_version: int,
+        lease_ids: list[int],
+        eval_lease_ids: list[int] | tuple[int, ...],
+        worked: int = 0,
+        tokens: int | None = None,
     ) -> None:
-        """The loop's state for the next heartbeat; `worked`: units of progress since the last note."""
+        """The loop's state for the next heartbeat; `worked`: units of progress since the last note; `tokens`: the
+        cumulative completion tokens sampled (None: unchanged)."""
         self.policy_version = policy_version
+        if tokens is not None:
+            self.tokens = tokens
         self.lease_ids = tuple(lease_ids)
         self.eval_lease_ids = tuple(eval_lease_ids)
         self.progress += worked
@@ -85,6 +95,7 @@ class Pulse:
             self.policy_version,
             list(self.lease_ids),
             progress=self.progress,
+            tokens=self.tokens,
             eval_lease_ids=list(self.eval_lease_ids),
         )
         reply = self.link.call(heartbeat)

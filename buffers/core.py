@@ -210,6 +210,7 @@ class BufferCore:
         owners = {i: leases[i].generator_id for i in heartbeat.lease_ids if i in leases}
         self._check(heartbeat_lease_problem(heartbeat, owners))
         self.state.dispenser.heartbeat(heartbeat.generator_id, heartbeat.lease_ids, heartbeat.progress, now)
+        self.traffic.heard(heartbeat.generator_id, heartbeat.tokens)
         evaluation = self.state.evaluation
         if evaluation is not None and self.state.dispenser.making_progress(heartbeat.generator_id, now):
             evaluation.renew(heartbeat.generator_id, heartbeat.eval_lease_ids, now)
@@ -350,7 +351,11 @@ class BufferCore:
         return [(reply_to, Ok(self.state.learner_version))]
 
     def _stats(self, request: StatsRequest, reply_to: Any, sender: str, now: float) -> list[Reply]:
-        return [(reply_to, BufferStats(self.counters(), self.state.learner_version))]
+        """`counters()` plus what the learner's report of a long wait reads (`learners.stall_report`): tokens
+        arrived and sampled (`Traffic.generation_counts`) and `generators_alive` (heard within heartbeat_timeout_s)."""
+        live = self.counters() | self.traffic.generation_counts()
+        live["generators_alive"] = len(self.state.dispenser.last_seen) - len(self.state.dispenser.dead_generators(now))
+        return [(reply_to, BufferStats(live, self.state.learner_version))]
 
     # ------------------------------------------------------------------------------------------ housekeeping
     def tick(self, now: float) -> list[Reply]:
@@ -416,6 +421,7 @@ class BufferCore:
         values["buffer/leases_active"] = sum(1 for lease in leases if lease.state == "active")
         values["buffer/epoch"] = self.state.dispenser.epoch
         values["buffer/bytes_in"], values["buffer/bytes_out"] = self.traffic.bytes_in, self.traffic.bytes_out
+        values.update({f"buffer/{key}": value for key, value in self.traffic.generation_counts().items()})
         values.update(self.no_signal.metrics())  # with buffer.filter on: filtered_share, no_signal_reward_sum
         values.update(self.traffic.staleness_metrics())  # once a sample was served
         lengths = self.state.lengths  # buffers.lengths: by length bucket, and by turns in a multi-turn run

@@ -128,6 +128,9 @@ class Heartbeat:
     # Monotone counter of work done (engine steps that ran a request + samples finished): the buffer
     # takes a generator whose counter stands still for buffer.stall_timeout_s as stuck. 0 from older peers.
     progress: int = _default(0)
+    # Completion tokens sampled so far, unfinished samples included (one per request an engine step ran): the
+    # buffer's generation rate, for the learner's report of a long wait (learners.stall_report). 0 from older peers.
+    tokens: int = _default(0)
     # The eval lease the generator is sampling (at most one; ids of buffers.evaluation, not of lease_ids): renewed.
     eval_lease_ids: list[int] = field(default_factory=list, metadata={"low": 0, "high": MAX_COUNT})
 
