@@ -847,6 +847,14 @@ class LearnerConfig(_Section):
         gt=0,
         le=MAX_TIMEOUT_S,
     )
+    wait_report_s: float = Field(
+        120.0,
+        description="A wait for a batch longer than this (and than 3x the median step time) is explained in one "
+        "line: the generation rate, what one batch needs, groups refused, leases expired, and what to change; "
+        "logged, in waiting.jsonl and printed by `tandem run`, then every few minutes while it lasts.",
+        gt=0,
+        le=MAX_TIMEOUT_S,
+    )
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
     critic_lr: float = Field(5e-6, description="Critic learning rate (estimator = gae).", gt=0)
     critic_path: str = Field(

@@ -1,5 +1,6 @@
 """The console of `tandem run`: a live progress bar fed by `metrics.jsonl`, an eval line fed by `eval.jsonl` (when
-the run evaluates, [eval]), and the end-of-run summary.
+the run evaluates, [eval]), the learner's explanations of a long wait for a batch printed above the bar as they
+come (`waiting.jsonl`, `learners.stall_report`), and the end-of-run summary.
 
     with RunProgress(run_dir / "metrics.jsonl", total_steps) as progress:   # eval.jsonl is read from beside it
         while running:
@@ -23,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from common.metrics import read_metrics
+from learners.stall_report import WAITING_STREAM
 
 EVAL_STREAM = "eval.jsonl"  # the buffer's eval rows, beside metrics.jsonl (common.metrics.MetricsSink stream "eval")
 
@@ -75,6 +77,7 @@ class RunProgress:
         self.metrics_path = metrics_path
         self.metrics = JsonlFollower(metrics_path)
         self.evals = JsonlFollower(metrics_path.with_name(EVAL_STREAM))
+        self.waits = JsonlFollower(metrics_path.with_name(f"{WAITING_STREAM}.jsonl"))
         self.newest_eval: dict[str, EvalPoint] = {}  # set label -> its newest version's figures
         self.progress = _RunDisplay(
             TextColumn("[bold]train"),
@@ -106,6 +109,9 @@ class RunProgress:
                 self.newest_eval[point.label] = point
         if self.newest_eval:
             self.progress.eval_line = eval_line(list(self.newest_eval.values()))
+        for record in self.waits.new_records():  # a few minutes apart at most: printed, not kept on the display
+            if isinstance(record.get("message"), str):
+                self.progress.console.print(Text(f"learner: {record['message']}", style="yellow", overflow="fold"))
 
 
 def _fmt(record: dict[str, Any], key: str, spec: str) -> str:

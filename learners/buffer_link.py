@@ -4,6 +4,8 @@
                       interrupted=lambda: stop_requested)
     link.report_version(policy_version, step, resync=True)   # rank 0, first: announce where this learner stands
     batch, wait_s = link.fetch_batch(step)          # blocks until the buffer has it (long-poll, retries)
+    batch, wait_s = link.fetch_batch(step, on_wait=watch.waiting)   # on_wait(waited_s) after each BatchNotReady
+    counters = link.stats()                         # the buffer's counters (BufferStats), or None: no answer
     link.report_version(policy_version, step)       # rank 0, after each publish
     link.report_version(policy_version, step, final=True)   # rank 0, the last step: the run is over
     pending = link.final_eval_pending()             # rank 0, after it: eval sets of the final round not done (None:
@@ -125,8 +127,10 @@ class BufferLink:
             time.sleep(min(remaining, 0.1))
         raise LinkInterrupted(f"interrupted while waiting for {what}")
 
-    def fetch_batch(self, step: int) -> tuple[Batch, float]:
-        """(this rank's `Batch` for `step`, seconds spent waiting for it); LinkInterrupted once `interrupted()`."""
+    def fetch_batch(self, step: int, on_wait: Callable[[float], None] | None = None) -> tuple[Batch, float]:
+        """(this rank's `Batch` for `step`, seconds spent waiting for it); LinkInterrupted once `interrupted()`.
+        `on_wait(waited_s)` is called after each BatchNotReady (every `hold_s` while the buffer has none), on this
+        thread: it may use this link (`stats`), e.g. to say why nothing comes (`learners.stall_report`)."""
         start = time.perf_counter()
         request = BatchRequest(
             step=step, rank=self.rank, world_size=self.world_size, num_groups=self.num_groups, timeout_s=self.hold_s
@@ -146,6 +150,8 @@ class BufferLink:
             refused_since, delays = None, backoff_delays(self.reconnect_max_s)
             if isinstance(reply, BatchNotReady):
                 self.counters["batch_not_ready"] += 1
+                if on_wait is not None:
+                    on_wait(time.perf_counter() - start)
                 continue
             if not isinstance(reply, Batch):
                 raise RuntimeError(f"the buffer answered a batch_request with {type(reply).WIRE_NAME}")
@@ -181,6 +187,13 @@ class BufferLink:
         """The buffer's `eval_final_pending` counter (eval sets of the final round without a result: 0 once done or
         timed out, and in a buffer that does not evaluate), from one StatsRequest; None when the buffer does not
         answer within `timeout_s` or refuses (counted `stats_unanswered`): it exited, or is away. Never retries."""
+        counters = self.stats(timeout_s)
+        return None if counters is None else int(counters.get("eval_final_pending", 0))
+
+    def stats(self, timeout_s: float = 2.0) -> dict[str, int] | None:
+        """The buffer's counters (`BufferStats`: the ledger, rejections by kind, tokens arrived and sampled,
+        generators alive) from one StatsRequest; None when it does not answer within `timeout_s` or refuses
+        (counted `stats_unanswered`). Never retries."""
         try:
             reply, _ = self.client.request(StatsRequest(), timeout_s=timeout_s)
         except PeerUnavailable:
@@ -188,7 +201,7 @@ class BufferLink:
         if not isinstance(reply, BufferStats):
             self.counters["stats_unanswered"] += 1
             return None
-        return int(reply.counters.get("eval_final_pending", 0))
+        return dict(reply.counters)
 
     def close(self) -> None:
         self.client.close()

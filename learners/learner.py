@@ -14,6 +14,8 @@ algo.ppo_epochs x learner.mini_batches optimizer steps on its batch):
                (`final` at learner.total_steps: the buffer ends the run, telling the generators to exit)
     metrics    rank 0: one record per step (metrics.jsonl, TensorBoard), progress bar, a log line
     checkpoint every save_every steps, at the end, and on SIGINT/SIGTERM (learners.checkpoint)
+A wait for a batch longer than learner.wait_report_s (and 3x the median step time) is explained in one line, in the
+log and in waiting.jsonl (`tandem run` prints it), then every few minutes while it lasts (`learners.stall_report`).
 After the last step, with eval.sets and eval.at_end, rank 0 keeps its weights published until the buffer says the
 final evaluation round is done (its counter eval_final_pending is 0, polled every FINAL_EVAL_POLL_S), the buffer
 stops answering, eval.final_timeout_s passed, or a signal came: the generators evaluate the final version with
@@ -57,6 +59,7 @@ from learners.checkpoint import CheckpointManager, LearnerState
 from learners.publisher import WeightsPublisher, open_weights_publisher
 from learners.ranks import launch_ranks, pin_cores
 from learners.session import Interrupt, Saves, any_rank, forget_steps_after, resume_state
+from learners.stall_report import WAITING_STREAM, BatchNeeds, WaitWatch
 
 KEEP_CHECKPOINTS = 2
 FINAL_EVAL_POLL_S = 1.0
@@ -112,6 +115,7 @@ def run(config: TandemConfig) -> int:
         interrupted=stop.requested,
     )
     reporter = None
+    watch = _SaidWatch(config, buffer, log) if dist.rank == 0 else None
     try:
         _publish(trainer, publisher, state.step)
         if dist.rank == 0:
@@ -123,7 +127,7 @@ def run(config: TandemConfig) -> int:
         )
         while state.step < learner.total_steps:
             step_start = time.perf_counter()
-            fetched = _fetch_unless_interrupted(buffer, state.step)
+            fetched = _fetch_unless_interrupted(buffer, state.step, watch)
             if any_rank(fetched is None, config.run.simulate):  # every rank stops after the same step
                 break
             batch, wait_s = fetched
@@ -149,6 +153,8 @@ def run(config: TandemConfig) -> int:
                 timings["weights/publisher_rejected"] = float(sum(getattr(publisher, "rejected", {}).values()))
             if reporter is not None:
                 reporter.report(state.step, _record(stats, timings, state, *_buffer_counters(batch)))
+            if watch is not None:
+                watch.stepped(timings["perf/step_s"])
             saves.after_step(state)
         interrupted = saves.finish(state, stop, learner.total_steps, log)
         if interrupted is not None:
@@ -176,13 +182,41 @@ def run(config: TandemConfig) -> int:
             publisher.close()
         if reporter is not None:
             reporter.close()
+        if watch is not None:
+            watch.close()
     return 0
 
 
-def _fetch_unless_interrupted(buffer: BufferLink, step: int) -> tuple[Any, float] | None:
+class _SaidWatch(WaitWatch):
+    """Rank 0's watch of its waits for batches: a due report goes to the log and to waiting.jsonl."""
+
+    def __init__(self, config: TandemConfig, buffer: BufferLink, log: logging.Logger) -> None:
+        super().__init__(BatchNeeds.from_config(config), first_after_s=config.learner.wait_report_s)
+        self.buffer, self.log, self.run_dir, self.sink = buffer, log, config.run.run_dir, None
+
+    def on_wait(self, step: int) -> Callable[[float], None]:
+        def waited(waited_s: float) -> None:
+            report = self.waiting(step, waited_s, self.buffer.stats)
+            if report is None:
+                return
+            self.log.warning("%s", report.line)
+            if self.sink is None:
+                from common.metrics import MetricsSink
+
+                self.sink = MetricsSink(self.run_dir, stream=WAITING_STREAM, tensorboard=False)
+            self.sink.log(step, {**report.values, "message": report.line})
+
+        return waited
+
+    def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
+
+
+def _fetch_unless_interrupted(buffer: BufferLink, step: int, watch: _SaidWatch | None) -> tuple[Any, float] | None:
     """(batch, wait_s) for `step`, or None when the learner was interrupted before or while waiting for it."""
     try:
-        return buffer.fetch_batch(step)
+        return buffer.fetch_batch(step, on_wait=None if watch is None else watch.on_wait(step))
     except LinkInterrupted:
         return None
 
