@@ -340,9 +340,10 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto",
         description="Weights dtype. `auto`: each role chooses on its own machine, at its start (logged with the "
-        "reason; `tandem config` shows this machine's choice): bfloat16 where the hardware computes it natively (a "
-        "CUDA GPU of compute capability >= 8.0; a CPU with `avx512_bf16` or `amx_bf16`), float32 elsewhere (bf16 "
-        "is emulated there: measured 4.5x slower in vLLM and 31x in a GEMM on an AVX2-only CPU). An explicit dtype "
+        "reason; `tandem config` shows this machine's choice): bfloat16 where the hardware computes it faster than "
+        "float32 (a CUDA GPU of compute capability >= 8.0; a CPU with AMX, `amx_bf16`), float32 elsewhere (bf16 "
+        "is emulated on an AVX2-only CPU: measured 4.5x slower in vLLM and 31x in a GEMM; with avx512_bf16 but no "
+        "AMX it is native but no faster: GEMM 0.6x float32). An explicit dtype "
         "is kept on every role (bfloat16 on a CPU that emulates it is warned about). Weights cross roles in the "
         "learner's dtype and the generator casts them into its own (common.dtypes).",
     )

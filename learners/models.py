@@ -46,7 +46,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def training_dtype(requested: str, device: torch.device) -> str:
     """`model.dtype` resolved for a learner computing on `device` (`common.dtypes`: `auto` is bfloat16 on a CUDA
-    device of compute capability >= 8.0 or a CPU with avx512_bf16/amx_bf16, else float32), logged with its reason;
+    device of compute capability >= 8.0 or a CPU with amx_bf16, else float32), logged with its reason;
     bfloat16 on a CPU that emulates it is warned about once."""
     cuda_bf16 = torch.cuda.is_bf16_supported(including_emulation=False) if device.type == "cuda" else None
     return choose_dtype(requested, cuda_bf16).dtype

@@ -29,13 +29,14 @@ def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
     [
         (AVX2_ONLY, "float32", "this CPU has avx2 but no avx512_bf16/amx_bf16 (bf16 would be emulated)"),
         (AVX512_NO_BF16, "float32", "this CPU has avx512f but no avx512_bf16/amx_bf16 (bf16 would be emulated)"),
-        (AVX512_BF16, "bfloat16", "this CPU has avx512_bf16 (bf16 computed natively)"),
-        (AMX, "bfloat16", "this CPU has amx_bf16 (bf16 computed natively)"),
+        # native but no faster than float32 without AMX (measured: GEMM 69.9 vs 113.1 GFLOP/s, see common.dtypes)
+        (AVX512_BF16, "float32", "this CPU has avx512_bf16 but no amx_bf16 (bf16 is native but no faster"),
+        (AMX, "bfloat16", "this CPU has amx_bf16 (bf16 computed natively, on AMX tiles)"),
         (frozenset(), "float32", "this CPU's flags cannot be read"),
     ],
     ids=["avx2-only", "avx512-without-bf16", "avx512-bf16", "amx", "unreadable"],
 )
-def test_auto_on_the_cpu_is_bf16_only_where_the_cpu_computes_it(flags: frozenset[str], dtype: str, reason: str):
+def test_auto_on_the_cpu_is_bf16_only_where_the_cpu_computes_it_faster(flags: frozenset[str], dtype: str, reason: str):
     choice = resolve_dtype("auto", flags, cuda_bf16=None)
     assert (choice.dtype, choice.emulated) == (dtype, False)
     assert choice.reason.startswith(reason)
