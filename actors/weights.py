@@ -244,6 +244,7 @@ def relay_metrics(source: WeightsSource) -> dict[str, float]:
         "actor/weight_reattachments": float(counters["reattachments"]),
         "actor/weight_bad_chunks": float(counters["bad_chunks"]),
         "actor/weight_host_copies_mapped": float(counters["host_copies_mapped"]),
+        "actor/relay_rejected": float(sum(source.relay.rejected.values())),  # type: ignore[attr-defined]
     }
 
 
