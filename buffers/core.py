@@ -129,7 +129,7 @@ class BufferCore:
             return [(reply_to, self.end.tell(request.generator_id))]
         evaluation = self.state.evaluation
         if evaluation is not None and self._eval_may_run():
-            grant = evaluation.grant(request.generator_id, request.policy_version, now)
+            grant = evaluation.grant(request.generator_id, request.policy_version, now, holder=sender)
             if grant is not None:
                 self.state.record_eval(now)
                 return [(reply_to, grant)]
@@ -243,7 +243,7 @@ class BufferCore:
         lease = evaluation.leases.get(result.lease_id)
         if lease is not None and lease.generator_id == result.generator_id:
             self.state.dispenser.seen(result.generator_id, now)
-        ack = evaluation.receive(result, now, self.state.learner_version, self.state.newest_version)
+        ack = evaluation.receive(result, now, self.state.learner_version, self.state.newest_version, sender)
         self.state.record_eval(now)
         if ack.status == "rejected":
             log.warning("rejected eval result of lease %d from %s: %s", result.lease_id, sender, ack.reason)

@@ -25,8 +25,10 @@ buffer.stall_timeout_s); a rejected or expired lease makes its round due again (
 round of that set is due, leased or done: then it is superseded). Ended leases are kept `retain_s` so that a
 re-sent result is told `duplicate`.
 
-Result checks (EvalAck "rejected" + reason, counted `rejected_eval_<kind>`): unknown_lease, wrong_generator (the
-lease is left alone: a peer cannot end another's lease), lease_ended (expired or rejected before), and on the
+Result checks (EvalAck "rejected" + reason, counted `rejected_eval_<kind>`): unknown_lease, wrong_generator and
+wrong_holder (a result must come on the connection its grant went to: a peer holding the generator role cannot
+forge another generator's result by naming its id; the lease is left alone in both cases: a peer cannot end another's
+lease; after a buffer restart the connections are new and results are checked by generator id only), lease_ended (expired or rejected before), and on the
 owner's active lease, which then ends and is requeued: wrong_prompts (not the lease's prompt ids in its order),
 wrong_layout (not P x m completions), old_version (below the round's version), future_version (above the newest
 version the learner can have published).
@@ -83,6 +85,9 @@ class EvalLease:
     samples: int
     state: str = ACTIVE
     ended_at: float = 0.0
+    # The connection the grant went to (`common.sockets.Request.sender`: its routing id is ZeroMQ's, unforgeable):
+    # only a result from it is taken. Not journaled: after a restart every connection is new, and "" binds nothing.
+    holder: str = ""
 
     @property
     def per_prompt(self) -> int:
@@ -237,8 +242,9 @@ class EvalScheduler:
     def holds_lease(self, generator_id: int) -> bool:
         return any(lease.generator_id == generator_id and lease.state == ACTIVE for lease in self.leases.values())
 
-    def grant(self, generator_id: int, policy_version: int, now: float) -> EvalGrant | None:
-        """The eval lease for this generator now (module docstring), or None: it gets training prompts instead."""
+    def grant(self, generator_id: int, policy_version: int, now: float, holder: str = "") -> EvalGrant | None:
+        """The eval lease for this generator now (module docstring), or None: it gets training prompts instead.
+        `holder`: the connection that asked (the lease's result must come from it)."""
         if not self.due or self.holds_lease(generator_id):
             return None
         name = next((name for name in self.sets if self.due.get(name, policy_version + 1) <= policy_version), None)
@@ -255,6 +261,7 @@ class EvalScheduler:
             list(records),
             self.config.greedy,
             self.config.samples,
+            holder=holder,
         )
         self.next_lease_id += 1
         self.leases[lease.lease_id] = lease
@@ -325,10 +332,13 @@ class EvalScheduler:
         return bool(old)
 
     # ------------------------------------------------------------------------------------------ results
-    def receive(self, result: EvalResult, now: float, learner_version: int, newest_version: int) -> EvalAck:
-        """Check a result against its lease (module docstring) and answer it; an accepted one adds a row."""
+    def receive(
+        self, result: EvalResult, now: float, learner_version: int, newest_version: int, sender: str = ""
+    ) -> EvalAck:
+        """Check a result against its lease (module docstring) and answer it; an accepted one adds a row.
+        `sender`: the connection it came on, checked against the lease's holder."""
         lease = self.leases.get(result.lease_id)
-        problem = self._lease_problem(result, lease)
+        problem = self._lease_problem(result, lease, sender)
         if problem is None and lease.state == DONE:
             self.counts["eval_duplicates"] += 1
             return EvalAck(result.lease_id, "duplicate")
@@ -351,13 +361,18 @@ class EvalScheduler:
             log.info("final evaluation of version %d: every set done", self.final_version)
         return EvalAck(result.lease_id, "accepted")
 
-    def _lease_problem(self, result: EvalResult, lease: EvalLease | None) -> tuple[str, str] | None:
+    def _lease_problem(self, result: EvalResult, lease: EvalLease | None, sender: str) -> tuple[str, str] | None:
         if lease is None:
             return "unknown_lease", (
                 f"eval lease {result.lease_id} is unknown (never issued, or ended more than {self.retain_s:.0f}s ago)"
             )
         if lease.generator_id != result.generator_id:
             return "wrong_generator", f"eval lease {lease.lease_id} belongs to generator {lease.generator_id}"
+        if lease.holder and sender != lease.holder:
+            return "wrong_holder", (
+                f"eval lease {lease.lease_id} was granted on another connection: a result comes from the connection "
+                "its grant went to"
+            )
         if lease.state in (EXPIRED, REJECTED):
             return "lease_ended", (
                 f"eval lease {lease.lease_id} {lease.state} before this result came: its set was handed out again"

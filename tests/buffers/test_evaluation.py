@@ -515,3 +515,16 @@ def test_an_announcement_without_final_cancels_the_final_wait() -> None:
     ask(core, VersionReport(0, 0, resync=True))  # a learner resumed with more total_steps
     assert core.counters()["eval_final_pending"] == 0
     assert isinstance(ask(core, LeaseRequest(0, 4, 0)), EvalGrant)  # the round of version 0 is still due
+
+
+def test_a_result_forged_on_another_connection_is_refused_and_the_real_one_accepted() -> None:
+    """A peer holding the generator role names another generator's id and eval lease: the result did not come on the
+    connection the grant went to, so it is refused (counted) and the lease is left alone for its holder."""
+    core = eval_core()
+    advance(core, 0)
+    grant = eval_grant(core, 0)  # asked on the connection "test" (tests.buffers.fakes.ask)
+    ((_, forged),) = core.handle(result_for(grant, 0, 0), reply_to="them", sender="forger@00ff", now=1.0)
+    assert forged.status == "rejected" and "another connection" in forged.reason
+    assert core.counters()["rejected_eval_wrong_holder"] == 1
+    assert core.state.evaluation.leases[grant.lease_id].state == "active"
+    assert ask(core, result_for(grant, 0, 0), now=2.0).status == "accepted"
