@@ -42,6 +42,8 @@ BENCHMARKS = (
     "ray_overhead",
     "env_latency",
     "eval_overhead",
+    "slow_generators",
+    "demo_wall",
 )
 OPTIONAL = frozenset({"ray_overhead", "env_latency"})  # run when present
 HERE = Path(__file__).resolve().parent
