@@ -302,7 +302,7 @@ class Evaluator:
         )
         try:
             return score_completion(completion, metadata, self.reward_fn)
-        except Exception as error:  # noqa: BLE001 - a user reward function may raise anything: score 0, count, log
+        except BaseException as error:  # noqa: BLE001 - a user reward function may raise anything, SystemExit too
             self.counts["reward_errors"] += 1
             log.warning(
                 "eval set %s: the reward function failed (%d so far), scored 0: %s",

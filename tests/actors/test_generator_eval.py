@@ -67,6 +67,13 @@ def explode_on_two(completion: str, metadata: Mapping[str, Any]) -> dict[str, fl
     return reward(completion, metadata)
 
 
+def exit_on_two(completion: str, metadata: Mapping[str, Any]) -> dict[str, float]:
+    """`explode_on_two` with a BaseException: a plug-in's SystemExit ends nothing but its own score."""
+    if metadata["answer"] == 2:
+        raise SystemExit("eval reward exploded on purpose")
+    return reward(completion, metadata)
+
+
 # ----------------------------------------------------------------------------------------------- the engine
 def scripted_text(answer: str, temperature: float | None, sample: int) -> str:
     """What a completion says: greedy `#### a` (strict right); samples `a` (lenient only), `#### 9` (wrong), `x`
@@ -430,10 +437,11 @@ def test_default_mode_never_loads_weights_while_eval_requests_run(tmp_path, clos
     assert actor.evaluation.metrics()["actor/eval_redone"] == 0
 
 
-def test_a_raising_reward_function_is_counted_and_scored_zero_with_its_verdicts(tmp_path, closing, caplog):
+@pytest.mark.parametrize("reward_fn", ["explode_on_two", "exit_on_two"])
+def test_a_raising_reward_function_is_counted_and_scored_zero_with_its_verdicts(tmp_path, closing, caplog, reward_fn):
     engine = TextEngine()
     link = FakeLink([eval_grant()])
-    actor = make_generator(tmp_path, engine, link, eval_reward_fn=f"{HERE}:explode_on_two")
+    actor = make_generator(tmp_path, engine, link, eval_reward_fn=f"{HERE}:{reward_fn}")
     closing(actor)
     with caplog.at_level(logging.WARNING, "tandem.actors.evaluation"):
         run_until(actor, lambda: link.of(EvalResult))
