@@ -27,11 +27,13 @@ def test_every_saved_result_has_a_headline(path: Path) -> None:
     [
         "buffer_flood",
         "buffer_throughput",
+        "demo_wall",
         "env_latency",
         "generator_throughput",
         "learner_lora",
         "learner_throughput",
         "ray_overhead",
+        "slow_generators",
         "weight_fanout",
         "weight_sync",
         "weights_slow_reader",
