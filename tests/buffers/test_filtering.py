@@ -266,8 +266,10 @@ def test_filtered_rewards_lengths_and_truncation_are_summed_carried_and_restored
 
 
 def journalled(metrics: dict[str, float]) -> dict[str, float]:
-    """The buffer's metrics that its journal restores (not the bytes or the staleness of this process's serves)."""
-    return {k: v for k, v in metrics.items() if "bytes" not in k and "staleness_" not in k}
+    """The buffer's metrics that its journal restores: not this process's traffic (bytes, tokens arrived and sampled:
+    buffers.traffic) nor the staleness of its serves."""
+    traffic = ("bytes", "staleness_", "tokens_arrived", "tokens_sampled")
+    return {k: v for k, v in metrics.items() if not any(word in k for word in traffic)}
 
 
 def test_a_journal_record_with_a_non_finite_reward_sum_is_refused() -> None:
