@@ -245,7 +245,14 @@ class EpisodeDriver:
     def metrics(self) -> dict[str, float]:
         runner = self.runner
         blocks = {"env/loop_blocks": runner.loop_blocks, "env/loop_blocked_s": runner.loop_blocked_s}
-        return {**self.stats.drain(runner.stuck_calls), **blocks, "env/loop_escapes": runner.loop_escapes}
+        values = {**self.stats.drain(runner.stuck_calls), **blocks, "env/loop_escapes": runner.loop_escapes}
+        process_metrics = getattr(self.factory, "process_metrics", None)  # common.envs: the environment's own
+        if callable(process_metrics):
+            try:
+                values.update(process_metrics())
+            except Exception:  # a plug-in's counters: never worth the generator's report
+                log.exception("the environment's process_metrics() failed; its metrics are left out")
+        return values
 
     def close(self) -> None:
         """Stop the environment runner (environment calls still running are abandoned)."""

@@ -60,7 +60,7 @@ import concurrent.futures
 import logging
 import secrets
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -122,6 +122,19 @@ class AgentEnvironment:
         self._event: concurrent.futures.Future = concurrent.futures.Future()
         self._pending: concurrent.futures.Future | None = None  # the agent's request awaiting a model turn
         self.ended = False
+
+    @classmethod
+    def process_metrics(cls) -> dict[str, float]:
+        """The endpoints' refused requests by kind, summed over this process's endpoints (common.envs: added to the
+        generator's metrics): `env/endpoint_refused` and `env/endpoint_refused_<kind>`."""
+        refused: Counter[str] = Counter()
+        with AgentServer._lock:
+            servers = list(AgentServer._shared.values())
+        for server in servers:
+            refused.update(server.app.refused)
+        return {"env/endpoint_refused": float(sum(refused.values()))} | {
+            f"env/endpoint_refused_{kind}": float(count) for kind, count in refused.items()
+        }
 
     @classmethod
     def prepare(cls, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> None:

@@ -35,6 +35,9 @@ Contract between an environment and the generator's episode driver (`actors.epis
     `def` that stores the numbers): prompt_tokens is the whole context the model was given for the turn,
     completion_tokens the tokens it sampled, finish_reason the engine's "stop" or "length". Raising there ends the
     episode as `env_error: on_model_turn: ...`. The OpenAI endpoint reports its usage from it.
+  * Optional process metrics: an environment class with a `process_metrics()` classmethod (counts of what its
+    process-wide parts did, e.g. the OpenAI endpoint's refused requests) has them added to the generator's metrics
+    at every report (`env/...` keys; a raising one is logged and skipped).
   * `step` gets the model's turn decoded from the tokens it sampled (special tokens skipped; a turn cut by
     `generator.max_tokens` is passed as it is) and returns a `StepResult`: the NEW messages that follow the model's
     turn (usually one `user` or `tool` message; ignored when `done`), this turn's reward, and whether the episode is
@@ -218,4 +221,9 @@ def environment_factory(env: EnvConfig) -> EnvironmentFactory:
     prepare = getattr(factory, "prepare", None)
     if callable(prepare):  # the environment's start-up check (see the module docstring): raising stops the start
         prepare(**arguments)
-    return lambda: factory(**arguments)
+
+    def make() -> Environment:
+        return factory(**arguments)
+
+    make.process_metrics = getattr(factory, "process_metrics", None)  # type: ignore[attr-defined]
+    return make

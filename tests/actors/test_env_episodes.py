@@ -246,3 +246,14 @@ def test_declared_tools_join_the_first_observation_and_a_bad_list_is_an_env_erro
     assert group.finish_reasons[0] == "done" and group.finish_reasons[2] == "done"
     assert group.finish_reasons[1].startswith("env_error: reset: tools[0].function.name must match")
     assert group.rewards.tolist() == [1.0, -1.0, 1.0]
+
+
+def test_an_environments_process_metrics_join_the_drivers_and_a_raising_one_is_skipped(tokenizer, runner) -> None:
+    """common.envs: a factory carrying `process_metrics` (the environment class's) has its counts in every report."""
+    engine = ScriptedEngine(tokenizer, seed=1, eos_probability=0.0, max_tokens=4)
+    factory = ScriptedFactory([])
+    factory.process_metrics = lambda: {"env/endpoint_refused": 3.0}  # type: ignore[attr-defined]
+    driver = EpisodeDriver(engine, factory, limits(), runner, group_size=1)
+    assert driver.metrics()["env/endpoint_refused"] == 3.0
+    factory.process_metrics = lambda: 1 / 0  # type: ignore[attr-defined]
+    assert "env/endpoint_refused" not in driver.metrics() and "env/loop_blocks" in driver.metrics()

@@ -70,6 +70,21 @@ def test_environment_factory_passes_the_configured_arguments() -> None:
     assert type(env).__name__ == "Echo" and env.suffix == "?"  # (this file is imported twice: by name and path)
 
 
+class Counted(Echo):
+    """An environment whose class reports process-wide counts (common.envs: process_metrics)."""
+
+    @classmethod
+    def process_metrics(cls) -> dict[str, float]:
+        return {"env/counted": 7.0}
+
+
+def test_environment_factory_carries_the_classes_process_metrics() -> None:
+    counted = load_config(None, {"env.environment": "tests.common.test_envs:Counted"}).env
+    assert environment_factory(counted).process_metrics() == {"env/counted": 7.0}
+    plain = load_config(None, {"env.environment": "tests.common.test_envs:Echo"}).env
+    assert environment_factory(plain).process_metrics is None
+
+
 def test_environment_prepare_runs_once_at_start_up_with_the_arguments() -> None:
     env = load_config(
         None, {"env.environment": "tests.common.test_envs:Prepared", "env.environment_args": {"suffix": "?"}}

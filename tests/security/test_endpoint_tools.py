@@ -10,7 +10,7 @@ import json
 import threading
 import time
 
-from actors.openai_server import EPISODE_HEADER, AgentServer
+from actors.openai_server import EPISODE_HEADER, AgentEnvironment, AgentServer
 from common.tool_calls import MAX_TOOLS, MAX_TOOLS_CHARS, check_tools
 from launch.testing import free_port
 from tests.security.test_endpoint_attacks import error_message, request, serving
@@ -51,6 +51,13 @@ def test_the_endpoint_answers_other_agents_while_a_5000_tool_request_is_checked(
         status, reply = answer["reply"]
         assert status == 400 and f"at most {MAX_TOOLS} may be declared" in error_message(reply)
         assert slowest < 2.0
+        # the refusal is counted where the generator's metrics read it (common.envs: process_metrics)
+        metrics = AgentEnvironment.process_metrics()
+        assert (
+            metrics["env/endpoint_refused"] >= 1
+            and sum(value for key, value in metrics.items() if key.startswith("env/endpoint_refused_"))
+            == metrics["env/endpoint_refused"]
+        )
     finally:
         server.close()
 
