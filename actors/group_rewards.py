@@ -155,6 +155,8 @@ class GroupRewards:
 
     def metrics(self) -> dict[str, float]:
         values: dict[str, float] = {"actor/reward_errors": self.function.errors if self.function else 0}
+        if self.function is not None:
+            values["actor/reward_timeouts"] = self.function.timeouts
         if self.model is not None or self.client is not None:
             values["actor/reward_model_fallbacks"] = self.model_fallbacks
         if self.client is not None:
@@ -163,5 +165,7 @@ class GroupRewards:
         return values
 
     def close(self) -> None:
+        if self.function is not None:
+            self.function.close()
         if self.client is not None:
             self.client.close()

@@ -7,16 +7,24 @@
 HTTP protocol: POST `{"completion": str, "metadata": {...}}` as JSON to `reward_url`; the answer is
 `{"reward": float, "components": {name: float}}` (components optional), within `reward_timeout_s`.
 
-Failure mode (deliberately survived): a reward function that raises (any BaseException), an endpoint that fails, times out or answers
-garbage, or a non-finite reward gives the sample `env.failure_reward` and no components; `score.error` says what
-happened, `errors` counts it, and it is logged. The generator stays up.
+Failure mode (deliberately survived): a reward function that raises (any BaseException) or runs past
+`env.reward_timeout_s`, an endpoint that fails, times out or answers garbage, or a non-finite reward gives the sample
+`env.failure_reward` and no components; `score.error` says what happened, `errors` counts it (`timeouts` the calls
+that ran too long), and it is logged. The generator stays up.
+
+A reward function runs on a worker thread of its own, so one that blocks (an infinite loop, a hung network call)
+cannot hold the generator's loop: past the timeout its call is abandoned (a Python thread cannot be killed; it is
+left to finish, counted in `abandoned`) and the next call gets a fresh worker. Past `MAX_ABANDONED` abandoned
+workers still running, calls fail at once with the reason, rather than pile up threads.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import math
+import threading
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +33,7 @@ from typing import Any
 from common.config import EnvConfig
 
 log = logging.getLogger("tandem.actors.rewards")
+MAX_ABANDONED = 8  # reward calls past their timeout still running on their threads, at most
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,9 @@ class RewardScorer:
 
         self.env = env
         self.errors = 0
+        self.timeouts = 0
+        self._abandoned: list[threading.Thread] = []
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._total_reward = total_reward
         self._function: Callable[[str, dict[str, Any]], Any] | None = None
         if not env.reward_url:
@@ -50,7 +62,7 @@ class RewardScorer:
     def score(self, completion: str, metadata: dict[str, Any]) -> Score:
         try:
             if self._function is not None:
-                reward, components = self._total_reward(self._function(completion, metadata))
+                reward, components = self._total_reward(self._call(completion, metadata))
             else:
                 reward, components = self._post(completion, metadata)
             reward = float(reward)
@@ -65,6 +77,32 @@ class RewardScorer:
             log.warning("reward failed (%d so far), using fallback %.3f: %s", self.errors, fallback, message)
             return Score(fallback, {}, message)
         return Score(reward, components)
+
+    def _call(self, completion: str, metadata: dict[str, Any]) -> Any:
+        """The reward function on the worker thread, within env.reward_timeout_s (see the module docstring)."""
+        self._abandoned = [thread for thread in self._abandoned if thread.is_alive()]
+        if len(self._abandoned) >= MAX_ABANDONED:
+            raise TimeoutError(
+                f"{len(self._abandoned)} earlier calls of the reward function are still running past "
+                f"env.reward_timeout_s = {self.env.reward_timeout_s:g}s: it blocks; fix it or raise the timeout"
+            )
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward-fn")
+        future = self._worker.submit(self._function, completion, metadata)
+        try:
+            return future.result(timeout=self.env.reward_timeout_s)
+        except concurrent.futures.TimeoutError:
+            self.timeouts += 1
+            self._abandoned += list(self._worker._threads)  # its one thread, blocked in the call
+            self._worker.shutdown(wait=False)
+            self._worker = None
+            raise TimeoutError(f"the reward function ran past env.reward_timeout_s = {self.env.reward_timeout_s:g}s")
+
+    def close(self) -> None:
+        """Let the worker go (an abandoned call is left to finish on its own thread)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=False)
+            self._worker = None
 
     def _post(self, completion: str, metadata: dict[str, Any]) -> tuple[float, dict[str, float]]:
         body = json.dumps({"completion": completion, "metadata": metadata}).encode()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
@@ -29,6 +30,42 @@ def test_a_raising_function_gets_the_fallback_and_is_counted():
     assert good.error is None and good.reward == pytest.approx(1.03)
     assert bad.reward == -0.5 and bad.components == {} and bad.error.startswith("RuntimeError: reward exploded")
     assert scorer.errors == 1
+
+
+RELEASE = threading.Event()  # what a blocking reward function waits for (set at the test's end: no thread lingers)
+
+
+def blocking_reward(completion: str, metadata: dict) -> float:
+    """Blocks (until RELEASE) on a completion that says so; 1.0 otherwise."""
+    if completion == "block":
+        RELEASE.wait(60)
+    return 1.0
+
+
+def test_a_blocking_function_is_cut_at_the_timeout_and_the_next_call_runs():
+    """A reward function that blocks ends its own sample (failure_reward, TimeoutError) within env.reward_timeout_s,
+    never the generator's loop; the next call gets a fresh worker; past MAX_ABANDONED blocked calls still running,
+    calls are refused at once with the reason."""
+    from actors import rewards
+
+    RELEASE.clear()
+    scorer = RewardScorer(EnvConfig(reward_fn=f"{__name__}:blocking_reward", reward_timeout_s=0.2, failure_reward=-1.0))
+    try:
+        started = time.monotonic()
+        blocked = scorer.score("block", {})
+        took = time.monotonic() - started
+        assert blocked.reward == -1.0 and blocked.error.startswith("TimeoutError: the reward function ran past")
+        assert took < 0.2 + 1.0  # the timeout, plus scheduling slack on a loaded 2-core machine
+        assert scorer.score("fine", {}).reward == 1.0  # a fresh worker: not queued behind the blocked call
+        for _ in range(rewards.MAX_ABANDONED - 1):
+            scorer.score("block", {})
+        started = time.monotonic()
+        refused = scorer.score("fine", {})
+        assert refused.reward == -1.0 and "still running" in refused.error and time.monotonic() - started < 0.2
+        assert scorer.timeouts == rewards.MAX_ABANDONED and scorer.errors == rewards.MAX_ABANDONED + 1
+    finally:
+        RELEASE.set()
+        scorer.close()
 
 
 def test_a_misnamed_function_fails_at_start_with_the_spec_in_the_message():
