@@ -172,6 +172,7 @@ class EpisodeDriver:
         self.groups: dict[tuple[int, int], EpisodeGroup] = {}
         self.calling: dict[int, _Episode] = {}  # id(episode) -> episode with an env call running
         self._answered: deque[_Episode] = deque()  # episodes whose call is done (appended by the runner's thread)
+        self.calls_answered = 0  # environment calls taken in so far: progress, for the generator's heartbeat
         self._next_deadline_check = 0.0
         self.requests: dict[str, _Episode] = {}  # engine request id -> episode generating
         self.queued: deque[_Episode] = deque()
@@ -216,6 +217,7 @@ class EpisodeDriver:
         while self._answered:
             episode = self._answered.popleft()
             del self.calling[id(episode)]
+            self.calls_answered += 1
             outcome = episode.call.outcome()
             if episode.phase == "resetting":
                 self._on_reset(episode, outcome, now)

@@ -8,7 +8,7 @@ One loop, one thread, each pass in this order (`run` below):
      `generator.drain_timeout_s`).
   2. heartbeat: hand the heartbeat thread (`actors.liveness.Pulse`, every `HEARTBEAT_S` on a socket of its own,
      whatever one engine step or environment call takes) the leases held and the progress made (engine steps that
-     ran a request, samples finished). The buffer renews a live generator's leases for as long as it makes progress,
+     ran a request, samples finished, environment calls answered). The buffer renews a live generator's leases for as long as it makes progress,
      and re-issues those of a silent or stuck one. Once the learner has reached `learner.total_steps` the buffer
      answers heartbeats and lease requests `RunOver`: the generator stops sampling at once (nothing will train
      it), delivers the groups it built, returns the rest, exits 0.
@@ -202,7 +202,8 @@ class Generator:
         self.evaluation = evaluation
         self.metrics = metrics
         self.pulse = pulse
-        self.worked = 0  # progress since the last heartbeat phase: engine steps that ran a request, samples finished
+        self.worked = 0  # progress since the last heartbeat phase: engine steps that ran a request, samples finished,
+        self.env_calls_seen = 0  # ... and environment calls answered (the rollouts' count when last looked at)
         self.tokens_sampled = 0  # cumulative, for the heartbeats: one token per request each engine step ran
         self.pending_update: WeightsUpdate | None = None
         self.draining = False
@@ -413,6 +414,9 @@ class Generator:
         if self.draining and now >= self.drain_deadline:
             return
         self.rollouts.advance(submit=not self._holding_for_weights())
+        calls = self.rollouts.progress()  # environment calls answered: progress even with no engine request
+        self.worked += calls - self.env_calls_seen
+        self.env_calls_seen = calls
         if self.engine.num_unfinished() == 0:
             if self.rollouts.background():
                 self.rollouts.wait(IDLE_WAIT_S)  # wakes as soon as an environment call finishes

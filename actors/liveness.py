@@ -14,7 +14,7 @@ is thrown away. So the heartbeat runs here, every `HEARTBEAT_S` whatever the loo
 (ZeroMQ sockets are not thread-safe: the loop's `BufferLink` stays the loop's).
 
 What it reports is what the loop last noted: the policy version, the training leases and the eval lease it holds,
-a progress counter (engine steps that ran a request, samples finished) and the completion tokens sampled so far
+a progress counter (engine steps that ran a request, samples finished, environment calls answered) and the completion tokens sampled so far
 (the buffer's generation rate, for the learner's report of a long wait). The buffer renews the listed leases
 while the counter moves, and takes a generator whose counter stands still for `buffer.stall_timeout_s` as stuck
 (`buffers.leases`): alive is not the same as making progress. A process that dies takes this thread with it, so a

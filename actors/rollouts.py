@@ -75,6 +75,11 @@ class Rollouts(Protocol):
 
     def metrics(self) -> dict[str, float]: ...
 
+    def progress(self) -> int:
+        """Work done off the engine so far (environment calls answered; 0 for single-turn): with the engine steps,
+        the progress a generator's heartbeat reports (actors.liveness)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -139,6 +144,9 @@ class SingleTurnRollouts:
     def metrics(self) -> dict[str, float]:
         return {"actor/prompts_too_long": self.prompts_too_long, **self.rewards.metrics()}
 
+    def progress(self) -> int:
+        return 0
+
     def close(self) -> None:
         self.rewards.close()
 
@@ -182,6 +190,9 @@ class EpisodeRollouts:
 
     def metrics(self) -> dict[str, float]:
         return self.driver.metrics()
+
+    def progress(self) -> int:
+        return self.driver.calls_answered
 
     def close(self) -> None:
         self.driver.close()

@@ -12,8 +12,8 @@ Liveness is not speed. A lease bounds how long a *dead* or *stuck* generator hol
 one may take to finish them:
   dead     no message from the generator for `heartbeat_timeout_s` (its heartbeats come from a thread of their own,
            whatever one engine step or environment call takes: `actors.liveness`);
-  stuck    heartbeats come, but the progress counter they carry (engine steps that ran a request, environment calls
-           that returned) has not moved for `stall_timeout_s` while the generator holds a lease;
+  stuck    heartbeats come, but the progress counter they carry (engine steps that ran a request, samples
+           finished, environment calls answered) has not moved for `stall_timeout_s` while the generator holds a lease;
   orphan   a lease no heartbeat listed for `lease_timeout_s` (its deadline; every heartbeat that lists it, from a
            generator that is not stuck, moves the deadline to now + lease_timeout_s).
 

@@ -674,9 +674,9 @@ class BufferConfig(_Section):
     stall_timeout_s: float = Field(
         900.0,
         description="A generator that heartbeats but shows no progress (no engine step that ran a request, no "
-        "sample finished) for this long while holding leases is stuck: its leases are re-issued (counted: "
-        "generators_stuck). Keep it above the longest single engine step, and above the longest environment "
-        "call (env.step_timeout_s) a generator may wait on with no request running.",
+        "sample finished, no environment call answered) for this long while holding leases is stuck: its leases "
+        "are re-issued (counted: generators_stuck). Keep it above the longest single engine step and the longest "
+        "environment call (env.step_timeout_s).",
         gt=0,
         le=MAX_TIMEOUT_S,
     )

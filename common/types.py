@@ -125,7 +125,7 @@ class Heartbeat:
     generator_id: int = count()
     policy_version: int = version()
     lease_ids: list[int] = count()
-    # Monotone counter of work done (engine steps that ran a request + samples finished): the buffer
+    # Monotone counter of work done (engine steps that ran a request + samples finished + env calls answered): the buffer
     # takes a generator whose counter stands still for buffer.stall_timeout_s as stuck. 0 from older peers.
     progress: int = _default(0)
     # Completion tokens sampled so far, unfinished samples included (one per request an engine step ran): the

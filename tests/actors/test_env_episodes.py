@@ -257,3 +257,14 @@ def test_an_environments_process_metrics_join_the_drivers_and_a_raising_one_is_s
     assert driver.metrics()["env/endpoint_refused"] == 3.0
     factory.process_metrics = lambda: 1 / 0  # type: ignore[attr-defined]
     assert "env/endpoint_refused" not in driver.metrics() and "env/loop_blocks" in driver.metrics()
+
+
+def test_answered_environment_calls_count_as_progress(tokenizer, runner) -> None:
+    """The driver counts the environment calls it took in (reset + every step): a generator's heartbeat reports them
+    as progress, so one waiting only on slow environment calls is not taken for stuck (actors.liveness)."""
+    engine = ScriptedEngine(tokenizer, seed=1, eos_probability=0.0, max_tokens=4)
+    env = ScriptedEnv([Turn(obs="more"), Turn(obs="more"), Turn(done=True, reward=1.0)])
+    driver = EpisodeDriver(engine, ScriptedFactory([env]), limits(), runner, group_size=1)
+    driver.start_group(3, TASK)
+    drive_until_done(driver, timeout_s=30)
+    assert driver.calls_answered == 1 + 3  # reset, then three steps
