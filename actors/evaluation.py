@@ -52,6 +52,7 @@ import numpy as np
 
 from actors.engine_api import EVAL_PRIORITY, Engine, FinishedSample
 from actors.outbox import BufferLink
+from actors.rewards import TimedFunction
 from common.config import TandemConfig
 from common.eval_metrics import (
     TRUNCATED,
@@ -133,7 +134,9 @@ class Evaluator:
 
         spec = config.eval.reward_fn or config.env.reward_fn
         reward_fn = resolve_reward_fn(spec, config.env.plugin_paths)
-        return cls(engine, reward_fn, config.generator.index, config.model.max_model_len)
+        # on a worker thread within env.reward_timeout_s: one that blocks is scored 0, never holds the generator
+        timed = TimedFunction(reward_fn, config.env.reward_timeout_s, "env.reward_timeout_s")
+        return cls(engine, timed, config.generator.index, config.model.max_model_len)
 
     # ------------------------------------------------------------------------------------------------ the lease
     @property

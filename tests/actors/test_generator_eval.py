@@ -11,6 +11,7 @@ temperature, token budget and the policy version at `add`) and every weights loa
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
@@ -25,6 +26,7 @@ from actors.engine_api import EVAL_PRIORITY, TRAINING_PRIORITY, FinishedSample
 from actors.evaluation import Evaluator, is_eval_request
 from actors.generator import Generator, GeneratorSettings
 from actors.liveness import Pulse
+from actors.rewards import TimedFunction
 from actors.rollouts import rollouts_maker
 from actors.sim_engine import SimEngine
 from actors.weights import WeightsUpdate
@@ -455,6 +457,35 @@ def test_a_raising_reward_function_is_counted_and_scored_zero_with_its_verdicts(
     assert actor.evaluation.metrics()["actor/eval_reward_errors"] == 4
     assert "eval reward exploded on purpose" in caplog.text
     assert actor.evaluation.metrics()["actor/eval_delivered"] == 1
+
+
+RELEASE = threading.Event()  # what `block_on_two` waits for (set at the test's end: no thread lingers)
+
+
+def block_on_two(completion: str, metadata: Mapping[str, Any]) -> dict[str, float]:
+    """`reward`, except that it blocks on every completion of the prompt whose answer is 2."""
+    if metadata["answer"] == 2:
+        RELEASE.wait(60)
+    return reward(completion, metadata)
+
+
+def test_a_blocking_eval_reward_function_is_cut_and_scored_zero(tmp_path, closing):
+    """Evaluation's reward function runs as training's does (actors.rewards.TimedFunction): past the timeout its
+    completion is scored 0 and counted, and the result is delivered; the generator's loop is never held."""
+    RELEASE.clear()
+    engine = TextEngine()
+    link = FakeLink([eval_grant()])
+    actor = make_generator(tmp_path, engine, link)
+    closing(actor)
+    actor.evaluation.reward_fn = TimedFunction(block_on_two, 0.1, "env.reward_timeout_s")
+    try:
+        run_until(actor, lambda: link.of(EvalResult))
+        (result,) = link.of(EvalResult)
+        assert _per_prompt(result.rewards)[1] == [0.0] * 4  # the prompt of answer 2: cut, scored 0
+        assert actor.evaluation.metrics()["actor/eval_reward_errors"] >= 1
+    finally:
+        RELEASE.set()
+        actor.evaluation.reward_fn.close()
 
 
 def test_buffer_away_keeps_the_result_and_a_rejected_ack_drops_it(tmp_path, closing, caplog):
