@@ -74,11 +74,6 @@ class Pulse:
         self.eval_lease_ids = tuple(eval_lease_ids)
         self.progress += worked
 
-    def beat_now(self) -> None:
-        """One heartbeat from the calling thread (tests, and the loop before the thread starts); thread-unsafe with
-        a started thread."""
-        self._send()
-
     def _beat(self) -> None:
         while not self._stop.is_set():
             try:
