@@ -71,9 +71,27 @@ def init_distributed() -> DistInfo:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
-    return DistInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0")))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        bind_local_gpu(local_rank)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
+    return DistInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank)
+
+
+def bind_local_gpu(local_rank: int) -> None:
+    """Make cuda:`local_rank` this thread's current device, before anything reads `device()`: torch's
+    `init_process_group` does not, and DeepSpeed does only inside `deepspeed.initialize`, after `Trainer` placed
+    its inputs and reference model (ranks >= 1 on one node would put them on cuda:0). Raises ValueError when this
+    rank's GPU is not visible (fewer GPUs than ranks on the node)."""
+    visible = torch.cuda.device_count()
+    if local_rank >= visible:
+        raise ValueError(
+            f"learner rank with LOCAL_RANK {local_rank} needs GPU {local_rank}, and this process sees {visible} "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give the learner "
+            "learner.world_size GPUs per node, or fewer ranks"
+        )
+    torch.cuda.set_device(local_rank)
 
 
 def world_size() -> int:
@@ -83,11 +101,18 @@ def world_size() -> int:
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """Sum (op="sum") or maximum (op="max") of `tensor` over all ranks, in place; returns it. No-op alone."""
+    """Sum (op="sum") or maximum (op="max") of `tensor` over all ranks, in place; returns it. No-op alone.
+
+    `tensor` may live anywhere: the collective runs on this rank's `device()` (NCCL has no CPU backend, and the
+    callers' statistics are host tensors), through a copy when it lives elsewhere, copied back after."""
     import deepspeed.comm as dist
 
     if world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        target = device()
+        staged = tensor if tensor.device == target else tensor.to(target)
+        dist.all_reduce(staged, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        if staged is not tensor:
+            tensor.copy_(staged)
     return tensor
 
 
