@@ -93,6 +93,8 @@ def test_a_rank_whose_gpu_is_not_visible_is_refused_with_the_fix(monkeypatch, ca
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("LOCAL_RANK", "2")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
-    with pytest.raises(ValueError, match=r"LOCAL_RANK 2 needs GPU 2, and this process sees 2 \(CUDA_VISIBLE_DEVICES=4,5"):
+    with pytest.raises(
+        ValueError, match=r"LOCAL_RANK 2 needs GPU 2, and this process sees 2 \(CUDA_VISIBLE_DEVICES=4,5"
+    ):
         eng.init_distributed()
     assert calls == []
