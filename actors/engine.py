@@ -45,7 +45,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -55,6 +55,7 @@ from actors.cuda_weights import DeviceWeightsUpdate, export_buckets, ipc_table
 from actors.engine_api import TRAINING_PRIORITY, FinishedSample, SamplingSettings
 from actors.weights import SharedMemoryStaging, WeightsUpdate, check_update_kind
 from common.config import GeneratorConfig, ModelConfig, parse_cores
+from common.devices import vllm_eager
 from common.dtypes import choose_dtype
 
 log = logging.getLogger("tandem.actors.engine")
@@ -276,13 +277,16 @@ class VllmEngine(TokenizerTexts):
         model: ModelConfig,
         settings: SamplingSettings,
         max_num_seqs: int,
-        enforce_eager: bool,
+        enforce_eager: bool | Literal["auto"],
         tensor_parallel_size: int = 1,
         lora_rank: int = 0,
+        gpu_memory_utilization: float = 0.9,
     ) -> None:
         """`lora_rank` > 0: serve adapter-only updates of rank up to `lora_rank` (vLLM's LoRA on, see the module
-        docstring); 0: full-weights updates. Raises ValueError for a rank vLLM cannot serve."""
+        docstring); 0: full-weights updates. `enforce_eager` "auto": eager on CPU, CUDA graphs on GPU
+        (`common.devices.vllm_eager`). Raises ValueError for a rank vLLM cannot serve."""
         from vllm import EngineArgs, LLMEngine, SamplingParams
+        from vllm.platforms import current_platform
         from vllm.sampling_params import RequestOutputKind
 
         lora_args = lora_engine_args(lora_rank)
@@ -295,7 +299,8 @@ class VllmEngine(TokenizerTexts):
             max_num_seqs=max_num_seqs,
             logprobs_mode="processed_logprobs",
             worker_extension_cls="actors.engine.WeightLoader",
-            enforce_eager=enforce_eager,
+            enforce_eager=vllm_eager(enforce_eager, cuda=current_platform.is_cuda_alike()),
+            gpu_memory_utilization=gpu_memory_utilization,  # on CPU vLLM sizes its KV cache by kv_cache_gib instead
             tensor_parallel_size=tensor_parallel_size,
             disable_log_stats=True,
             # Lower `priority` first: evaluation requests (EVAL_PRIORITY) take only the slots training leaves free.

@@ -143,5 +143,12 @@ def open_engine(config: TandemConfig) -> Engine:
     settings = SamplingSettings(gen.temperature, gen.top_p, gen.max_tokens, seed)
     model_path = resolve_model_path(config.model.path)
     return VllmEngine(
-        model_path, config.model, settings, max_num_seqs, gen.enforce_eager, gen.tensor_parallel_size, lora_rank
+        model_path,
+        config.model,
+        settings,
+        max_num_seqs,
+        gen.enforce_eager,
+        gen.tensor_parallel_size,
+        lora_rank,
+        gen.gpu_memory_utilization,
     )

@@ -52,7 +52,13 @@ def open_eval_engine(
     log.info("engine environment: %s", configure_cpu_environment(generator))
     settings = SamplingSettings(temperature=temperature, top_p=1.0, max_tokens=max_tokens, seed=seed)
     return VllmEngine(
-        model_path, model, settings, max_num_seqs, generator.enforce_eager, generator.tensor_parallel_size
+        model_path,
+        model,
+        settings,
+        max_num_seqs,
+        generator.enforce_eager,
+        generator.tensor_parallel_size,
+        gpu_memory_utilization=generator.gpu_memory_utilization,
     )
 
 

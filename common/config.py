@@ -605,10 +605,20 @@ class GeneratorConfig(_Section):
         "false = in-flight samples finish under the old version first.",
     )
     kv_cache_gib: float = Field(1.0, description="vLLM CPU KV-cache size (VLLM_CPU_KVCACHE_SPACE).", gt=0)
-    enforce_eager: bool = Field(
-        True,
-        description="Run vLLM's model eagerly. false = torch.compile it: on 2 CPU cores SmolLM2 samples ~20% "
-        "faster but the engine starts ~100 s slower.",
+    enforce_eager: bool | Literal["auto"] = Field(
+        "auto",
+        description="Run vLLM's model eagerly. `auto`: eagerly on CPU (compiled, SmolLM2 samples ~20% faster on 2 "
+        "cores but the engine starts ~100 s slower), with CUDA graphs and torch.compile on GPU (vLLM's default: "
+        "eager decode is launch-bound). true / false: so on every platform.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        description="Fraction of each of its GPUs' memory one generator's vLLM engine takes (weights, activations, "
+        "KV cache); vLLM refuses to start when that much is not free. 0.9, below vLLM's own 0.92, leaves room for "
+        "what the generator allocates outside vLLM's budget after start (a weight update's staging, an NCCL "
+        "communicator). Lower it to share a GPU (`run.share_gpus`). Ignored on CPU (`kv_cache_gib`).",
+        gt=0,
+        le=1,
     )
     max_unsent_groups: int = Field(256, description="Groups kept while the buffer is unreachable.", ge=1)
     reconnect_max_s: float = Field(
@@ -633,6 +643,13 @@ class GeneratorConfig(_Section):
     )
     sim_token_s: float = Field(0.002, description="SIMULATION: seconds per generated token.", ge=0, le=MAX_TIMEOUT_S)
     sim_tokens: int = Field(64, description="SIMULATION: tokens per completion.", ge=1)
+
+    @field_validator("enforce_eager", mode="before")
+    @classmethod
+    def _eager_as_written(cls, value: Any) -> Any:
+        if isinstance(value, bool) or value == "auto":
+            return value
+        raise ValueError('must be true, false or "auto"')  # not pydantic's lax "yes" or 1
 
 
 class BufferConfig(_Section):
