@@ -187,8 +187,10 @@ def test_example_gpu_cluster_config_validates() -> None:
     )
     assert result.returncode == 0, result.stderr
     config = load_config(REPO / "examples" / "gpu_cluster.toml")
-    assert (config.generator.count, config.generator.tensor_parallel_size, config.ray.generator_gpus) == (8, 2, 2)
+    # one GPU per engine for a 1.5B model (review finding 15): 16 x 1 + 4 learner ranks = 20 GPUs
+    assert (config.generator.count, config.generator.tensor_parallel_size, config.ray.generator_gpus) == (16, 1, 1)
     assert (config.learner.world_size, config.learner.zero_stage, config.ray.learner_gpus) == (4, 3, 1)
+    assert resource_demand(config)["GPU"] == 20 and config.generator.enforce_eager is False
 
 
 @pytest.mark.integration
