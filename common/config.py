@@ -293,6 +293,14 @@ class RunConfig(_Section):
         gt=0,
         le=MAX_MESSAGE_MB,
     )
+    share_gpus: bool = Field(
+        False,
+        description="`tandem run` on a machine with fewer GPUs than its roles need (learner.world_size, then "
+        "generator.tensor_parallel_size per generator, then one for the reward service): false = refuse to start, "
+        "true = hand the GPUs out in that order again from the first (one GPU: every role on it, the demo), "
+        "provided the vLLM engines on a shared GPU together take at most half of it "
+        "(generator.gpu_memory_utilization each): the learner, started first, and the reward model need the rest.",
+    )
     port_base: int | None = Field(
         None,
         description="One number that moves every fixed port the run binds: buffer.port = base, "

@@ -5,7 +5,10 @@
 Order: buffer, then the learner rank(s) (whose publisher serves the initial weights), then the reward service
 (`reward-0`, when env.reward_model is scored out of process: `config.reward_service`), then the generator(s).
 Each child runs `python -m launch.cli ROLE <run_dir>/config.json ...` in its own session (so that vLLM's and
-torchrun's own children go with it), pinned to its CPU cores, with stdout/stderr in `logs/<role>-<i>.out`.
+torchrun's own children go with it), pinned to its CPU cores, with stdout/stderr in `logs/<role>-<i>.out`. On a
+machine with GPUs each role sees only its own (CUDA_VISIBLE_DEVICES, launch/gpu_plan.py): the learner's first, then
+each generator's, then the reward service's; too few is refused before anything starts (exit 2) unless
+run.share_gpus.
 
 Ends when:
   - the learner exits 0           -> the run is over: the buffer and the generators exit by themselves (the learner's
@@ -40,6 +43,7 @@ from common.logs import setup_logging
 from common.run_dir import reuse_problem
 from common.signals import caught_signals
 from common.weights import weights_store_dir
+from launch.gpu_plan import GpuPlan, gpu_problem, plan_gpus, visible_gpus
 from launch.progress import RunProgress, summarize
 from learners.checkpoint import latest_step
 
@@ -229,7 +233,8 @@ def string_override(value: str) -> str:
     return json.dumps(value)
 
 
-def build_roles(config: TandemConfig, config_path: Path) -> list[Role]:
+def build_roles(config: TandemConfig, config_path: Path, gpus: GpuPlan | None = None) -> list[Role]:
+    """The roles in start order (the module docstring), each with its cores and, with a GPU plan, its GPUs."""
     generator_cores, learner_cores = plan_cores(config)
     if config.reward_service:
         reward_cores, generator_cores = plan_reward_cores(config, generator_cores)
@@ -267,6 +272,9 @@ def build_roles(config: TandemConfig, config_path: Path) -> list[Role]:
                 generator_cores,
             )
         )
+    if gpus is not None:
+        for role in roles:
+            role.env.update(gpus.env(role.name))
     return roles
 
 
@@ -274,14 +282,25 @@ def run(config: TandemConfig) -> int:
     """Start every role, supervise them, stop them (see the module docstring); returns the exit code (2: the run
     directory holds another run, refused before anything starts: `common.run_dir`)."""
     run_dir = config.run.run_dir
-    reused = reuse_problem(run_dir, config.learner.resume, whole_run=True)
-    if reused:
-        print(f"tandem run: {reused}", file=sys.stderr)
+    gpus = [] if config.run.simulate else visible_gpus()
+    refused = reuse_problem(run_dir, config.learner.resume, whole_run=True) or gpu_problem(config, gpus)
+    if refused:
+        print(f"tandem run: {refused}", file=sys.stderr)
         return 2
     config_path = write_resolved(config, run_dir)
     log = setup_logging("launcher", 0, run_dir, simulation=config.run.simulate)
-    roles = build_roles(config, config_path)
+    plan = plan_gpus(config, gpus)
+    roles = build_roles(config, config_path, plan)
     log.info("run directory %s; starting %s", run_dir, ", ".join(role.name for role in roles))
+    if plan is not None:
+        log.info("GPUs (CUDA_VISIBLE_DEVICES): %s; the others none", plan.describe())
+    if plan is not None and plan.shared:
+        log.warning(
+            "run.share_gpus: %d GPU(s) shared by roles that need more; each vLLM engine takes "
+            "generator.gpu_memory_utilization = %g of its GPU",
+            len(gpus),
+            config.generator.gpu_memory_utilization,
+        )
     mode = "SIMULATION (no vLLM, no DeepSpeed: compute stand-ins)" if config.run.simulate else "real engines"
     log.info("mode: %s; eta = %d; %d generator(s)", mode, config.algo.max_staleness, config.generator.count)
     start = time.time()
