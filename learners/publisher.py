@@ -52,6 +52,7 @@ publish (within `poll_ms`) or with `WeightsNotNewer` after `hold_s`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import threading
@@ -175,20 +176,33 @@ def copy_into_snapshot(
 
     `weights` yields (name, torch tensor or numpy array) in `layout` order with the layout's dtypes and shapes;
     raises ValueError on any mismatch (a different model than the layout describes).
+
+    Weights on a CUDA device (the first tensor says) are copied into pinned buckets (`buckets` when they are
+    pinned, else new pinned ones: page-locked torch tensors viewed as numpy), each copy queued `non_blocking` on
+    the device's current stream, and the host waits once, after the last (or on an error), for that stream.
+    A yielded tensor may be freed as soon as the next is asked for: its memory is not reused before its copy ran.
     """
     specs, sizes = plan_buckets(list(layout), bucket_bytes)
-    if buckets is None or [b.nbytes for b in buckets] != sizes:
-        buckets = [np.empty(size, dtype=np.uint8) for size in sizes]
+    weights = iter(weights)
+    first = next(weights, None)
+    device = None if first is None else _cuda_device(first[1])
+    if buckets is None or [b.nbytes for b in buckets] != sizes or (device is not None and not _pinned(buckets)):
+        buckets = _pinned_buckets(sizes) if device is not None else [np.empty(size, dtype=np.uint8) for size in sizes]
+    ordered = itertools.chain([] if first is None else [first], weights)
     written = [0] * len(sizes)
     count = 0
-    for spec, (name, tensor) in zip(specs, weights, strict=True):
-        if name != spec.name:
-            raise ValueError(f"weights arrive out of layout order: got '{name}', expected '{spec.name}'")
-        target = buckets[spec.bucket][spec.offset : spec.offset + spec.nbytes]
-        buckets[spec.bucket][written[spec.bucket] : spec.offset] = 0  # alignment gap: zero bytes
-        _copy_bytes(tensor, target, spec.dtype, spec.shape, name)
-        written[spec.bucket] = spec.offset + spec.nbytes
-        count += 1
+    try:
+        for spec, (name, tensor) in zip(specs, ordered, strict=True):
+            if name != spec.name:
+                raise ValueError(f"weights arrive out of layout order: got '{name}', expected '{spec.name}'")
+            target = buckets[spec.bucket][spec.offset : spec.offset + spec.nbytes]
+            buckets[spec.bucket][written[spec.bucket] : spec.offset] = 0  # alignment gap: zero bytes
+            _copy_bytes(tensor, target, spec.dtype, spec.shape, name, non_blocking=device is not None)
+            written[spec.bucket] = spec.offset + spec.nbytes
+            count += 1
+    finally:
+        if device is not None:
+            _wait_for_copies(device)  # once per publish: the buckets are complete (or, on an error, left alone)
     if count != len(specs):
         raise ValueError(f"{count} tensors arrived, the layout has {len(specs)}")
     header = WeightsHeader(policy_version=version, tensors=specs, bucket_sizes=sizes)
@@ -202,7 +216,11 @@ def copy_into_snapshot(
     return Snapshot(header, buckets)
 
 
-def _copy_bytes(tensor: Any, target: np.ndarray, dtype_name: str, shape: Sequence[int], name: str) -> None:
+def _copy_bytes(
+    tensor: Any, target: np.ndarray, dtype_name: str, shape: Sequence[int], name: str, non_blocking: bool = False
+) -> None:
+    """Copy `tensor` into `target`, its slot; `non_blocking`: a CUDA tensor into pinned memory, queued on its
+    device's current stream (the caller waits for it)."""
     if list(tensor.shape) != list(shape):
         raise ValueError(f"weights '{name}': shape {list(tensor.shape)} != layout {list(shape)}")
     if isinstance(tensor, np.ndarray):
@@ -215,7 +233,36 @@ def _copy_bytes(tensor: Any, target: np.ndarray, dtype_name: str, shape: Sequenc
     if str(tensor.dtype).removeprefix("torch.") != dtype_name:
         raise ValueError(f"weights '{name}': dtype {tensor.dtype} != layout {dtype_name}")
     destination = torch.from_numpy(target).view(tensor.dtype).view(tensor.shape)
-    destination.copy_(tensor.detach())
+    source = tensor.detach()
+    if non_blocking and source.is_cuda:  # its producer may free it before the copy ran: keep the memory till then
+        source.record_stream(torch.cuda.current_stream(source.device))
+    destination.copy_(source, non_blocking=non_blocking)
+
+
+def _cuda_device(tensor: Any) -> Any:
+    """The CUDA device `tensor` lies on; None for a CPU tensor or a numpy array."""
+    device = getattr(tensor, "device", None)
+    return device if getattr(device, "type", None) == "cuda" else None
+
+
+def _pinned(buckets: Sequence[np.ndarray]) -> bool:
+    """Whether every bucket is a view of a page-locked torch tensor (`_pinned_buckets`)."""
+    return all(getattr(bucket.base, "is_pinned", lambda: False)() for bucket in buckets)
+
+
+def _pinned_buckets(sizes: Sequence[int]) -> list[np.ndarray]:
+    """Page-locked host buckets, as numpy views of pinned torch tensors (each view keeps its tensor alive, and a
+    view of it references the view, so `buckets_reusable` counts the frames in flight as for numpy buckets)."""
+    import torch
+
+    return [torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy() for size in sizes]
+
+
+def _wait_for_copies(device: Any) -> None:
+    """Block until the copies queued on `device`'s current stream have run (that stream only, not the device)."""
+    import torch
+
+    torch.cuda.current_stream(device).synchronize()
 
 
 class ZmqWeightsPublisher:
