@@ -50,6 +50,9 @@ ROLES = {
     "rm": "learners.offline:run_rm",
     "dpo": "learners.offline:run_dpo",
 }
+# Commands that stop on a GPU install whose torch sees no GPU (common.devices.require_gpu_if_expected), instead of
+# training or sampling on the CPU; not in SIMULATION mode, which uses no engine.
+NEEDS_GPU = ("demo", "run", "learner", "generator", "sft", "rm", "dpo")
 # command -> its own flags (each a store_true) -> help; every other `--section.key VALUE` is a config override.
 FLAGS = {
     "prepare-model": {"--check": "also load it with transformers and vLLM"},
@@ -241,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         print(config.model_dump_json(indent=2))
         print(machine_summary(config.model.dtype, read_cpu_flags()), file=sys.stderr)  # stdout stays JSON
         return 0
+    if args.command in NEEDS_GPU and not config.run.simulate:
+        from common.devices import require_gpu_if_expected
+
+        require_gpu_if_expected()
     module, function = ROLES["run" if args.command == "demo" else args.command].split(":")
     try:
         result = getattr(importlib.import_module(module), function)(config)
