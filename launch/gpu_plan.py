@@ -27,9 +27,9 @@ import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import takewhile
 
 from common.config import TandemConfig
+from common.devices import listed_gpus
 
 SHARED_GPU_ENGINE_SHARE = 0.5  # of a shared GPU, for its vLLM engines together; the learner and reward model: the rest
 
@@ -41,8 +41,7 @@ def visible_gpus(environ: Mapping[str, str] = os.environ) -> list[str]:
     torch, or a driver torch cannot use, shows none."""
     listed = environ.get("CUDA_VISIBLE_DEVICES")
     if listed is not None:
-        entries = [entry.strip() for entry in listed.split(",")]
-        return [entry for entry in takewhile(lambda entry: not entry.startswith("-"), entries) if entry]
+        return listed_gpus(listed)
     import torch
 
     return [str(index) for index in range(torch.cuda.device_count())]

@@ -9,7 +9,14 @@ import pytest
 
 from common import devices
 from common.config import ConfigError, load_config
-from common.devices import cuda_usable, gpu_expected, require_gpu_if_expected, vllm_eager
+from common.devices import (
+    cuda_usable,
+    gpu_expected,
+    listed_gpus,
+    require_gpu_if_expected,
+    reward_model_device,
+    vllm_eager,
+)
 
 
 def test_eager_by_platform_unless_written() -> None:
@@ -71,3 +78,16 @@ def test_the_learner_and_generator_roles_stop_before_their_engine(
         cli.main(["buffer", "demo", "--run.root", str(tmp_path)])
     with pytest.raises(ModuleNotFoundError):  # nor does a simulated learner
         cli.main(["learner", "demo", "--run.root", str(tmp_path), "--run.simulate", "true"])
+
+
+def test_a_reward_model_uses_cuda_only_when_its_process_was_given_gpus() -> None:
+    def available() -> bool:
+        return True
+
+    assert reward_model_device("auto", "3", available) == "cuda"  # tandem run's launcher, or Ray's reward_gpus > 0
+    assert reward_model_device("auto", None, available) == "cpu"  # sees every GPU of the node: cuda:0 is vLLM's
+    assert reward_model_device("auto", "", available) == "cpu"  # given none
+    assert reward_model_device("auto", "-1", available) == "cpu"
+    assert reward_model_device("auto", "3", lambda: False) == "cpu"  # named, but torch cannot use it
+    assert reward_model_device("cpu", "3", available) == "cpu"
+    assert listed_gpus("0, 1") == ["0", "1"] and listed_gpus("GPU-5a1b,-1,2") == ["GPU-5a1b"]
