@@ -465,8 +465,8 @@ class ZmqWeightsPublisher:
             if self.hold_s > 0:  # a long poll: answered at the next publish, or after hold_s
                 self._held[request.identity] = (request, time.monotonic())
                 return
+            self.counters["not_newer"] += 1  # before the reply: whoever gets it sees it counted
             server.reply(request, WeightsNotNewer(latest_version=-1 if snapshot is None else snapshot.version))
-            self.counters["not_newer"] += 1
             return
         if relayed:
             self._send_relay_header(server, request, snapshot)
@@ -567,8 +567,8 @@ class ZmqWeightsPublisher:
                 self._send_latest(server, request)
             elif now - since > self.hold_s:
                 del self._held[identity]
-                server.reply(request, WeightsNotNewer(latest_version=latest))
                 self.counters["not_newer"] += 1
+                server.reply(request, WeightsNotNewer(latest_version=latest))
 
     def _tend_readers(self, server: Server, now: float) -> None:
         """Retire finished replies (answering what waited for them), drop readers past the deadline, and drop the
