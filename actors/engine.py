@@ -44,21 +44,24 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
 from actors.adapters import Adapters, lora_engine_args
+from actors.broadcast_source import BroadcastRound
 from actors.chat_turns import TokenizerTexts
-from actors.cuda_weights import DeviceWeightsUpdate, export_buckets, ipc_table
 from actors.engine_api import TRAINING_PRIORITY, FinishedSample, SamplingSettings
-from actors.weights import SharedMemoryStaging, WeightsUpdate, check_update_kind
+from actors.weight_transfer import BACKEND, BroadcastLoad, register_backend
+from actors.weights import SharedMemoryStaging, WeightsRejected, WeightsUpdate, check_update_kind
 from common.config import GeneratorConfig, ModelConfig, parse_cores
 from common.devices import vllm_eager
 from common.dtypes import choose_dtype
 
 log = logging.getLogger("tandem.actors.engine")
+register_backend()  # vLLM's workers import this module (WeightLoader): the broadcast engine is known there
 
 
 def configure_cpu_environment(generator: GeneratorConfig) -> dict[str, str]:
@@ -159,13 +162,6 @@ class WeightLoader:
         if not hasattr(self, "_tandem_in_place"):
             self._tandem_in_place = _InPlaceLoad.plan(self.model_runner)  # type: ignore[attr-defined]
         return self._tandem_in_place
-
-    def tandem_load_ipc_weights(self, handles: list[dict[str, Any]], tensors: list[Any]) -> dict[str, float | str]:
-        """CUDA: load from another process's buckets on this GPU by CUDA IPC (actors/cuda_weights.py; built for
-        CUDA, never run on a GPU). The producer keeps the buckets until this returns."""
-        from actors.cuda_weights import load_ipc
-
-        return load_ipc(self.model_runner, handles, tensors)  # type: ignore[attr-defined]
 
 
 class _InPlaceLoad:
@@ -281,11 +277,14 @@ class VllmEngine(TokenizerTexts):
         tensor_parallel_size: int = 1,
         lora_rank: int = 0,
         gpu_memory_utilization: float = 0.9,
+        broadcast: bool = False,
     ) -> None:
         """`lora_rank` > 0: serve adapter-only updates of rank up to `lora_rank` (vLLM's LoRA on, see the module
-        docstring); 0: full-weights updates. `enforce_eager` "auto": eager on CPU, CUDA graphs on GPU
+        docstring); 0: full-weights updates. `broadcast`: receive `BroadcastRound`s in the workers, through vLLM's
+        weight-transfer API (`actors.weight_transfer`). `enforce_eager` "auto": eager on CPU, CUDA graphs on GPU
         (`common.devices.vllm_eager`). Raises ValueError for a rank vLLM cannot serve."""
         from vllm import EngineArgs, LLMEngine, SamplingParams
+        from vllm.config import WeightTransferConfig
         from vllm.platforms import current_platform
         from vllm.sampling_params import RequestOutputKind
 
@@ -306,6 +305,7 @@ class VllmEngine(TokenizerTexts):
             # Lower `priority` first: evaluation requests (EVAL_PRIORITY) take only the slots training leaves free.
             # With every request at one priority this is first-come first-served, as vLLM's default policy.
             scheduling_policy="priority",
+            weight_transfer_config=WeightTransferConfig(backend=BACKEND) if broadcast else None,
             **lora_args,
         )
         started = time.monotonic()
@@ -324,6 +324,8 @@ class VllmEngine(TokenizerTexts):
         self.engine.set_weight_version("0")
         self._start_versions: dict[str, int] = {}
         self._staging = SharedMemoryStaging()
+        self._broadcast = BroadcastLoad(self.engine.collective_rpc)
+        self.weights_mixed = False  # a failed broadcast round left some layers new: sample nothing until a load
         self.last_load: dict[str, float] = {}
         self.last_load_path = ""  # "in_place" or "layerwise" (see WeightLoader); "adapter" for an adapter update
         self.lora_rank = lora_args.get("max_lora_rank", 0)
@@ -401,7 +403,7 @@ class VllmEngine(TokenizerTexts):
             self._load_adapter(update)
             return
         started, started_wall = time.perf_counter(), time.time()
-        method, args = self._load_call(update)
+        load = self._load_call(update)  # a broadcast round: waits here until it is sealed (WeightsRejected)
         staged = time.perf_counter()
         core = self.engine.engine_core
         pause = inflight and hasattr(core, "call_utility")  # a separate engine-core process keeps stepping
@@ -409,7 +411,7 @@ class VllmEngine(TokenizerTexts):
             if pause:  # no step may run between the reload and the new version label
                 core.call_utility("pause_scheduler", "keep", False)
             paused = time.perf_counter()
-            worker = self.engine.collective_rpc(method, args=args)[0]
+            worker = self._run_load(load, update)
             loaded = time.perf_counter()
             self.engine.set_weight_version(str(update.policy_version))
             # Running samples (inflight) are preempted and their keys/values recomputed with the new weights.
@@ -420,6 +422,7 @@ class VllmEngine(TokenizerTexts):
             if pause:
                 core.call_utility("resume_scheduler")
         self.policy_version = update.policy_version
+        self.weights_mixed = False
         self.last_load_path = str(worker["path"])
         worker_s = sum(worker[key] for key in ("map_s", "load_s", "process_s"))
         self.last_load = {
@@ -470,16 +473,32 @@ class VllmEngine(TokenizerTexts):
             loaded - written,
         )
 
-    def _load_call(self, update: WeightsUpdate) -> tuple[str, tuple[Any, ...]]:
-        """The worker method and its arguments for `update`: CUDA IPC handles for buckets that lie on this GPU (an
-        nccl broadcast receiver's `DeviceWeightsUpdate`; built for CUDA, never run on a GPU), else the staged file
-        (the transport's own, or written into this engine's staging file now)."""
-        if isinstance(update, DeviceWeightsUpdate):
-            return "tandem_load_ipc_weights", (export_buckets(update.device_buckets), ipc_table(update))
+    def _load_call(self, update: WeightsUpdate) -> Callable[[], dict[str, Any]]:
+        """What loads `update` into every worker: a broadcast round's worker RPCs, once the publisher sealed it
+        (`BroadcastWeightsSource.seal`, before any pause: sampling goes on meanwhile), else the worker method on
+        the staged file (the transport's own, or written into this engine's staging file now)."""
+        if isinstance(update, BroadcastRound):
+            ticket = update.source.seal(update.header)
+            return lambda: self._broadcast.run(ticket, update.header)
         path, tensors = (
             update.staged if update.staged is not None else (self._staging.path, self._staging.write(update))
         )
-        return "tandem_load_shared_weights", (str(path), tensors)
+        return lambda: self.engine.collective_rpc("tandem_load_shared_weights", args=(str(path), tensors))[0]
+
+    def _run_load(self, load: Callable[[], dict[str, Any]], update: WeightsUpdate) -> dict[str, Any]:
+        """`load()`; a broadcast round that failed in the workers may have swapped some layers in already, so the
+        engine is `weights_mixed` (the generator samples nothing until the next round loads) and the failure is
+        a `WeightsRejected` (counted; the next round is fetched)."""
+        try:
+            return load()
+        except Exception as error:
+            if not isinstance(update, BroadcastRound):
+                raise
+            self.weights_mixed = True
+            raise WeightsRejected(
+                f"broadcast round v{update.policy_version} failed in the workers ({error}); sampling waits for the "
+                "next round"
+            ) from error
 
     def shutdown(self) -> None:
         engine, self.engine = getattr(self, "engine", None), None

@@ -151,4 +151,5 @@ def open_engine(config: TandemConfig) -> Engine:
         gen.tensor_parallel_size,
         lora_rank,
         gen.gpu_memory_utilization,
+        broadcast=config.weights.transport == "broadcast",
     )

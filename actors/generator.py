@@ -107,7 +107,9 @@ def run(config: TandemConfig) -> int:
         make_rollouts(engine),
         BufferLink(gen.buffer_address, security, gen.index, gen.reconnect_max_s),
         WeightsPoller(
-            open_weights_source(config.weights, gen.weights_address, security, gen.index, store),
+            open_weights_source(
+                config.weights, gen.weights_address, security, gen.index, store, gen.tensor_parallel_size
+            ),
             WEIGHTS_POLL_S,
             gen.reconnect_max_s,
         ),
@@ -406,7 +408,10 @@ class Generator:
                 self.book.close_prompt(lease_id, prompt.prompt_id)
 
     def _holding_for_weights(self) -> bool:
-        """A default-mode weights load waits for the engine to drain: no new requests until it is done."""
+        """A default-mode weights load waits for the engine to drain: no new requests until it is done. Nor while
+        a failed broadcast round left the engine's layers on two versions (`weights_mixed`): until the next load."""
+        if getattr(self.engine, "weights_mixed", False):  # only VllmEngine receives broadcast rounds
+            return True
         return self.pending_update is not None and not self.settings.inflight_weight_update
 
     def advance_engine(self, now: float) -> None:

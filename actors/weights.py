@@ -15,7 +15,8 @@ Transport. `WeightsSource.fetch` is the seam, one source per `weights.transport`
   * star (`ZmqWeightsSource`): the whole update from the publisher (`WeightsRequest` -> `WeightsHeader` + bucket
     frames laid out by `common.weights`, or `WeightsNotNewer`); a header announcing another transport is refused
     with `WeightsTransportError` rather than misread.
-  * broadcast (`actors.broadcast_source`): a static group fixed at start (gloo on CPU, NCCL on GPUs).
+  * broadcast (`actors.broadcast_source`): a collective group of the generators ready for each round (gloo on
+    CPU, NCCL on GPUs), received inside vLLM's workers.
 
 Failure modes: an unreachable publisher is not an error for the generator (it keeps sampling with the weights it
 has and asks again after a back-off); a malformed reply raises `WeightsTransportError`, which the poller counts,
@@ -212,12 +213,17 @@ class ZmqWeightsSource:
 
 
 def open_weights_source(
-    weights: WeightsConfig, address: str, security: SocketSecurity, generator_id: int, store_dir: Path
+    weights: WeightsConfig,
+    address: str,
+    security: SocketSecurity,
+    generator_id: int,
+    store_dir: Path,
+    workers: int = 1,
 ) -> WeightsSource:
     """The generator's source for `weights.transport`: 'star' pulls whole updates from the publisher; 'relay'
     (`actors.relay`) pulls chunks from the parent the publisher names and shares one copy per host in
-    `store_dir`; 'broadcast' (`actors.broadcast_source`) joins the static group. Raises ValueError for a
-    configuration that cannot work."""
+    `store_dir`; 'broadcast' (`actors.broadcast_source`) announces rounds that the engine's `workers` (its
+    tensor-parallel size) receive in the group. Raises ValueError for a configuration that cannot work."""
     if weights.transport == "star":
         return ZmqWeightsSource(address, security, generator_id)
     if weights.transport == "relay":
@@ -227,7 +233,7 @@ def open_weights_source(
     if weights.transport == "broadcast":
         from actors.broadcast_source import open_broadcast_source  # here: it builds on this module too
 
-        return open_broadcast_source(weights, address, security, generator_id)
+        return open_broadcast_source(weights, address, security, generator_id, workers)
     raise ValueError(f"weights.transport '{weights.transport}' cannot be received by this build")
 
 

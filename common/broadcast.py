@@ -1,31 +1,35 @@
-"""A static broadcast group for weights (`weights.transport = "broadcast"`): learner rank 0's publisher is group
-rank 0, generator i is rank i + 1, and the group has `weights.broadcast_fleet_size` + 1 members, fixed at start.
+"""The weights broadcast group (`weights.transport = "broadcast"`): learner rank 0's publisher is group rank 0, and
+every vLLM worker of the generators that take part in a round is one more rank (a generator with tensor
+parallelism 2 holds two ranks), as in vLLM's own weight-transfer API.
 
-    group = BroadcastGroup.open(host, port, rank, world_size, backend, timeout_s, join_timeout_s)  # all joined
+    group = BroadcastGroup.open(host, port, rank, world_size, backend, timeout_s, join_timeout_s, device=device)
     send_round(group, version, buckets)          # rank 0: one update
-    receive_round(group, header, buckets)        # every other rank, into buckets sized by header.bucket_sizes
+    receive_round(group, header, on_bucket)      # every other rank: each bucket in turn, into a fresh buffer
     group.close()
 
 Backends, one round protocol:
   * gloo (CPU): torch's `ProcessGroupGloo` on a `TCPStore` hosted by rank 0, made statelessly (no global
     `torch.distributed` state), as vLLM's `stateless_init_torch_distributed_process_group` makes its gloo groups.
-  * nccl (CUDA): vLLM's own weight-transfer group, `StatelessProcessGroup` + `PyNcclCommunicator`
-    (`vllm.distributed.weight_transfer.nccl_common.stateless_init_process_group`), one GPU per member.
+  * nccl (CUDA): vLLM's `StatelessProcessGroup` + `PyNcclCommunicator` (what
+    `vllm.distributed.weight_transfer.nccl_common.stateless_init_process_group` builds), one GPU per rank, on the
+    `device` the caller names (never "the current device" of whatever thread opens it). Collectives run on the
+    caller's `stream` (the learner gives a dedicated one: its training stream never queues behind a broadcast).
   * auto: nccl where CUDA is available, else gloo.
-Built for CUDA, run only on CPU: the gloo form is tested (tests/learners/test_broadcast.py); the nccl form has not
-run on a GPU (see README).
+The gloo form is tested with real processes (tests/learners/test_broadcast.py) and inside vLLM's CPU workers
+(tests/actors/test_broadcast_vllm.py); the nccl form has not run on a GPU (see README).
 
 A round = a stamp, int64 [ROUND_MAGIC, policy_version, bucket count, total bytes], then every bucket (uint8, laid out
 by `common.weights`) in order, each broadcast from rank 0. The header (names, dtypes, shapes, offsets) does not
-travel in the group: a receiver has it already, from the publisher's ZeroMQ socket (authenticated there), and
+travel in the group: a receiver has it already, from the publisher's ZeroMQ doorbell (authenticated there), and
 `receive_round` refuses a round whose stamp disagrees with it.
 
-The group is fixed at start: no member joins later and none is replaced. `open` waits up to `join_timeout_s` for
-every member (members may start in any order), then raises `BroadcastError`. Every collective has the same deadline: when a member dies, or stops taking
+A group lives for one membership (an "epoch", `learners/broadcast_publisher.py`): when a member joins, dies or
+misses a round, the publisher closes it and forms the next one. `open` waits up to `join_timeout_s` for every
+member, then raises `BroadcastError`. Every collective has the same deadline: when a member dies, or stops taking
 part, the round fails on every other member within `timeout_s` (gloo: its timeout, or at once on a closed
-connection; nccl: the communicator is aborted when the stream has not finished by then) and raises `BroadcastError`.
-A group that failed a round is broken for good (members may disagree on where the stream stands); `broadcast` on it
-raises at once. Restart the fleet, or use the relay transport for a fleet that changes.
+connection; nccl: the communicator is aborted when the stream has not finished by then) and raises
+`BroadcastError`. A group that failed a round is broken (members may disagree on where the stream stands):
+`broadcast` on it raises at once, and its members form the next epoch's group instead.
 
 Security: the store and the collectives are neither authenticated nor encrypted, and vLLM's NCCL rendezvous
 deserialises the NCCL id it reads from the store with Python's object serialiser: whoever reaches the group's port
@@ -39,7 +43,7 @@ import importlib.util
 import ipaddress
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,10 +128,12 @@ class BroadcastGroup:
         timeout_s: float,
         join_timeout_s: float,
         insecure: bool = False,
+        device: Any = None,
     ) -> BroadcastGroup:
         """Join the group (rank 0 hosts its rendezvous on host:port); blocks until all `world_size` members joined,
-        at most `join_timeout_s`; each later collective waits at most `timeout_s`. Raises ValueError for arguments
-        that cannot work, BroadcastError when the group does not form in time."""
+        at most `join_timeout_s`; each later collective waits at most `timeout_s`. `device`: this member's GPU for
+        nccl (default: cuda:0 of a process that sees one GPU; name it wherever a process sees several). Raises
+        ValueError for arguments that cannot work, BroadcastError when the group does not form in time."""
         if not 0 <= rank < world_size or world_size < 2:
             raise ValueError(f"broadcast group: rank {rank} of {world_size} members (need 0 <= rank < size, size >= 2)")
         if not is_loopback(host) and not insecure:
@@ -139,11 +145,11 @@ class BroadcastGroup:
         try:
             if resolved == "gloo":
                 return cls._open_gloo(host, port, rank, world_size, timeout_s, join_timeout_s)
-            return cls._open_nccl(host, port, rank, world_size, timeout_s, join_timeout_s)
+            return cls._open_nccl(host, port, rank, world_size, timeout_s, join_timeout_s, device)
         except (RuntimeError, OSError) as error:  # torch raises DistStoreError (a RuntimeError) on a timeout
             raise BroadcastError(
                 f"broadcast group {host}:{port} ({resolved}): rank {rank} could not form the group of {world_size} "
-                f"within {join_timeout_s:.0f}s ({error}); every generator of weights.broadcast_fleet_size must start"
+                f"within {join_timeout_s:.0f}s ({error})"
             ) from None
 
     @classmethod
@@ -166,7 +172,7 @@ class BroadcastGroup:
 
     @classmethod
     def _open_nccl(
-        cls, host: str, port: int, rank: int, world_size: int, timeout_s: float, join_timeout_s: float
+        cls, host: str, port: int, rank: int, world_size: int, timeout_s: float, join_timeout_s: float, device: Any
     ) -> BroadcastGroup:
         import torch
 
@@ -179,7 +185,7 @@ class BroadcastGroup:
                 f"weights.broadcast_backend 'nccl' uses vLLM's weight-transfer group, and vLLM does not import "
                 f"here ({error}): install vllm beside the learner too, or use 'gloo'"
             ) from None
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device(device if device is not None else "cuda:0")
         store = StatelessProcessGroup.create(host, port, rank, world_size, store_timeout=int(join_timeout_s))
         with unpinned_nccl_env():
             communicator = PyNcclCommunicator(store, device=device)  # blocks until every member is there
@@ -187,24 +193,24 @@ class BroadcastGroup:
             raise ValueError("vLLM's PyNcclCommunicator found no NCCL library: use weights.broadcast_backend 'gloo'")
         return cls(rank, world_size, "nccl", timeout_s, device, communicator)
 
-    def broadcast(self, tensor: Any) -> None:
+    def broadcast(self, tensor: Any, stream: Any = None) -> None:
         """Broadcast `tensor` (contiguous, on `device`) from rank 0 into every member's `tensor`; returns when this
-        member's copy is complete. Raises BroadcastError (and marks the group broken) on a failure or past
-        `timeout_s`."""
+        member's copy is complete. nccl runs it on `stream` (default: the device's current stream). Raises
+        BroadcastError (and marks the group broken) on a failure or past `timeout_s`."""
         if self.broken:
-            raise BroadcastError(f"the broadcast group is broken ({self.broken}): restart the fleet")
+            raise BroadcastError(f"the broadcast group is broken ({self.broken}): the next round forms a new one")
         try:
             if self.backend == "gloo":
                 self._broadcast_gloo(tensor)
             else:
-                self._broadcast_nccl(tensor)
+                self._broadcast_nccl(tensor, stream)
         except (RuntimeError, TimeoutError) as error:
             self.broken = str(error).splitlines()[0][:300]
             if self.backend == "nccl":
                 self._collective.destroy()  # ncclCommAbort: the stream's pending work is dropped
             raise BroadcastError(
                 f"broadcast round failed at rank {self.rank} of {self.world_size}: {self.broken} "
-                "(a member died or stalled; the group is fixed, so restart the fleet)"
+                "(a member died or stalled; the next round forms a new group)"
             ) from None
 
     def _broadcast_gloo(self, tensor: Any) -> None:
@@ -214,10 +220,10 @@ class BroadcastGroup:
         options.rootRank, options.rootTensor = 0, 0
         self._collective.broadcast([tensor], options).wait()  # gloo's timeout bounds the wait
 
-    def _broadcast_nccl(self, tensor: Any) -> None:
+    def _broadcast_nccl(self, tensor: Any, stream: Any) -> None:
         import torch
 
-        stream = torch.cuda.current_stream(self.device)
+        stream = stream if stream is not None else torch.cuda.current_stream(self.device)
         self._collective.broadcast(tensor, src=0, stream=stream)
         done = torch.cuda.Event()
         done.record(stream)
@@ -240,21 +246,26 @@ def _stamp(group: BroadcastGroup, version: int, sizes: Sequence[int]) -> Any:
     return torch.tensor(words, dtype=torch.int64, device=group.device)
 
 
-def send_round(group: BroadcastGroup, version: int, buckets: Sequence[Any]) -> int:
-    """Rank 0: broadcast one update (its stamp, then `buckets`, uint8 tensors on `group.device`); returns the bytes
-    sent. Raises BroadcastError as `broadcast` does."""
+def send_round(group: BroadcastGroup, version: int, buckets: Sequence[Any], stream: Any = None) -> int:
+    """Rank 0: broadcast one update (its stamp, then `buckets`, uint8 tensors on `group.device`) on `stream`;
+    returns the bytes sent. Raises BroadcastError as `broadcast` does."""
     if group.rank != 0:
         raise ValueError(f"send_round runs on rank 0 only (this member is rank {group.rank})")
-    group.broadcast(_stamp(group, version, [b.numel() for b in buckets]))
+    group.broadcast(_stamp(group, version, [b.numel() for b in buckets]), stream)
     for bucket in buckets:
-        group.broadcast(bucket)
+        group.broadcast(bucket, stream)
     return sum(b.numel() for b in buckets)
 
 
-def receive_round(group: BroadcastGroup, header: WeightsHeader, buckets: Sequence[Any]) -> None:
-    """Ranks 1..N: receive the round that `header` announced into `buckets` (uint8 tensors on `group.device`, sized
-    `header.bucket_sizes`). Raises BroadcastError when the round's stamp is not the header's (a publisher bug: the
-    group is marked broken, since the stream's position is then unknown) or the round fails."""
+def receive_round(group: BroadcastGroup, header: WeightsHeader, on_bucket: Callable[[int, Any], None]) -> None:
+    """Ranks 1..N: receive the round that `header` announced, one bucket at a time: each into a fresh uint8 tensor
+    on `group.device` (sized `header.bucket_sizes[i]`), handed to `on_bucket(i, bucket)` before the next one
+    arrives. A fresh tensor each: a consumer may keep views of earlier buckets (vLLM's layerwise reload holds a
+    layer's tensors until the layer is complete), so at most the model's bytes are held, and only while a layer
+    spans buckets. Raises BroadcastError when the round's stamp is not the header's (a publisher bug: the group is
+    marked broken, since the stream's position is then unknown) or the round fails."""
+    import torch
+
     stamp = _stamp(group, -1, [0])
     group.broadcast(stamp)
     magic, version, count, total = (int(word) for word in stamp.tolist())
@@ -262,8 +273,21 @@ def receive_round(group: BroadcastGroup, header: WeightsHeader, buckets: Sequenc
     if (magic, version, count, total) != expected:
         group.broken = f"round stamp {(magic, version, count, total)} != the header's {expected}"
         raise BroadcastError(f"broadcast round disagrees with its header: {group.broken}")
-    for bucket in buckets:
+    for index, size in enumerate(header.bucket_sizes):
+        bucket = torch.empty(int(size), dtype=torch.uint8, device=group.device)
         group.broadcast(bucket)
+        on_bucket(index, bucket)
+
+
+def bucket_tensors(header: WeightsHeader, index: int, bucket: Any) -> list[tuple[str, Any]]:
+    """(name, view) of every tensor the header lays out in bucket `index` (a uint8 tensor), in header order."""
+    import torch
+
+    return [
+        (spec.name, bucket[spec.offset : spec.offset + spec.nbytes].view(getattr(torch, spec.dtype)).view(spec.shape))
+        for spec in header.tensors
+        if spec.bucket == index
+    ]
 
 
 def check_header(header: WeightsHeader) -> None:

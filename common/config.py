@@ -909,8 +909,8 @@ class WeightsConfig(_Section):
         "relay",
         description="relay: the publisher feeds `fanout` generators and every other generator pulls each chunk from "
         "a parent generator as it arrives (the publisher's bytes stay flat as the fleet grows); star: every "
-        "generator pulls the whole update from the publisher; broadcast: a static group (NCCL on GPUs, gloo on "
-        "CPU) fixed at start.",
+        "generator pulls the whole update from the publisher; broadcast: a collective group (NCCL on GPUs, gloo on "
+        "CPU) of the generators ready for each round, received inside vLLM's workers.",
     )
     fanout: int = Field(2, description="relay: generators the publisher sends an update to directly (k).", ge=1, le=64)
     relay_fanout: int = Field(
@@ -954,29 +954,29 @@ class WeightsConfig(_Section):
         ge=1,
         le=65535,
     )
-    broadcast_fleet_size: int = Field(
-        0,
-        description="broadcast: generators in the group, fixed at start (generator i is rank i + 1, the publisher "
-        "rank 0). Required (>= 1) with transport broadcast: no generator joins or is replaced later.",
-        ge=0,
-        le=4096,
-    )
     broadcast_backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto",
         description="broadcast: nccl (CUDA: vLLM's StatelessProcessGroup + PyNcclCommunicator; never run on a GPU "
         "yet), gloo (CPU) or auto (nccl where CUDA is available, else gloo).",
     )
     broadcast_join_timeout_s: float = Field(
-        600.0,
-        description="broadcast: longest wait, from the first member's start, for the whole fleet to join the group "
-        "(generators join once their engine is up).",
+        120.0,
+        description="broadcast: longest wait for a round's members to form its group (a new group forms when a "
+        "generator joins, dies or misses a round).",
+        gt=0,
+        le=MAX_TIMEOUT_S,
+    )
+    broadcast_ready_timeout_s: float = Field(
+        10.0,
+        description="broadcast: longest wait, after a round is announced, for every generator to be ready to "
+        "receive it at once; the late ones take the next round (they keep their weights meanwhile).",
         gt=0,
         le=MAX_TIMEOUT_S,
     )
     broadcast_timeout_s: float = Field(
         60.0,
-        description="broadcast: longest wait for each collective of an update; a member that died or "
-        "stalled fails the update on every member within this, and the fixed group is then broken for good.",
+        description="broadcast: longest wait for each collective of a round; a member that died or stalled fails "
+        "the round on every member within this, and the next round forms a new group without it.",
         gt=0,
         le=MAX_TIMEOUT_S,
     )

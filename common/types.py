@@ -459,6 +459,10 @@ class WeightsRequest:
     failed_parent: str = ""
     failure: str = ""
     version: int = _default(-1, -1, MAX_VERSION)
+    # Broadcast transport (learners/broadcast_publisher.py): `ready_version` = the announced round this generator
+    # can receive at once (-1 = none yet); `group_workers` = its vLLM workers, one group rank each (its TP size).
+    ready_version: int = _default(-1, -1, MAX_VERSION)
+    group_workers: int = _default(1, 1, 4096)
 
     def validate(self) -> None:
         for name in ("relay_address", "host_id", "failed_parent", "failure"):
@@ -491,6 +495,13 @@ class WeightsHeader:
     lora_rank: int = _default(0, 0, MAX_LORA_RANK)
     lora_alpha: float = 0.0
     lora_target_modules: list[str] = field(default_factory=list)
+    # broadcast: the round's group, set once every member is known (`group_epoch` -1: announced, not yet sealed).
+    # A member's workers are ranks group_rank .. group_rank + its workers - 1 of `group_size` (rank 0: the
+    # publisher), rendezvous at the publisher's broadcast_host:group_port; group_rank -1 = not in this round.
+    group_epoch: int = _default(-1, -1, MAX_VERSION)
+    group_port: int = _default(0, 0, 65535)
+    group_size: int = _default(0, 0, 1 << 20)
+    group_rank: int = _default(-1, -1, 1 << 20)
 
     def validate(self) -> None:
         if len(self.parent) > MAX_ADDRESS_CHARS:

@@ -1,12 +1,15 @@
-"""Members of a gloo broadcast group for tests/learners/test_broadcast.py, each its own process:
+"""Members of a gloo broadcast fleet for tests/learners/test_broadcast.py, each its own process:
 
-    python -m tests.learners.broadcast_members publisher DOORBELL_PORT GROUP_PORT FLEET OUT_DIR VERSIONS
-    python -m tests.learners.broadcast_members receiver  DOORBELL_PORT GROUP_PORT FLEET OUT_DIR INDEX [STOP_AFTER]
+    python -m tests.learners.broadcast_members publisher DOORBELL GROUP_PORT OUT_DIR VERSIONS [PAUSE_S]
+    python -m tests.learners.broadcast_members receiver  DOORBELL GROUP_PORT OUT_DIR INDEX WANT WORKERS [DIE_IN]
 
-The publisher publishes versions 1..VERSIONS (`member_weights`), each once the previous round was sent, then writes
-OUT_DIR/publisher.json (counters, failure, and the error of one more publish after a failure). A receiver fetches
-until it holds VERSIONS (or STOP_AFTER, then exits at once: a member that dies; or until its first error), writing
-every update's buckets to OUT_DIR/r{INDEX}-v{version}-b{bucket}.bin and its outcome to OUT_DIR/r{INDEX}.json.
+The publisher publishes versions 1..VERSIONS (`member_weights`), each once the previous round ended (sent or
+failed) and PAUSE_S passed, then writes OUT_DIR/publisher.json (counters, bytes per version, epoch forming times).
+A receiver plays a generator with WORKERS vLLM workers: it fetches, seals the round (`BroadcastWeightsSource`) and
+receives it in one thread per worker, each its own group rank, as `actors.weight_transfer` does inside vLLM;
+worker 0 writes every bucket to OUT_DIR/r{INDEX}-v{version}-b{bucket}.bin, the others check they got the same bytes.
+It stops once it holds WANT (or gives up after a while), writing OUT_DIR/r{INDEX}.json. DIE_IN = v: it joins round
+v's group and exits without receiving (a member that dies mid-round).
 """
 
 from __future__ import annotations
@@ -14,20 +17,34 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 
-from actors.broadcast_source import BroadcastWeightsSource
-from actors.weights import WeightsTransportError, WeightsUpdate
-from common.broadcast import BroadcastError
+from actors.broadcast_source import BroadcastRound, BroadcastWeightsSource
+from actors.weight_transfer import GroupTicket
+from actors.weights import WeightsRejected, WeightsTransportError
+from common.broadcast import BroadcastError, BroadcastGroup, receive_round
+from common.config import WeightsConfig
 from common.sockets import PeerUnavailable, SocketSecurity
+from common.types import WeightsHeader
 from learners.broadcast_publisher import BroadcastWeightsPublisher
 
 BUCKET_BYTES = 8192  # several buckets: the embedding alone spans more than one
-TIMEOUT_S = 5.0  # each collective; the test's dead member fails the round within it
-JOIN_TIMEOUT_S = 60.0
+RUN_S = 90.0  # every process gives up after this
+
+
+def weights_config(group_port: int) -> WeightsConfig:
+    return WeightsConfig(
+        transport="broadcast",
+        broadcast_backend="gloo",
+        broadcast_port=group_port,
+        broadcast_timeout_s=5.0,  # the dead member fails the round within it
+        broadcast_join_timeout_s=10.0,
+        broadcast_ready_timeout_s=2.0,  # a dead or late generator costs a round this much
+    )
 
 
 def member_weights(version: int) -> list[tuple[str, torch.Tensor]]:
@@ -46,75 +63,128 @@ def layout_of(weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, l
     return [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in weights]
 
 
-def run_publisher(doorbell: int, group: int, fleet: int, out: Path, versions: int) -> None:
+def run_publisher(doorbell: int, group: int, out: Path, versions: int, pause_s: float) -> None:
     publisher = BroadcastWeightsPublisher(
-        "127.0.0.1",
-        doorbell,
-        SocketSecurity(),
-        ("127.0.0.1", group),
-        fleet,
-        "gloo",
-        TIMEOUT_S,
-        JOIN_TIMEOUT_S,
-        bucket_bytes=BUCKET_BYTES,
+        "127.0.0.1", doorbell, SocketSecurity(), weights_config(group), bucket_bytes=BUCKET_BYTES
     )
-    outcome: dict = {}
+    deadline = time.monotonic() + RUN_S
     for version in range(1, versions + 1):
+        time.sleep(pause_s)
         weights = member_weights(version)
         publisher.publish(version, layout_of(weights), iter(weights))
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        while publisher.counters["rounds"] < version and not publisher.failure and time.monotonic() < deadline:
+        while (
+            time.monotonic() < deadline and publisher.counters["rounds"] + publisher.counters["failed_rounds"] < version
+        ):
             time.sleep(0.01)
-        if publisher.failure:
-            try:
-                publisher.publish(version + 1, layout_of(weights), iter(weights))
-            except BroadcastError as error:
-                outcome["next_publish_error"] = str(error)
-            break
-    outcome.update(counters=dict(publisher.counters), failure=publisher.failure, bytes=publisher.bytes_by_version)
-    time.sleep(0.5)  # receivers may still ask the doorbell once (answered not-newer or refused)
+    outcome = {
+        "counters": dict(publisher.counters),
+        "bytes": publisher.bytes_by_version,
+        "epoch_form_s": publisher.epoch_form_s,
+    }
+    time.sleep(1.0)  # receivers may still ask the doorbell once
     publisher.close()
     (out / "publisher.json").write_text(json.dumps(outcome))
 
 
-def run_receiver(doorbell: int, group: int, fleet: int, out: Path, index: int, want: int, stop_after: int) -> None:
-    source = BroadcastWeightsSource(
-        f"127.0.0.1:{doorbell}",
-        SocketSecurity(),
-        index,
-        ("127.0.0.1", group),
-        fleet,
-        "gloo",
-        TIMEOUT_S,
-        JOIN_TIMEOUT_S,
-        request_timeout_s=10.0,
-    )
-    have, errors = -1, []
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
+class Receiver:
+    """A generator's weights path without vLLM: its doorbell source and WORKERS group ranks (threads)."""
+
+    def __init__(self, doorbell: int, group: int, out: Path, index: int, workers: int, die_in: int) -> None:
+        self.source = BroadcastWeightsSource(
+            f"127.0.0.1:{doorbell}", SocketSecurity(), index, workers, weights_config(group), request_timeout_s=10.0
+        )
+        self.out, self.index, self.workers, self.die_in = out, index, workers, die_in
+        self.epoch, self.groups = -1, []
+        self.errors: list[str] = []
+
+    def take(self, update: BroadcastRound) -> bool:
+        """Seal and receive one round; True when it was received whole by every worker."""
+        try:
+            ticket = self.source.seal(update.header)
+        except WeightsRejected as error:
+            self.errors.append(f"rejected: {error}")
+            return False
+        if ticket.epoch != self.epoch:
+            self._join(ticket)
+            if len(self.groups) != self.workers:
+                self.errors.append(f"round v{update.policy_version}: could not join epoch {ticket.epoch}")
+                self.epoch = -1
+                return False
+        if update.policy_version == self.die_in:
+            os._exit(0)  # in the group, never receiving: the round must fail on the others, not hang
+        received: list[list[bytes]] = [[] for _ in self.groups]
+        threads = [
+            threading.Thread(target=self._receive, args=(group, update.header, received[rank]))
+            for rank, group in enumerate(self.groups)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if any(len(got) != len(update.header.bucket_sizes) for got in received):
+            self.epoch = -1  # the group failed: the next round forms another
+            return False
+        assert all(got == received[0] for got in received), "workers received different bytes"
+        for i, data in enumerate(received[0]):
+            (self.out / f"r{self.index}-v{update.policy_version}-b{i}.bin").write_bytes(data)
+        return True
+
+    def _join(self, ticket: GroupTicket) -> None:
+        for group in self.groups:
+            group.close()
+        groups: list[BroadcastGroup | None] = [None] * self.workers
+
+        def open_rank(worker: int) -> None:
+            rank = ticket.rank_offset + worker
+            try:
+                groups[worker] = BroadcastGroup.open(
+                    ticket.host, ticket.port, rank, ticket.world_size, ticket.backend, ticket.timeout_s,
+                    ticket.join_timeout_s,
+                )  # fmt: skip
+            except BroadcastError as error:
+                self.errors.append(str(error))
+
+        threads = [threading.Thread(target=open_rank, args=(w,)) for w in range(self.workers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self.groups, self.epoch = [g for g in groups if g is not None], ticket.epoch
+
+    def _receive(self, group: BroadcastGroup, header: WeightsHeader, into: list[bytes]) -> None:
+        try:
+            receive_round(group, header, lambda i, bucket: into.append(bytes(bucket.numpy())))
+        except BroadcastError as error:
+            self.errors.append(f"round v{header.policy_version}: {error}")
+
+
+def run_receiver(doorbell: int, group: int, out: Path, index: int, want: int, workers: int, die_in: int) -> None:
+    receiver = Receiver(doorbell, group, out, index, workers, die_in)
+    have, received = 0, []
+    deadline = time.monotonic() + RUN_S
     while have < want and time.monotonic() < deadline:
         try:
-            result = source.fetch(have)
-        except (WeightsTransportError, PeerUnavailable) as error:  # the group failed, or the publisher is gone
-            errors.append(str(error))
-            break
-        if isinstance(result, WeightsUpdate):
-            have = result.policy_version
-            for i, bucket in enumerate(result.buckets):
-                (out / f"r{index}-v{have}-b{i}.bin").write_bytes(bytes(bucket))
-            if have == stop_after:
-                os._exit(0)  # dies without leaving the group: the next round must fail, not hang
+            result = receiver.source.fetch(have)
+        except (WeightsTransportError, PeerUnavailable) as error:
+            receiver.errors.append(str(error))
+            time.sleep(0.2)
+            continue
+        if isinstance(result, BroadcastRound):
+            if receiver.take(result):
+                have = result.policy_version
+                received.append(have)
         else:
-            time.sleep(0.02)
-    (out / f"r{index}.json").write_text(json.dumps({"have": have, "errors": errors}))
-    source.close()
+            time.sleep(0.05)
+    outcome = {"have": have, "received": received, "errors": receiver.errors, "missed": receiver.source.missed_rounds}
+    (out / f"r{index}.json").write_text(json.dumps(outcome))
+    receiver.source.close()
 
 
 if __name__ == "__main__":
-    role, doorbell_port, group_port, fleet_size, out_dir = sys.argv[1:6]
-    args = (int(doorbell_port), int(group_port), int(fleet_size), Path(out_dir))
+    role, doorbell_port, group_port, out_dir = sys.argv[1:5]
+    ports = (int(doorbell_port), int(group_port), Path(out_dir))
     if role == "publisher":
-        run_publisher(*args, int(sys.argv[6]))
+        run_publisher(*ports, int(sys.argv[5]), float(sys.argv[6]) if len(sys.argv) > 6 else 0.0)
     else:
-        index = int(sys.argv[6])
-        stop = int(sys.argv[7]) if len(sys.argv) > 7 else -1
-        run_receiver(*args, index, 2, stop)
+        index, want, workers = (int(a) for a in sys.argv[5:8])
+        run_receiver(*ports, index, want, workers, int(sys.argv[8]) if len(sys.argv) > 8 else -1)

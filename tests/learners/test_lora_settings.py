@@ -29,7 +29,6 @@ def test_what_cannot_work_is_refused_at_load_naming_the_key() -> None:
         "--learner.lora.rank=8",
         "--learner.lora.sync=adapter",
         "--weights.transport=broadcast",
-        "--weights.broadcast_fleet_size=1",
     )
     assert "learner.lora.sync" in broadcast and "relay" in broadcast
     assert "'q.proj' is not a module name" in refusal("--learner.lora.target_modules", '["q.proj"]')
