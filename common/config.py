@@ -882,6 +882,13 @@ class LearnerConfig(_Section):
         le=MAX_TIMEOUT_S,
     )
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = Field(
+        "sdpa",
+        description="The policy's, reference's and critic's attention kernels (transformers' attn_implementation). "
+        "flash_attention_2 needs the flash-attn package on a GPU (pip install flash-attn --no-build-isolation, "
+        "after torch); with learner.packing it puts each micro-batch's samples in one row (the varlen kernel, no "
+        "mask), where sdpa packs rows with a dense block-diagonal mask.",
+    )
     critic_lr: float = Field(5e-6, description="Critic learning rate (estimator = gae).", gt=0)
     critic_path: str = Field(
         "",

@@ -60,12 +60,17 @@ def _check_model_dir(model_dir: Path) -> None:
         )
 
 
-def load_policy(model_dir: Path, dtype: torch.dtype, gradient_checkpointing: bool = False) -> nn.Module:
-    """The trainable causal LM (train mode, every parameter requires grad)."""
+def load_policy(
+    model_dir: Path, dtype: torch.dtype, gradient_checkpointing: bool = False, attention: str = "sdpa"
+) -> nn.Module:
+    """The trainable causal LM (train mode, every parameter requires grad). `attention`: transformers'
+    attn_implementation (learner.attn_implementation)."""
     from transformers import AutoModelForCausalLM
 
     _check_model_dir(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=dtype, local_files_only=True, attn_implementation=attention
+    )
     model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -73,7 +78,7 @@ def load_policy(model_dir: Path, dtype: torch.dtype, gradient_checkpointing: boo
     return model
 
 
-def load_reference(model_dir: Path, dtype: torch.dtype) -> nn.Module:
+def load_reference(model_dir: Path, dtype: torch.dtype, attention: str = "sdpa") -> nn.Module:
     """The frozen reference policy for the KL term: the initial weights, eval mode, no gradients.
 
     A full replica on every rank (no optimizer state, so it costs the weights only: 270 MB for SmolLM2 in bf16).
@@ -81,7 +86,9 @@ def load_reference(model_dir: Path, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     _check_model_dir(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=dtype, local_files_only=True, attn_implementation=attention
+    )
     model.config.use_cache = False
     model.requires_grad_(False)
     model.eval()
@@ -111,7 +118,12 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, model_dir: Path, dtype: torch.dtype, gradient_checkpointing: bool = False, lora: LoraConfig | None = None
+        cls,
+        model_dir: Path,
+        dtype: torch.dtype,
+        gradient_checkpointing: bool = False,
+        lora: LoraConfig | None = None,
+        attention: str = "sdpa",
     ) -> ValueModel:
         """The critic from a causal LM directory (its backbone, a zero head) or from a reward model directory (a
         sequence-classification model with one label, e.g. `tandem rm`'s export: its backbone and its scalar head,
@@ -124,13 +136,15 @@ class ValueModel(nn.Module):
         head = None
         if is_reward_model(config):
             scorer = AutoModelForSequenceClassification.from_pretrained(
-                str(model_dir), dtype=dtype, local_files_only=True
+                str(model_dir), dtype=dtype, local_files_only=True, attn_implementation=attention
             )
             backbone, head = getattr(scorer, scorer.base_model_prefix), getattr(scorer, "score", None)
             if not isinstance(head, nn.Linear) or head.out_features != 1:
                 raise ValueError(f"{model_dir}: a reward model whose head is not a `score` linear layer to one label")
         else:
-            backbone = AutoModel.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True)
+            backbone = AutoModel.from_pretrained(
+                str(model_dir), dtype=dtype, local_files_only=True, attn_implementation=attention
+            )
         backbone.config.use_cache = False
         if gradient_checkpointing:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

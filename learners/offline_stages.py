@@ -132,7 +132,9 @@ class SftStage:
     ) -> None:
         self.cfg, self.device, self.seed = config.sft, device, config.run.seed
         self.pad_id = pad_token_id(tokenizer)
-        self.model: nn.Module = load_policy(model_dir, dtype, config.learner.gradient_checkpointing)
+        self.model: nn.Module = load_policy(
+            model_dir, dtype, config.learner.gradient_checkpointing, config.learner.attn_implementation
+        )
 
     def rows(self) -> tuple[list[list[dict]], list[list[dict]]]:
         cfg = self.cfg
@@ -259,8 +261,12 @@ class DpoStage(_PairStage):
         self.cfg: DpoConfig = config.dpo
         self.device, self.seed = device, config.run.seed
         self.pad_id = pad_token_id(tokenizer)
-        self.model: nn.Module = load_policy(model_dir, dtype, config.learner.gradient_checkpointing)
-        self.reference = load_reference(resolve_model_path(self.cfg.reference or config.model.path), dtype).to(device)
+        self.model: nn.Module = load_policy(
+            model_dir, dtype, config.learner.gradient_checkpointing, config.learner.attn_implementation
+        )
+        self.reference = load_reference(
+            resolve_model_path(self.cfg.reference or config.model.path), dtype, config.learner.attn_implementation
+        ).to(device)
 
     def _reply_logprobs(self, forward: Forward, seqs: _Sequences) -> Tensor:
         """Each reply's log-prob [n]: the sum over its tokens (sigmoid), their mean (ipo)."""

@@ -171,7 +171,7 @@ class Trainer:
         )
         self.device = eng.device()
         self.lora = learner.lora if learner.lora.rank > 0 else None  # adapters on the policy and the critic
-        policy = load_policy(self.model_dir, dtype, learner.gradient_checkpointing)
+        policy = load_policy(self.model_dir, dtype, learner.gradient_checkpointing, learner.attn_implementation)
         self.policy = eng.TrainEngine(add_adapters(policy, self.lora) if self.lora else policy, settings)
         self.pad_id = int(self.policy.module.config.pad_token_id or 0)
         attention = str(getattr(self.policy.module.config, "_attn_implementation", ""))
@@ -181,13 +181,15 @@ class Trainer:
             self.reference = (
                 AdaptersOff(self.policy.module, self.policy, self.policy.zero3)
                 if self.lora
-                else load_reference(self.model_dir, dtype).to(self.device)
+                else load_reference(self.model_dir, dtype, learner.attn_implementation).to(self.device)
             )
         self.critic = None
         if algo.estimator == "gae":
             critic_settings = replace(settings, lr=learner.critic_lr)
             critic_dir = resolve_model_path(learner.critic_path) if learner.critic_path else self.model_dir
-            critic = ValueModel.from_pretrained(critic_dir, dtype, learner.gradient_checkpointing, self.lora)
+            critic = ValueModel.from_pretrained(
+                critic_dir, dtype, learner.gradient_checkpointing, self.lora, learner.attn_implementation
+            )
             self.critic = eng.TrainEngine(critic, critic_settings)
 
     @classmethod

@@ -161,11 +161,28 @@ def test_the_gradient_bound_catches_a_micro_batch_weighted_one_percent_wrong(
     assert error > 10 * GRADIENT_TOLERANCE
 
 
-def test_gradient_checkpointing_gives_the_same_update(tiny_model_dir, dist, batch, reference_step) -> None:
+@pytest.mark.parametrize("stage", [0, 3])  # 3: gpu_cluster.toml's learner (review finding 15)
+def test_gradient_checkpointing_gives_the_same_update(tiny_model_dir, dist, batch, reference_step, stage) -> None:
     step = one_step(
-        tiny_model_dir, dist, batch, learner__zero_stage=0, learner__gradient_checkpointing=True, algo__estimator="grpo"
+        tiny_model_dir,
+        dist,
+        batch,
+        learner__zero_stage=stage,
+        learner__gradient_checkpointing=True,
+        algo__estimator="grpo",
     )
     assert_same_step(step, reference_step)
+
+
+def test_the_attention_kernel_is_the_configured_one(tiny_model_dir, dist, batch) -> None:
+    """learner.attn_implementation reaches the policy and the reference (review finding 12: flash-attention, and
+    with it packing's one-row varlen layout, could not be chosen)."""
+    trainer = one_step(
+        tiny_model_dir, dist, batch, learner__zero_stage=0, learner__attn_implementation="eager", algo__kl_coef=0.1
+    ).trainer
+    assert trainer.policy.module.config._attn_implementation == "eager"
+    assert trainer.reference.config._attn_implementation == "eager"
+    assert not trainer.one_row  # the varlen layout is flash's only
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
