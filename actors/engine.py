@@ -480,9 +480,7 @@ class VllmEngine(TokenizerTexts):
         if isinstance(update, BroadcastRound):
             ticket = update.source.seal(update.header)
             return lambda: self._broadcast.run(ticket, update.header)
-        path, tensors = (
-            update.staged if update.staged is not None else (self._staging.path, self._staging.write(update))
-        )
+        path, tensors = update.staged if update.staged is not None else self._staging.stage(update)
         return lambda: self.engine.collective_rpc("tandem_load_shared_weights", args=(str(path), tensors))[0]
 
     def _run_load(self, load: Callable[[], dict[str, Any]], update: WeightsUpdate) -> dict[str, Any]:

@@ -29,6 +29,10 @@ or made no progress for 3 x stall_timeout_s. The engine's workers map the same f
 through /proc/<pid>/fd so a copy deleted meanwhile stays readable): socket -> host copy -> vLLM is the whole
 chain. Each writer deletes its copies older than the previous version; `close()` (or the process's exit) deletes all
 of its own; a new source deletes the copies of writers that died, and the launcher removes the store at the end.
+At the first update the source checks that HOST_COPIES copies fit in the store's file system (counting the copies
+already there): a /dev/shm too small for them (a container's 64 MiB) moves the store to the temporary directory,
+said once (`common.weights.room_for`); every generator of the host decides alike, so they keep sharing one store.
+No room anywhere, or not for one more copy, is a WeightsTransportError, never SIGBUS.
 """
 
 from __future__ import annotations
@@ -76,6 +80,8 @@ from common.weights import (
     chunk_digest,
     chunk_ranges,
     digest_chunks,
+    no_room,
+    room_for,
 )
 from common.wire import WireError
 
@@ -95,6 +101,7 @@ STUCK_FACTOR = 3  # no progress for this many stall timeouts: an alive but stuck
 SERVER_POLL_MS = 2  # how often the relay server looks whether a held request can be answered
 IDLE_POLL_MS = 200  # its wait for a request when it holds none (a request wakes it at once)
 HOST_COPY_POLL_S = 0.005  # how often a host-copy reader looks at the writer's progress
+HOST_COPIES = 2  # a writer's copies at once: the version it receives and the one before, which engines may map
 COPY_NAME = re.compile(r"^v(\d+)-g(\d+)\.bin$")
 # What a header from the publisher may announce (checked before anything is allocated for it):
 MAX_CHUNKS = 1 << 18  # chunks of one update (1 TiB at the default 4 MiB; the chunk table costs ~30 MB at most)
@@ -175,14 +182,14 @@ class HostCopy:
         pages are warm (a write into fresh shared-memory pages costs ~7x: page faults), else a new file."""
         path = directory / f"v{header.policy_version}-g{generator_id}.bin"
         path.unlink(missing_ok=True)  # a copy this generator left before a restart
-        starts = _bucket_starts(header.bucket_sizes)
-        size = (starts[-1] + header.bucket_sizes[-1]) if header.bucket_sizes else HEADER_BYTES
-        space = os.statvfs(directory)
-        if size > space.f_bavail * space.f_frsize:
-            raise OSError(
-                f"v{header.policy_version} needs {size >> 20} MiB, {directory} has {space.f_bavail * space.f_frsize >> 20} MiB free"
-            )
+        size = copy_bytes(header)
         fd = _reusable(directory, generator_id, below_version=header.policy_version - 1)
+        held = os.fstat(fd).st_blocks * 512 if fd is not None else 0  # a reused file's pages are overwritten
+        short = no_room(directory, size, held)  # here, where the source placed the store (_place_store)
+        if short is not None:
+            if fd is not None:
+                os.close(fd)
+            raise OSError(short)
         if fd is not None:
             os.rename(_fd_path(fd), path)
         else:
@@ -302,6 +309,19 @@ def _reusable(directory: Path, generator_id: int, below_version: int) -> int | N
 def _fd_path(fd: int) -> str:
     """The path of an open descriptor's file (its name in its directory)."""
     return os.readlink(f"/proc/self/fd/{fd}")
+
+
+def copy_bytes(header: WeightsHeader) -> int:
+    """The size of a host copy of `header`'s update: the header page, then the buckets at ALIGNed offsets."""
+    starts = _bucket_starts(header.bucket_sizes)
+    return (starts[-1] + header.bucket_sizes[-1]) if header.bucket_sizes else HEADER_BYTES
+
+
+def _held_bytes(directory: Path) -> int:
+    """What the host copies in `directory` hold of its file system (the pages written, not the sizes announced)."""
+    if not directory.is_dir():
+        return 0
+    return sum(path.lstat().st_blocks * 512 for path in directory.iterdir() if COPY_NAME.match(path.name))
 
 
 def _bucket_starts(sizes: list[int]) -> list[int]:
@@ -612,6 +632,7 @@ class RelayWeightsSource:
         hold_s = weights.stall_timeout_s / 2
         self.relay = open_relay_server(weights.relay_host, security, hold_s, generator_id, toward=address)
         self.layout = LayoutGuard()
+        self.store_placed = False  # _place_store decided, at the first update
         self.counters: Counter[str] = Counter()  # reattached/<failure>, bad_chunks, received_bytes, ...
         self.last_receive: dict[str, Any] = {}  # version, depth, parent, seconds, reattachments
         self._parents: dict[str, Client] = {}
@@ -685,8 +706,27 @@ class RelayWeightsSource:
         return new
 
     # --------------------------------------------------------------------------------------------- receiving
+    def _place_store(self, header: WeightsHeader) -> None:
+        """Once, at the first update (the layout stays: LayoutGuard): keep the store where HOST_COPIES copies of
+        it fit, counting the copies already in it (room_for: else the temporary directory's store of the same
+        name). The generators of a host see the same free space and the same copies, so they decide alike.
+        WeightsTransportError (asked again later) when they fit nowhere."""
+        if self.store_placed:
+            return
+        try:
+            directory = room_for(self.store_dir, HOST_COPIES * copy_bytes(header), _held_bytes(self.store_dir))
+        except OSError as error:
+            raise WeightsTransportError(f"no room for the host copies of the weights: {error}") from None
+        if directory != self.store_dir:
+            delete_copies(self.store_dir, self.generator_id)
+            self.store_dir = private_store_dir(directory)
+            delete_orphaned_copies(self.store_dir)
+            atexit.register(delete_copies, self.store_dir, self.generator_id)
+        self.store_placed = True
+
     def _receive(self, header: WeightsHeader) -> tuple[HostCopy, WeightsHeader]:
         """Until one copy of `header`'s version is complete: written here, or another host generator's."""
+        self._place_store(header)
         reattachments = 0
         own: HostCopy | None = None
         while True:

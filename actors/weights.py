@@ -59,6 +59,7 @@ from common.weights import (  # noqa: F401 - shared_memory_dir, weights_store_di
     ALIGN,
     WeightsLayoutError,
     check_frames,
+    room_for,
     shared_memory_dir,
     total_bytes,
     weights_store_dir,
@@ -388,6 +389,10 @@ class SharedMemoryStaging:
     alignment, and returns where each tensor lies: (name, dtype name, shape, byte offset, nbytes), in the
     publisher's order. The file is reused and kept mapped, so after the first update its pages exist and a write
     is one plain memcpy into them (40% faster than `pwrite` into tmpfs, which copies page by page).
+    Room: before the file grows, its file system is checked for the bytes (`common.weights.room_for`); a /dev/shm
+    too small for them (a container's 64 MiB) moves the file to the temporary directory, said once, and no room
+    anywhere raises OSError, instead of SIGBUS at the first write past the end. So `path` is known after a write:
+    `stage(update)` gives both.
     Ordering: the next `write` may start only after the workers finished reading the previous one (the engine
     loads synchronously). `close()` deletes the file.
     """
@@ -399,6 +404,11 @@ class SharedMemoryStaging:
         self.size = 0
         self._mapped: mmap.mmap | None = None  # the whole file, shared (what the workers map sees these bytes)
 
+    def stage(self, update: WeightsUpdate) -> tuple[Path, list[tuple[str, str, list[int], int, int]]]:
+        """`write(update)`, then the file it lies in (the write may have moved it: see the class docstring)."""
+        tensors = self.write(update)
+        return self.path, tensors
+
     def write(self, update: WeightsUpdate) -> list[tuple[str, str, list[int], int, int]]:
         starts, position = [], 0
         for bucket in update.buckets:
@@ -407,6 +417,8 @@ class SharedMemoryStaging:
             position += bucket.nbytes
         if position != self.size:
             self._unmap()
+            if position > self.size:
+                self._make_room(position)
             os.ftruncate(self.fd, position)
             self.size = position
         if self._mapped is None and position > 0:
@@ -418,6 +430,16 @@ class SharedMemoryStaging:
             (spec.name, spec.dtype, list(spec.shape), starts[spec.bucket] + spec.offset, spec.nbytes)
             for spec in update.header.tensors
         ]
+
+    def _make_room(self, size: int) -> None:
+        """Move the (unmapped) file, empty, to where `size` bytes fit, unless they fit where it is (its own bytes
+        count as room: they are overwritten). OSError when they fit nowhere (room_for)."""
+        directory = room_for(self.path.parent, size, held_bytes=self.size)
+        if directory != self.path.parent:
+            self.close()
+            directory.mkdir(parents=True, exist_ok=True)
+            fd, name = tempfile.mkstemp(prefix=f"tandem-weights-{os.getpid()}-", dir=directory)
+            self.fd, self.path, self.size = fd, Path(name), 0
 
     def _unmap(self) -> None:
         mapped, self._mapped = self._mapped, None

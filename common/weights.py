@@ -41,6 +41,7 @@ Imports numpy only (no torch).
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import re
@@ -53,6 +54,8 @@ from typing import Any
 import numpy as np
 
 from common.types import TensorSpec, WeightsHeader
+
+log = logging.getLogger("tandem.common.weights")
 
 ALIGN = 64
 DEFAULT_BUCKET_MB = 128.0
@@ -247,14 +250,68 @@ def digest_chunks(buckets: Sequence[Any], chunk_bytes: int, threads: int = 2) ->
 
 
 # -------------------------------------------------------------------------------------------- shared memory
-def shared_memory_dir() -> Path:
-    """/dev/shm where it exists (memory-backed), else the temporary directory."""
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+SHARED_MEMORY = Path("/dev/shm")
+_said: set[Path] = set()  # fallback directories already announced by this process (room_for says each once)
 
 
-def weights_store_dir(run_dir: Path) -> Path:
-    """Where the generators of one run on this machine keep their host copies of the weights (actors/relay.py);
-    the launcher removes it when the run ends."""
+def free_bytes(path: Path) -> int:
+    """Bytes this user may still write on the file system of `path` (of its nearest existing ancestor)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    space = os.statvfs(path)
+    return space.f_bavail * space.f_frsize
+
+
+def no_room(directory: Path, need_bytes: int, held_bytes: int = 0) -> str | None:
+    """None when the file system of `directory` has room for `need_bytes` (its free space plus `held_bytes`, what
+    files there that the writes replace already hold); else what is short, in one phrase."""
+    free = free_bytes(directory) + held_bytes
+    return (
+        None if free >= need_bytes else f"{directory} has {free >> 20} MiB free for {need_bytes >> 20} MiB of weights"
+    )
+
+
+def room_for(directory: Path, need_bytes: int, held_bytes: int = 0) -> Path:
+    """Where `need_bytes` of weights are written through a mapping: `directory` when it has room (no_room); else,
+    for a directory
+    in /dev/shm, the same path under the temporary directory (disk-backed on most machines: slower loads), said
+    once per process with the advice that keeps them in memory. Raises OSError when neither has room: a write
+    through a mapping past a full tmpfs or disk is SIGBUS, which kills the process without a word."""
+    short = no_room(directory, need_bytes, held_bytes)
+    if short is None:
+        return directory
+    if not directory.is_relative_to(SHARED_MEMORY):
+        raise OSError(f"{short}: free space there")
+    fallback = Path(tempfile.gettempdir()) / directory.relative_to(SHARED_MEMORY)
+    advice = (
+        "give the container more shared memory to keep them in memory: docker run --shm-size="
+        f"{math.ceil(need_bytes / 2**30) + 1}g (Kubernetes: an emptyDir with medium Memory mounted at /dev/shm)"
+    )
+    if free_bytes(fallback) < need_bytes:
+        raise OSError(f"{short}, and {fallback} has {free_bytes(fallback) >> 20} MiB: {advice}, or free disk space")
+    if fallback not in _said:
+        _said.add(fallback)
+        log.warning("%s: writing them to %s instead (disk-backed: slower loads); %s", short, fallback, advice)
+    return fallback
+
+
+def shared_memory_dir(need_bytes: int = 0) -> Path:
+    """/dev/shm where it exists and may be written (memory-backed), if it has room for `need_bytes` (room_for:
+    else the temporary directory, said once); the temporary directory on a machine without it."""
+    if not (SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK)):
+        return Path(tempfile.gettempdir())
+    return room_for(SHARED_MEMORY, need_bytes)
+
+
+def weights_store_dir(run_dir: Path, need_bytes: int = 0) -> Path:
+    """Where the generators of one run on this machine keep their host copies of the weights (actors/relay.py):
+    in shared_memory_dir(need_bytes); the launcher removes it when the run ends (weights_store_dirs)."""
     key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
-    return shared_memory_dir() / f"tandem-weights-{key}"
+    return shared_memory_dir(need_bytes) / f"tandem-weights-{key}"
+
+
+def weights_store_dirs(run_dir: Path) -> list[Path]:
+    """Every place weights_store_dir may put one run's store: in /dev/shm, and where room_for falls back to."""
+    store = weights_store_dir(run_dir)
+    fallback = Path(tempfile.gettempdir()) / store.name
+    return [store] if fallback == store else [store, fallback]

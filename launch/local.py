@@ -42,7 +42,7 @@ from common.config import TandemConfig, parse_cores, write_resolved
 from common.logs import setup_logging
 from common.run_dir import reuse_problem
 from common.signals import caught_signals
-from common.weights import weights_store_dir
+from common.weights import weights_store_dirs
 from launch.gpu_plan import GpuPlan, gpu_problem, plan_gpus, visible_gpus
 from launch.progress import RunProgress, summarize
 from learners.checkpoint import latest_step
@@ -317,7 +317,8 @@ def run(config: TandemConfig) -> int:
                 failed = supervise(roles, progress, interrupted, stop_grace_s(config, "learner"))
         finally:
             stop_all(roles, log, config)
-            shutil.rmtree(weights_store_dir(run_dir), ignore_errors=True)  # host copies a killed generator left
+            for store in weights_store_dirs(run_dir):  # host copies a killed generator left, wherever they lie
+                shutil.rmtree(store, ignore_errors=True)
     if interrupted:
         log.warning("interrupted; every role stopped")
         print(interrupt_message(config, config_path), file=sys.stderr)

@@ -25,6 +25,7 @@ from common.sockets import SocketSecurity, free_port
 from launch.testing import wait_until
 from learners.fanout import FanoutTree
 from learners.publisher import ZmqWeightsPublisher, copy_into_snapshot
+from tests.shm_fakes import small_shared_memory
 
 CHUNK = 256 << 10
 BUCKET = 1 << 20
@@ -123,6 +124,29 @@ def test_every_generator_gets_the_publishers_bytes_and_the_publisher_sends_k_cop
         for source in fleet:
             source.close()
     assert not tmp_path.exists() or not list(tmp_path.glob("*.bin"))  # each generator deleted its copies
+
+
+def test_host_copies_move_out_of_a_shared_memory_too_small_for_them_together(publisher, tmp_path, monkeypatch) -> None:
+    """A container's small /dev/shm (review finding 10): the store moves to the temporary directory before the
+    first copy is written (no SIGBUS), and both generators of the host move alike, so they still share one copy."""
+    shm, tmp = small_shared_memory(monkeypatch, tmp_path, free_bytes=1 << 20)  # the model: ~3.4 MB
+    fleet = sources(publisher, shm / "tandem-weights-run", ["a", "a"])
+    try:
+        publish(publisher, 1)
+        updates = fetch_all(fleet, -1)
+        assert {sha(update) for update in updates} == {publisher_sha(1, seed=0)}
+        assert {source.store_dir for source in fleet} == {tmp / "tandem-weights-run"}
+        assert sum(s.counters["host_copies_mapped"] for s in fleet) == 1  # still one transfer for the host
+        assert len(list((tmp / "tandem-weights-run").glob("v1-g*.bin"))) == 1 and not list(shm.rglob("*.bin"))
+    finally:
+        for source in fleet:
+            source.close()
+    layout, weights = model(0)
+    header = dataclasses.replace(
+        copy_into_snapshot(2, layout, weights, BUCKET).header, transport="relay", chunk_bytes=CHUNK
+    )
+    with pytest.raises(OSError, match="1 MiB free for 3 MiB"):  # a store that stays put: refused, not written
+        HostCopy.create(shm, header, 0)
 
 
 @pytest.mark.parametrize("publisher", [1], indirect=True)

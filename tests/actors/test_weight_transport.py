@@ -18,6 +18,7 @@ from common.sockets import SocketSecurity
 from common.types import WeightsHeader
 from common.weights import storage_dtype
 from launch.testing import FakePublisher, free_port
+from tests.shm_fakes import small_shared_memory
 
 ARRAYS = {
     "model.embed_tokens.weight": np.arange(6 * 40, dtype=np.uint16).reshape(6, 40),
@@ -167,3 +168,21 @@ def test_idle_wait_wakes_when_the_running_fetch_finishes_and_sleeps_plainly_with
         poller.idle_wait(0.001)  # a fetch collected: nothing to wake on, a plain sleep again
     finally:
         poller.close()
+
+
+def test_staging_moves_out_of_a_shared_memory_too_small_for_the_update(publisher, tmp_path, monkeypatch):
+    shm, tmp = small_shared_memory(monkeypatch, tmp_path, free_bytes=100)  # the update is ~1 KB
+    source = ZmqWeightsSource(f"127.0.0.1:{publisher.port}", SocketSecurity(), generator_id=0, timeout_s=5)
+    staging = SharedMemoryStaging(shm)
+    try:
+        publisher.publish(1, ARRAYS, DTYPES)
+        path, tensors = staging.stage(source.fetch(0))
+        assert path.parent == tmp and not list(shm.iterdir())  # moved, and nothing left in shared memory
+        name, dtype, _, offset, nbytes = tensors[1]
+        assert dtype == "float32"
+        view = np.frombuffer(path.read_bytes(), np.float32, count=nbytes // 4, offset=offset)
+        np.testing.assert_array_equal(view, ARRAYS[name])
+    finally:
+        source.close()
+        staging.close()
+    assert not path.exists()

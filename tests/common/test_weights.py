@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.types import WeightsHeader
-from common.weights import ALIGN, WeightsLayoutError, plan_buckets
+from common.weights import (
+    ALIGN,
+    WeightsLayoutError,
+    plan_buckets,
+    room_for,
+    shared_memory_dir,
+    weights_store_dir,
+    weights_store_dirs,
+)
 from common.wire import decode, encode
 from launch.testing import pack_weights, unpack_weights
+from tests.shm_fakes import small_shared_memory
 
 DTYPES = ["float32", "float16", "int64", "uint8", "bfloat16"]
 
@@ -91,3 +102,22 @@ def test_bad_inputs_raise_clear_errors():
         list(unpack_weights(header, [*buckets, b"x"]))
     with pytest.raises(WeightsLayoutError, match="header says 16"):
         list(unpack_weights(header, [bytes(15)]))
+
+
+def test_a_shared_memory_too_small_falls_back_to_disk_saying_so_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    shm, tmp = small_shared_memory(monkeypatch, tmp_path, free_bytes=64 << 20)  # docker's default --shm-size
+    assert shared_memory_dir(32 << 20) == shm and shared_memory_dir() == shm
+    with caplog.at_level("WARNING", logger="tandem.common.weights"):
+        assert shared_memory_dir(3 << 30) == tmp
+        assert room_for(shm / "store", 3 << 30) == tmp / "store"
+        assert room_for(shm / "store", 3 << 30, held_bytes=3 << 30) == shm / "store"  # its own files are room
+    said = [record.getMessage() for record in caplog.records]
+    assert len(said) == 2 and "64 MiB free for 3072 MiB" in said[0] and "docker run --shm-size=4g" in said[0]
+    store = weights_store_dir(tmp_path / "run", need_bytes=3 << 30)
+    assert store.parent == tmp and weights_store_dirs(tmp_path / "run") == [shm / store.name, store]
+    with pytest.raises(OSError, match="--shm-size"):  # no room anywhere: refused, never written into (SIGBUS)
+        room_for(shm, 1 << 60)
+    with pytest.raises(OSError, match="free space there"):  # a folder that is not shared memory: no fallback
+        room_for(tmp, 1 << 60)
