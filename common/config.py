@@ -1404,6 +1404,11 @@ class TandemConfig(_Section):
                 f"learner.mini_batches: must divide a rank's share of the batch, learner.groups_per_step / "
                 f"learner.world_size x algo.group_size = {rank_samples} samples (got {self.learner.mini_batches})"
             )
+        if self.run.simulate and self.weights.transport == "broadcast":
+            problems.append(
+                'weights.transport: "broadcast" rounds are received inside vLLM\'s workers, and run.simulate has '
+                'no vLLM: use "relay" or "star" in a simulation'
+            )
         if self.learner.packing and not self.learner.max_tokens_per_micro_batch:
             problems.append(
                 "learner.packing: needs learner.max_tokens_per_micro_batch > 0 (the token budget of a packed "

@@ -17,7 +17,7 @@ import torch
 
 from actors.broadcast_source import open_broadcast_source
 from actors.weights import ZmqWeightsSource
-from common.config import WeightsConfig
+from common.config import ConfigError, WeightsConfig, load_config
 from common.sockets import SocketSecurity
 from launch.testing import free_port
 from learners.publisher import ZmqWeightsPublisher, open_weights_publisher
@@ -122,6 +122,8 @@ def test_a_generator_that_joins_later_gets_the_next_round(tmp_path: Path) -> Non
 
 
 def test_configurations_that_cannot_work_are_refused_up_front() -> None:
+    with pytest.raises(ConfigError, match="no vLLM"):  # the rounds are received inside vLLM's workers
+        load_config(None, ["--weights.transport", "broadcast", "--run.simulate", "true"])
     insecure_host = WeightsConfig(transport="broadcast", broadcast_host="10.1.2.3")
     with pytest.raises(ValueError, match="run.insecure"):
         open_weights_publisher(insecure_host, "127.0.0.1", free_port(), SocketSecurity())
