@@ -57,6 +57,13 @@ def ensure_file(path: Path, text: str) -> bool:
     return True
 
 
+def gpu_isolated(env: dict[str, str], gpu_ids: list) -> dict[str, str]:
+    """`env` for a role whose actor Ray gave `gpu_ids`: none -> CUDA_VISIBLE_DEVICES="" (Ray 2.60 no longer blanks it
+    for an actor given no GPU, ray-project/ray#54868, so the role would see every GPU of its node and a reward model
+    would load onto GPU 0 beside a vLLM; review finding 11). Given GPUs: Ray's own setting, inherited, stands."""
+    return env if gpu_ids else {**env, "CUDA_VISIBLE_DEVICES": ""}
+
+
 def port_taken(host: str, port: int) -> bool:
     """True when something on this machine listens on `host:port` (a bind with SO_REUSEADDR, as ZeroMQ binds,
     fails); connections of a closed listener left in TIME_WAIT do not count."""
@@ -129,7 +136,9 @@ class RoleProcess:
         ensure_file(config_path, config_text)
         role, *extra = argv_tail
         argv = [sys.executable, "-m", "launch.cli", role, str(config_path), *extra]
-        self.role = Role(self.name, argv, None, env=dict(env), stop_with_parent=True)
+        import ray
+
+        self.role = Role(self.name, argv, None, env=gpu_isolated(env, ray.get_gpu_ids()), stop_with_parent=True)
         self.role.start(self.run_dir)
         return self.role.process.pid
 

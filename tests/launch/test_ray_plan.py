@@ -267,3 +267,12 @@ def test_scale_room_says_what_is_free_and_what_was_asked(monkeypatch: pytest.Mon
     )
     pool.free = [Slot(group=None, index=0), Slot(group=None, index=1)]  # freed bundles of its groups come first
     assert pool.room_problem(3) is None
+
+
+def test_a_role_given_no_gpu_sees_none() -> None:
+    """Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone for an actor given no GPU (review finding 11): the role's own
+    environment blanks it; a role given GPUs keeps what Ray set."""
+    from launch.ray_roles import gpu_isolated
+
+    assert gpu_isolated({"A": "1"}, []) == {"A": "1", "CUDA_VISIBLE_DEVICES": ""}
+    assert gpu_isolated({"A": "1"}, ["3"]) == {"A": "1"}
