@@ -1,12 +1,15 @@
 """CUDA receive paths for a weights update: host-staged through pinned memory, and CUDA IPC on one GPU.
 
 Built for CUDA and never run on a GPU with vLLM (the lent GPU machine has no CUDA vLLM: its wheel does not fit in
-what can be carried). `benchmarks/gpu_check.py` runs both producers below on a GPU, with a transformers model
-standing in for the engine; vLLM's worker extension (`actors.engine.WeightLoader`) calls the same functions.
+what can be carried). `benchmarks/gpu_check.py` runs both below on a GPU, with a transformers model standing in for
+the engine. vLLM's worker extension (`actors.engine.WeightLoader`) loads host-staged updates (relay, star) with
+`load_staged_pinned`. No role produces IPC handles: the broadcast is received inside vLLM's workers
+(`actors.weight_transfer`), and a learner sharing a generator's GPU would need vLLM's sleep mode, which Tandem does
+not use. `load_ipc` is the consumer such a colocated mode would call; gpu_check measures it.
 
     # host-staged: the generator staged the update in a shared-memory file (actors/weights.py SharedMemoryStaging)
     for name, tensor in staged_to_device(path, tensors, device): ...      # tensors on `device`, one pinned copy each
-    # CUDA IPC: the producer's buckets already lie on this GPU (a learner on the same GPU, or an nccl receiver)
+    # CUDA IPC: the producer's buckets already lie on this GPU (a colocated producer; none in Tandem yet)
     handles = export_buckets(buckets)                                     # producer: plain dicts (msgpack-able)
     for name, tensor in ipc_tensors(handles, tensors): ...                # consumer: views of the producer's memory
 
@@ -42,10 +45,7 @@ import mmap
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Self
-
-from actors.weights import WeightsUpdate
 
 log = logging.getLogger("tandem.actors.cuda_weights")
 
@@ -58,15 +58,6 @@ BOUNCE_BYTES = 256 << 20  # each; pinned once per process (2 x 256 MiB in every 
 _state_lock = threading.Lock()
 _READ_ONLY_SUPPORTED: dict[int, bool] = {}  # device index -> read-only registration supported (asked once)
 _BOUNCE: list[list[Any]] = []  # [the process's pinned bounce buffers] once tried ([[]]: they could not be pinned)
-
-
-@dataclass
-class DeviceWeightsUpdate(WeightsUpdate):
-    """An update whose buckets lie in this process's GPU memory (an nccl broadcast receiver): `buckets` is empty,
-    `device_buckets` holds the uint8 CUDA tensors laid out by the header. The engine hands them to its workers
-    by CUDA IPC (`export_buckets`)."""
-
-    device_buckets: list[Any] = field(default_factory=list)
 
 
 class PinnedFile:
@@ -366,11 +357,6 @@ def ipc_tensors(
     buckets = [open_bucket(handle) for handle in handles]
     for name, dtype, shape, bucket, offset, nbytes in tensors:
         yield name, buckets[bucket][offset : offset + nbytes].view(getattr(torch, dtype)).view(shape)
-
-
-def ipc_table(update: DeviceWeightsUpdate) -> list[tuple[str, str, list[int], int, int, int]]:
-    """What `ipc_tensors` needs besides the handles: each tensor's (name, dtype, shape, bucket, offset, nbytes)."""
-    return [(s.name, s.dtype, list(s.shape), s.bucket, s.offset, s.nbytes) for s in update.header.tensors]
 
 
 def with_tied_head(weights: Iterator[tuple[str, Any]], hf_config: Any, names: set[str]) -> Iterator[tuple[str, Any]]:
