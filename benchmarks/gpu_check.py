@@ -1,26 +1,40 @@
-r"""The GPU path on one lent GPU: DeepSpeed on CUDA, host-staged and CUDA IPC updates, the CUDA-side load. <= 8 min.
+r"""Issue 31's GPU checks C0-C6 on one lent GPU (an H200), without vLLM, each in its own process: <= 8 min.
 
-What it checks (each check reports ok or its error; the others still run):
-  1. the learner on CUDA DeepSpeed (learners/engine.TrainEngine, a small Llama, bf16, ZeRO-1): 3 steps, finite
-     losses, weights that moved; then a real update from its CUDA weights into a CUDA receiver, host-staged:
-     learners.publisher.copy_into_snapshot (device -> host buckets), actors.weights.SharedMemoryStaging (the
-     generator's staging file), actors.cuda_weights.staged_to_device (the file registered as pinned memory, one
-     non-blocking copy per tensor) into a transformers model standing in for the engine: equal to the learner's;
-  2. a Llama-shaped model of ~1.1B parameters with random weights, built on the device from a config (nothing to
-     download or carry): a device-to-device copy of its bytes (the yardstick), then the host-staged update above
-     at that size, then the same update by CUDA IPC between two processes on the one GPU
-     (common.broadcast.copy_into_buckets into device buckets, actors.cuda_weights.export_buckets, a child process
-     that opens them with ipc_tensors and loads its own model from them, no host round trip), each checked
-     bit-exact by a checksum of every byte.
-It prints seconds per update and GB/s against the device-to-device copy, and saves benchmarks/results/gpu_check.json
-(`benchmarks.common.save`, with a headline; also copied to --out). Without CUDA it says so and exits 0, writing
-nothing. NCCL broadcast and CUDA vLLM are not checked: that machine has no vLLM (its CUDA wheel does not fit in
-what can be carried), and vLLM's PyNcclCommunicator is the NCCL group.
+    check                            what it runs (benchmarks/gpu_checks/<module>)                    passes when
+    c0_environment                   versions, GPU, /dev/shm, host-register attributes (environment)   it ran
+    c1a_tandem_pinned_file           actors.cuda_weights as it is now + a kernel after (host_memory)   no kernel raises
+    c1b..e                           read-only register / COW register / pinned bounce / pageable      bytes arrive
+    c2_stream_hazard                 a 1.5 s sleep on another thread's default vs own stream (streams) as predicted
+    c3a..d                           Trainer.train_step: padded ZeRO-1 + KL, packed vs padded,         finite, moved,
+                                     ZeRO-3 + checkpointing, world_size patched to 2 (learner)         no skips
+    c4_generator_memory              a second process's context + full bucket set, 1.5B, 4B (memory)   it ran
+    c5a_staged_load, c5b_ipc_load    load_staged_pinned / load_ipc x5 at Qwen2.5-1.5B (weights_paths)  bit-exact
+    c6_d2d_yardstick                 a device-to-device copy of the model's bytes (weights_paths)      it ran
+    c5c_publish_cost                 copy_into_snapshot vs copy_into_buckets (weights_paths)           same bytes
+
+The review that designed them (gpu-path-review.md, "A GPU check for one H200") gives each check's finding; each
+module's docstring says what its check measures and why its criterion is what it is.
+
+Rules: every check is a child process (`python -m benchmarks.gpu_check --child module:function`) with its own
+timeout, so a CUDA error left pending by one (review finding 4) or a hang cannot reach the next; a check that
+times out is killed with its process group. The whole run has `--budget-s` (450 s): a check gets at most what is
+left, and c5c_publish_cost, last, is skipped with less than 90 s left. Each check writes one record,
+`<out>/<check>.json`: status (passed, failed, error, timeout, crashed, skipped), ok, error, seconds, figures;
+its output goes to `<out>/<check>.log`. The combined result, with a `headline` (made from the records by
+`headline()`), is `<out>/gpu_check.json` and, on CUDA, benchmarks/results/gpu_check.json (`benchmarks.common.save`).
+The exit code is 0 when every check passed, else 1 (c3d failed before learners.engine.all_reduce moved host
+tensors to the device for NCCL: review finding 1).
+
+Without CUDA it says so, lists what it would run, and exits 0, writing nothing. `--device cpu` runs the checks
+that have a CPU form (smaller sizes; records in --out only, never in benchmarks/results): the tests use it. On a
+CPU, DeepSpeed builds its shared-memory op at the first init (over a minute on 2 cores; not on CUDA): build it
+once before the c3 checks (`python -c "from learners.engine import init_distributed; init_distributed()"`), since a
+build their timeout kills leaves a lock in ~/.cache/torch_extensions that stalls every later one.
 
 The lent machine has CUDA torch, transformers, numpy and msgpack, but not pyzmq, pydantic or deepspeed (imported by
-the modules checked), and reaches no registry: carry them (22 MB of the 64 MiB allowed), copied from this checkout's
-.venv (their binaries are CPython 3.11's: the command below prints the lent machine's version first; for another
-one, `pip download` the same versions for it instead). Here, once:
+the modules checked: c0, c1b-e, c2, c4 need none of them), and reaches no registry: carry them (22 MB of the
+64 MiB allowed), copied from this checkout's .venv (their binaries are CPython 3.11's: the command below prints the
+lent machine's version first; for another one, `pip download` the same versions for it instead). Here, once:
 
     mkdir -p gpu_site && (cd .venv/lib/python3.11/site-packages && cp -r deepspeed deepspeed-0.19.8.dist-info \
         zmq pyzmq.libs pyzmq-27.3.0.dist-info pydantic pydantic-2.14.4.dist-info pydantic_core \
@@ -32,338 +46,309 @@ then on the device (the `run` tool, carry=["gpu_site"], timeout_s=540):
 
     python -V && PYTHONPATH=gpu_site python -m benchmarks.gpu_check --out $OUT
 
-Checked here: with only that folder standing in for what the lent machine lacks (python -S, vLLM, deepspeed,
-pyzmq and pydantic hidden), check 1 ran on CPU (DEVICE = "cpu"): 3 DeepSpeed steps, the update received bit-exact.
+Here (no GPU):
 
     python -m benchmarks.gpu_check --help
+    python -m benchmarks.gpu_check --device cpu --out /tmp/gpu_check --only c0_environment,c5a_staged_load
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
-import math
 import os
 import shutil
-import statistics
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-LARGE = {  # TinyLlama-1.1B's shape: 1.10e9 parameters, 2.2 GB in bfloat16
-    "vocab_size": 32000,
-    "hidden_size": 2048,
-    "intermediate_size": 5632,
-    "num_hidden_layers": 22,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-}
-SMALL = {
-    "vocab_size": 1024,
-    "hidden_size": 256,
-    "intermediate_size": 704,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-}
-BUCKET_BYTES = 128 << 20  # common.weights.DEFAULT_BUCKET_MB
-DEVICE = "cuda"  # where models are built (tests/benchmarks/test_gpu_check.py runs the plumbing with "cpu")
+REPO = Path(__file__).resolve().parents[1]
+BUDGET_S = 450.0  # the whole run, under 8 minutes with the parent's own start
+MIN_BUDGET_S = 5.0  # a check is skipped with less left than this (or than its own min_budget_s)
+LOG_TAIL_CHARS = 3000  # of a check's output, in its record when it did not pass
 
 
-# ---------------------------------------------------------------------------------------------------- models
-def llama(shape: dict[str, int], seed: int) -> Any:
-    """A Llama-shaped causal LM with random bfloat16 weights, built on the GPU (no download)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+@dataclass(frozen=True)
+class Check:
+    """One check: `target` ("module:function") is called in a child process as function(device=..., **params)
+    and returns its figures with "ok". `cpu_params` None: a GPU-only check."""
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(**shape, max_position_embeddings=512, tie_word_embeddings=False)
-    with torch.device(DEVICE):
-        return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    name: str
+    target: str
+    timeout_s: float
+    params: dict[str, Any] = field(default_factory=dict)
+    cpu_params: dict[str, Any] | None = None
+    min_budget_s: float = MIN_BUDGET_S
 
-
-def named_weights(model: Any) -> list[tuple[str, Any]]:
-    return [(name, param.detach()) for name, param in model.named_parameters()]
-
-
-def layout_of(weights: list[tuple[str, Any]]) -> list[tuple[str, str, list[int]]]:
-    return [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in weights]
+    def params_for(self, device: str) -> dict[str, Any] | None:
+        return self.params if device == "cuda" else self.cpu_params
 
 
-def load_into(model: Any, weights: Iterable[tuple[str, Any]]) -> int:
-    """The engine's load, stood in for by a transformers model: copy each tensor into the parameter of its name
-    (on the current stream: a tensor still being copied in is ordered before it). Returns the bytes loaded."""
-    params, loaded = dict(model.named_parameters()), 0
-    for name, tensor in weights:
-        params[name].data.copy_(tensor)
-        loaded += tensor.numel() * tensor.element_size()
-    return loaded
+def _in(module: str, function: str) -> str:
+    return f"benchmarks.gpu_checks.{module}:{function}"
 
 
-def checksum(weights: Iterable[tuple[str, Any]]) -> int:
-    """Every byte of every tensor, summed with its position mixed in (a changed or moved byte changes it)."""
-    import torch
-
-    total = torch.zeros((), dtype=torch.int64, device=DEVICE)
-    for index, (_, tensor) in enumerate(weights):
-        words = tensor.contiguous().view(-1).view(torch.uint8).to(torch.int64)
-        total += (words * (index + 1)).sum() + words[::7919].sum() * 31
-    return int(total)
-
-
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    """(wall seconds, result) of `fn`, the GPU's queued work before and after it included (synchronised)."""
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    value = fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - start, value
-
-
-# ---------------------------------------------------------------------------------------------------- checks
-def check_deepspeed_learner() -> dict[str, Any]:
-    """Check 1: DeepSpeed on CUDA trains a small model; its weights reach a receiver host-staged, bit-exact."""
-    import torch
-
-    from learners import engine as eng
-
-    dist = eng.init_distributed()
-    policy_module = llama(SMALL, seed=1).train()
-    settings = eng.EngineSettings(lr=1e-3, zero_stage=1, bf16=True, micro_batch_size=2, micro_steps=1)
-    policy = eng.TrainEngine(policy_module, settings)
-    before = checksum(policy.full_weights())
-    losses = []
-    for _ in range(3):
-        tokens = torch.randint(0, SMALL["vocab_size"], (2, 64), device=eng.device())
-        loss = policy(input_ids=tokens, labels=tokens).loss
-        policy.backward(loss)
-        policy.step()
-        losses.append(float(loss.detach()))
-    weights = list(policy.full_weights())
-    receiver = llama(SMALL, seed=2)
-    update = host_staged_update(weights, receiver, repeats=1)
-    return {
-        "device": str(eng.device()),
-        "world_size": dist.world_size,
-        "losses": losses,
-        "finite": all(math.isfinite(loss) for loss in losses),
-        "weights_moved": checksum(weights) != before,
-        "received_equal": checksum(named_weights(receiver)) == checksum(weights),
-        "update_s": update["update_s"],
-        "pinned": update["pinned"],
-    }
+FILE_GPU, FILE_CPU = {"size_mib": 2048}, {"size_mib": 64}  # C1's staged file
+LEARNER_GPU, LEARNER_CPU = {"shape": "learner-qwen2"}, {"shape": "tiny-qwen2"}
+QWEN_GPU, QWEN_CPU = {"shape": "qwen2.5-1.5b"}, {"shape": "tiny-qwen2"}
+MEMORY_GPU = {"shapes": ["qwen2.5-1.5b", "qwen3-4b"]}
+D2D_GPU, D2D_CPU = {"shapes": ["qwen2.5-1.5b", "tinyllama-1.1b"]}, {"shapes": ["tiny-qwen2"]}
+PLAN = [  # in running order: (name, target, timeout_s, GPU params, CPU params or None: GPU only)
+    Check("c0_environment", _in("environment", "check_environment"), 30, {}, {}),
+    Check("c1a_tandem_pinned_file", _in("host_memory", "check_tandem_pinned_file"), 45, FILE_GPU, FILE_CPU),
+    Check("c1b_read_only_register", _in("host_memory", "check_read_only_register"), 40, FILE_GPU),
+    Check("c1c_copy_on_write_register", _in("host_memory", "check_copy_on_write_register"), 40, FILE_GPU),
+    Check("c1d_pinned_bounce_buffer", _in("host_memory", "check_bounce_buffer"), 40, FILE_GPU, FILE_CPU),
+    Check("c1e_pageable", _in("host_memory", "check_pageable"), 40, FILE_GPU, FILE_CPU),
+    Check("c2_stream_hazard", _in("streams", "check_stream_hazard"), 40, {"sleep_s": 1.5}),
+    Check("c3a_padded_zero1_kl", _in("learner", "check_padded"), 100, LEARNER_GPU, LEARNER_CPU),
+    Check("c3b_packed_against_padded", _in("learner", "check_packed"), 100, LEARNER_GPU, LEARNER_CPU),
+    Check("c3c_zero3_checkpointing", _in("learner", "check_zero3_checkpointing"), 100, LEARNER_GPU, LEARNER_CPU),
+    Check("c3d_two_ranks_host_tensors", _in("learner", "check_two_ranks"), 100, LEARNER_GPU, LEARNER_CPU),
+    Check("c4_generator_memory", _in("memory", "check_generator_memory"), 45, MEMORY_GPU),
+    Check("c5a_staged_load", _in("weights_paths", "check_staged_load"), 90, QWEN_GPU, QWEN_CPU),
+    Check("c5b_ipc_load", _in("weights_paths", "check_ipc_load"), 120, QWEN_GPU),
+    Check("c6_d2d_yardstick", _in("weights_paths", "check_d2d_copy"), 30, D2D_GPU, D2D_CPU),
+    Check("c5c_publish_cost", _in("weights_paths", "check_publish_cost"), 90, QWEN_GPU, QWEN_CPU, min_budget_s=90),
+]
 
 
-def host_staged_update(weights: list[tuple[str, Any]], receiver: Any, repeats: int) -> dict[str, Any]:
-    """The CPU-transport update into a CUDA receiver: snapshot (device -> host buckets), staging file, pinned load.
-    Median seconds of each stage over `repeats`."""
-    from actors.cuda_weights import PinnedFile, staged_to_device
-    from actors.weights import SharedMemoryStaging, WeightsUpdate
-    from learners.publisher import copy_into_snapshot
+# ---------------------------------------------------------------------------------------------------- the runner
+def run_checks(checks: list[Check], device: str, out: Path, budget_s: float) -> dict[str, dict[str, Any]]:
+    """Run each check that has a form for `device` in its own process, in order, within `budget_s` in all;
+    returns {name: record}, each also written to `out/<name>.json`."""
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + budget_s
+    records = {}
+    for check in checks:
+        params = check.params_for(device)
+        if params is None:
+            continue
+        left = deadline - time.monotonic()
+        if left < check.min_budget_s:
+            record = {
+                "status": "skipped",
+                "ok": False,
+                "error": f"{left:.0f} s of budget left, it needs {check.min_budget_s:.0f}",
+            }
+            record.update(check=check.name, seconds=0.0, figures={})
+        else:
+            record = run_check(check, device, params, out, min(check.timeout_s, left))
+        (out / f"{check.name}.json").write_text(json.dumps(record, indent=2, default=str))
+        print(f"[{check.name}] {record['status']} in {record['seconds']:.1f} s{describe(record)}", flush=True)
+        records[check.name] = record
+    return records
 
-    layout, nbytes = layout_of(weights), sum(t.numel() * t.element_size() for _, t in weights)
-    staging = SharedMemoryStaging(staging_dir(nbytes))
-    stages: dict[str, list[float]] = {"snapshot_s": [], "staging_s": [], "pinned_load_s": []}
-    buckets = None
+
+def run_check(check: Check, device: str, params: dict[str, Any], out: Path, timeout_s: float) -> dict[str, Any]:
+    """One check in a child process of its own group, killed with the group past `timeout_s`. The child writes
+    its record; a child that wrote none (killed, crashed) gets one saying so, with the tail of its log."""
+    record_path, log_path = out / f"{check.name}.json", out / f"{check.name}.log"
+    record_path.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "benchmarks.gpu_check", "--child", check.target, "--device", device]
+    command += ["--params", json.dumps(params), "--record", str(record_path)]
+    started = time.monotonic()
+    with open(log_path, "wb") as log:
+        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        try:
+            exit_code: int | None = child.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            exit_code = None
+        end_group(child)
+    record = read_record(record_path)
+    if record is None:
+        status = "timeout" if exit_code is None else "crashed"
+        reason = f"killed after {timeout_s:.0f} s" if exit_code is None else f"exited {exit_code} without a record"
+        record = {"status": status, "ok": False, "error": reason, "figures": {}}
+    record.update(check=check.name, seconds=time.monotonic() - started, timeout_s=timeout_s, exit_code=exit_code)
+    record["log"] = log_path.name
+    if record["status"] != "passed":
+        record["log_tail"] = log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+    return record
+
+
+def end_group(child: subprocess.Popen) -> None:
+    """Kill what is left of the check's process group (the check itself past its timeout, or a child of its
+    own it left behind), then reap the check."""
     try:
-        for _ in range(repeats):
-            took, snapshot = timed(partial(copy_into_snapshot, 0, layout, iter(weights), BUCKET_BYTES, buckets))
-            stages["snapshot_s"].append(took)
-            buckets = snapshot.buckets
-            update = WeightsUpdate(snapshot.header, [memoryview(b) for b in buckets], time.monotonic())
-            took, tensors = timed(partial(staging.write, update))
-            stages["staging_s"].append(took)
-            staged = staged_to_device(str(staging.path), tensors, receiver.device)
-            stages["pinned_load_s"].append(timed(partial(load_into, receiver, staged))[0])
-        with PinnedFile(str(staging.path), receiver.device) as probe:
-            pinned = probe.pinned
-    finally:
-        staging.close()
-    medians = {key: statistics.median(values) for key, values in stages.items()}
-    return {**medians, "update_s": sum(medians.values()), "pinned": pinned, "bytes": nbytes}
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the group is gone: nothing was left
+    child.wait()
 
 
-def staging_dir(nbytes: int) -> Path:
-    """/dev/shm when it has room for the staging file (containers often give it 64 MB), else the temp dir."""
-    shm = Path("/dev/shm")
-    if shm.is_dir() and shutil.disk_usage(shm).free > 1.5 * nbytes:
-        return shm
-    return Path(tempfile.gettempdir())
+def read_record(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
 
 
-def check_large(repeats: int) -> dict[str, Any]:
-    """Check 2: at ~1.1B parameters, a device-to-device copy, the host-staged update, and the CUDA IPC update."""
-    import torch
-
-    built = time.perf_counter()
-    learner = llama(LARGE, seed=3)
-    weights = named_weights(learner)
-    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
-    result: dict[str, Any] = {
-        "parameters": sum(t.numel() for _, t in weights),
-        "bytes": nbytes,
-        "build_s": time.perf_counter() - built,
-        "gpu": torch.cuda.get_device_name(),
-    }
-    source = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
-    target = torch.empty_like(source)
-    result["d2d_copy_s"] = statistics.median(timed(partial(target.copy_, source))[0] for _ in range(max(3, repeats)))
-    source = target = None  # 2 x 2.2 GB back to the allocator
-    expected = checksum(weights)
-    receiver = llama(LARGE, seed=4)
-    result["host_staged"] = host_staged_update(weights, receiver, repeats)
-    result["host_staged"]["received_equal"] = checksum(named_weights(receiver)) == expected
-    del receiver
-    torch.cuda.empty_cache()
-    result["ipc"] = ipc_update(weights, expected, repeats)
-    return result
+def describe(record: dict[str, Any]) -> str:
+    return f": {record['error']}" if record.get("error") else ""
 
 
-def ipc_update(weights: list[tuple[str, Any]], expected: int, repeats: int) -> dict[str, Any]:
-    """Pack into device buckets (what the broadcast publisher sends), export them by CUDA IPC, and let a child
-    process on the same GPU load its own model from them; the child's checksum must be the learner's."""
-    import msgpack
-
-    from actors.cuda_weights import export_buckets
-    from common.broadcast import allocate_buckets, copy_into_buckets
-    from common.weights import plan_buckets
-
-    specs, sizes = plan_buckets(layout_of(weights), BUCKET_BYTES)
-    buckets = allocate_buckets(sizes, DEVICE)
-    pack_s = statistics.median(
-        timed(partial(copy_into_buckets, specs, iter(weights), buckets))[0] for _ in range(repeats)
-    )
-    table = [(s.name, s.dtype, list(s.shape), s.bucket, s.offset, s.nbytes) for s in specs]
-    message = msgpack.packb({"handles": export_buckets(buckets), "tensors": table, "repeats": repeats})
-    child = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--ipc-child"],
-        input=message,
-        capture_output=True,
-        timeout=240,
-        check=False,
-    )
-    if child.returncode != 0:
-        raise RuntimeError(f"IPC child exited {child.returncode}: {child.stderr.decode()[-2000:]}")
-    report = json.loads(child.stdout.decode().strip().splitlines()[-1])
-    del buckets  # only now: the child has finished with them
-    return {
-        "pack_s": pack_s,
-        **report,
-        "update_s": pack_s + report["ipc_load_s"],
-        "received_equal": report["checksum"] == expected,
-    }
+def run_child(target: str, device: str, params: dict[str, Any], record_path: Path) -> int:
+    """The child's side: call the check, write its record (an exception becomes an "error" record: the runner
+    goes on with the next check). Returns the exit code: 0 when it passed."""
+    module, function = target.split(":")
+    started = time.perf_counter()
+    try:
+        figures = getattr(importlib.import_module(module), function)(device=device, **params)
+        ok = bool(figures.pop("ok"))
+        record = {"status": "passed" if ok else "failed", "ok": ok, "error": None, "figures": figures}
+    except Exception as error:  # noqa: BLE001 - recorded with its trace, which the log also shows
+        traceback.print_exc()
+        message = f"{type(error).__name__}: {error}"
+        record = {
+            "status": "error",
+            "ok": False,
+            "error": message[:2000],
+            "trace": traceback.format_exc(),
+            "figures": {},
+        }
+    record["check_s"] = time.perf_counter() - started
+    partial = record_path.with_suffix(".partial")
+    partial.write_text(json.dumps(record, indent=2, default=str))
+    partial.replace(record_path)
+    return 0 if record["ok"] else 1
 
 
-def ipc_child() -> None:
-    """The receiving process of `ipc_update`: its own model on the same GPU, loaded from the parent's buckets."""
-    import msgpack
-    import torch
-
-    from actors.cuda_weights import ipc_tensors
-
-    message = msgpack.unpackb(sys.stdin.buffer.read())
-    receiver = llama(LARGE, seed=5)
-    tensors = [tuple(row) for row in message["tensors"]]
-    opened = time.perf_counter()
-    views = list(ipc_tensors(message["handles"], tensors))
-    open_s = time.perf_counter() - opened
-    times = [timed(partial(load_into, receiver, views))[0] for _ in range(message["repeats"])]
-    torch.cuda.synchronize()
-    report = {"ipc_open_s": open_s, "ipc_load_s": statistics.median(times)}
-    report["checksum"] = checksum(named_weights(receiver))
-    print(json.dumps(report))
+# ---------------------------------------------------------------------------------------------------- the result
+def figures_of(result: dict[str, Any], check: str, *keys: str) -> Any:
+    """result's checks[check].figures[keys[0]][keys[1]]...; None where any is missing."""
+    value: Any = result["checks"].get(check, {}).get("figures")
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
 
 
-# ---------------------------------------------------------------------------------------------------- report
 def headline(result: dict[str, Any]) -> dict[str, Any]:
-    """The figures issues quote: seconds per update and GB/s of each path at ~1.1B parameters, over the
-    device-to-device copy, and whether every check passed."""
-    large = result.get("large") or {}
-    row: dict[str, Any] = {"all_ok": all(check["ok"] for check in result["checks"].values())}
-    if "d2d_copy_s" in large:
-        row["bytes"] = large["bytes"]
-        row["d2d_gb_s"] = large["bytes"] / large["d2d_copy_s"] / 1e9
-        for path in ("host_staged", "ipc"):
-            if path in large:
-                row[f"{path}_update_s"] = large[path]["update_s"]
-                row[f"{path}_gb_s"] = large["bytes"] / large[path]["update_s"] / 1e9
-                row[f"{path}_over_d2d"] = large[path]["update_s"] / large["d2d_copy_s"]
+    """The figures issues quote, made from the records alone: which checks passed, what Tandem's host-staged load
+    did, the stall, the learner's variants, the generator's memory, and each weights path in GB/s and over the
+    device-to-device copy of the same bytes."""
+    checks, fig = result["checks"], partial(figures_of, result)
+    row: dict[str, Any] = {
+        "all_ok": bool(checks) and all(record["ok"] for record in checks.values()),
+        "passed": sum(record["ok"] for record in checks.values()),
+        "checks": len(checks),
+        "not_passed": {name: record["status"] for name, record in checks.items() if not record["ok"]},
+        "gpu": fig("c0_environment", "gpu"),
+        "host_register_read_only_supported": fig("c0_environment", "attributes", "HostRegisterReadOnlySupported"),
+        "tandem_staged_path": fig("c1a_tandem_pinned_file", "path"),
+        "kernel_raises_after_tandem_load": fig("c1a_tandem_pinned_file", "after_load", "kernel_raises"),
+        "kernel_raises_after_read_only_register": fig("c1b_read_only_register", "after_register", "kernel_raises"),
+        "host_copy_gb_s": {
+            name.split("_", 1)[1]: fig(name, "warm_gb_s")
+            for name in checks
+            if name.startswith("c1") and fig(name, "warm_gb_s")
+        },
+        "default_stream_delay_s": fig("c2_stream_hazard", "default_stream_delay_s"),
+        "own_stream_delay_s": fig("c2_stream_hazard", "own_stream_delay_s"),
+        "learner": {name: checks[name]["status"] for name in checks if name.startswith("c3")},
+        "two_ranks_error": fig("c3d_two_ranks_host_tensors", "step_error"),
+        "two_ranks_host_tensor_all_reduces": fig("c3d_two_ranks_host_tensors", "all_reduce_host_tensors"),
+        "generator_budget_gib": fig("c4_generator_memory", "budget_gib"),
+        "generator_memory_gib": {
+            shape: model["total_gib"] for shape, model in (fig("c4_generator_memory", "models") or {}).items()
+        },
+    }
+    return {**row, **weights_paths_headline(result)}
+
+
+def weights_paths_headline(result: dict[str, Any]) -> dict[str, Any]:
+    """Seconds and GB/s of each weights path, and its seconds over a device-to-device copy of the same model's
+    bytes (C6's first model, the shape C5 runs)."""
+    yardstick = next(iter((figures_of(result, "c6_d2d_yardstick", "models") or {}).values()), {})
+    row: dict[str, Any] = {"d2d_gb_s": yardstick.get("d2d_gb_s")}
+    paths = {
+        "staged_update": ("c5a_staged_load", "update_s"),
+        "staged_load": ("c5a_staged_load", "load_s"),
+        "ipc_update": ("c5b_ipc_load", "update_s"),
+        "ipc_load": ("c5b_ipc_load", "load_s"),
+        "publish_snapshot": ("c5c_publish_cost", "snapshot_reused_s"),
+        "publish_device_buckets": ("c5c_publish_cost", "device_buckets_s"),
+    }
+    for path, (check, key) in paths.items():
+        seconds, nbytes = figures_of(result, check, key), figures_of(result, check, "bytes")
+        if seconds:
+            row[f"{path}_s"] = seconds
+            row[f"{path}_gb_s"] = nbytes / seconds / 1e9
+            if yardstick.get("bytes") == nbytes:
+                row[f"{path}_over_d2d"] = seconds / yardstick["d2d_s"]
     return row
 
 
-def run_check(name: str, fn: Callable[[], dict[str, Any]], checks: dict[str, Any]) -> dict[str, Any] | None:
-    started = time.perf_counter()
-    try:
-        figures = fn()
-    except Exception as error:  # noqa: BLE001 - one failed check is reported and the others still run
-        checks[name] = {"ok": False, "error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
-        print(f"[{name}] FAILED after {time.perf_counter() - started:.1f}s\n{traceback.format_exc()}", flush=True)
-        return None
-    equal = all(v for k, v in _flat(figures) if k in ("received_equal", "finite", "weights_moved"))
-    checks[name] = {"ok": equal, "seconds": time.perf_counter() - started}
-    print(f"[{name}] {'ok' if equal else 'MISMATCH'} in {time.perf_counter() - started:.1f}s", flush=True)
-    return figures
-
-
-def _flat(figures: dict[str, Any]) -> list[tuple[str, Any]]:
-    rows = []
-    for key, value in figures.items():
-        rows.extend(_flat(value) if isinstance(value, dict) else [(key, value)])
-    return rows
-
-
-def print_figures(large: dict[str, Any]) -> None:
-    nbytes, d2d = large["bytes"], large["d2d_copy_s"]
-    print(f"{large['parameters'] / 1e9:.2f}B parameters, {nbytes / 1e9:.2f} GB bf16 on {large['gpu']}")
-    print(f"  device-to-device copy  {d2d:.4f} s  {nbytes / d2d / 1e9:7.1f} GB/s")
-    for path in ("host_staged", "ipc"):
-        if path in large:
-            row = large[path]
-            stages = " ".join(f"{k}={v:.4f}" for k, v in row.items() if k.endswith("_s") and k != "update_s")
-            print(
-                f"  {path:<12} update {row['update_s']:.4f} s  {nbytes / row['update_s'] / 1e9:7.1f} GB/s  "
-                f"{row['update_s'] / d2d:5.1f}x d2d  equal={row['received_equal']}  ({stages})"
-            )
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3, help="updates per path (the median is reported)")
-    parser.add_argument("--out", type=Path, default=None, help="also copy the results JSON here (the run tool's $OUT)")
-    parser.add_argument("--ipc-child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.ipc_child:
-        ipc_child()
-        return
-    import torch
-
-    if not torch.cuda.is_available():
-        print("benchmarks.gpu_check needs a CUDA GPU and this machine has none: nothing checked, nothing written")
-        return
-    checks: dict[str, Any] = {}
-    learner = run_check("deepspeed_learner", check_deepspeed_learner, checks)
-    large = run_check("large_model_updates", lambda: check_large(args.repeats), checks)
-    result = {"checks": checks, "learner": learner, "large": large, "torch": torch.__version__}
-    if large is not None:
-        print_figures(large)
+def report(records: dict[str, dict[str, Any]], device: str, out: Path, budget_s: float, elapsed_s: float) -> Path:
+    """The combined result with its headline: on CUDA saved by `benchmarks.common.save` (benchmarks/results/
+    gpu_check.json) and copied to `out`; on the CPU (the tests' runs) written to `out` only."""
+    result: dict[str, Any] = {"device": device, "budget_s": budget_s, "elapsed_s": elapsed_s, "checks": records}
+    result = {"headline": headline(result), **result}
+    print(json.dumps(result["headline"], indent=2))
+    if device != "cuda":
+        path = out / "gpu_check.json"
+        path.write_text(json.dumps({"benchmark": "gpu_check", **result}, indent=2))
+        return path
     from benchmarks.common import save
 
-    path = save("gpu_check", {"headline": headline(result), **result})
-    print(json.dumps(headline(result), indent=2))
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        shutil.copy(path, args.out / path.name)
-    sys.exit(0 if all(check["ok"] for check in checks.values()) else 1)
+    path = save("gpu_check", result)
+    shutil.copy(path, out / path.name)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="folder for the records (default: a new temp folder)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the checks' CPU forms")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="seconds for the whole run")
+    parser.add_argument("--only", default="", help="comma-separated check names (default: all)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--params", default="{}", help=argparse.SUPPRESS)
+    parser.add_argument("--record", type=Path, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def selected(only: str) -> list[Check]:
+    names = [name for name in only.split(",") if name]
+    unknown = sorted(set(names) - {check.name for check in PLAN})
+    if unknown:
+        raise SystemExit(f"--only: no check named {unknown}; the checks: {[check.name for check in PLAN]}")
+    return [check for check in PLAN if not names or check.name in names]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.child is not None:
+        code = run_child(args.child, args.device, json.loads(args.params), args.record)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # the record is written: no interpreter teardown (NCCL, CUDA, DeepSpeed) to hang on
+    checks = selected(args.only)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print(
+                "benchmarks.gpu_check needs a GPU (CUDA) and this machine has none: nothing checked, nothing written."
+            )
+            print("On one it runs, each in its own process:", ", ".join(check.name for check in checks))
+            print("(--device cpu runs the checks' CPU forms, as the tests do)")
+            return
+    out = args.out or Path(tempfile.mkdtemp(prefix="gpu_check-"))
+    started = time.monotonic()
+    records = run_checks(checks, args.device, out, args.budget_s)
+    path = report(records, args.device, out, args.budget_s, time.monotonic() - started)
+    print(f"records in {out}; result in {path}")
+    sys.exit(0 if all(record["ok"] for record in records.values()) else 1)
 
 
 if __name__ == "__main__":
