@@ -44,6 +44,7 @@ BENCHMARKS = (
     "eval_overhead",
     "slow_generators",
     "demo_wall",
+    "broadcast_rounds",
 )
 OPTIONAL = frozenset({"ray_overhead", "env_latency"})  # run when present
 HERE = Path(__file__).resolve().parent
