@@ -261,9 +261,10 @@ class Trainer:
         head = self._fused_head(model)
         return completion_logprobs(model, inputs, self.temperature, head, entropy_grad=self.algo.entropy_coef > 0)
 
-    def _fused_head(self, model: object) -> torch.Tensor | None:
-        """The output layer's weight [V, H] when `_model_logprobs` may bypass it, else None: under ZeRO-3, or for
-        logits that are more than `hidden @ weight.T` (`learners.completion_logprobs.fused_head`)."""
+    def _fused_head(self, model: object) -> torch.Tensor | torch.nn.Module | None:
+        """The output layer's weight [V, H] when `_model_logprobs` may bypass the layer (under ZeRO-3 the layer
+        itself), else None: for logits that are more than `hidden @ weight.T`
+        (`learners.completion_logprobs.fused_head`)."""
         engine = model if isinstance(model, eng.TrainEngine) else None
         return fused_head(engine.module if engine is not None else model, engine is not None and engine.zero3)
 
