@@ -484,15 +484,15 @@ class VllmEngine(TokenizerTexts):
         return lambda: self.engine.collective_rpc("tandem_load_shared_weights", args=(str(path), tensors))[0]
 
     def _run_load(self, load: Callable[[], dict[str, Any]], update: WeightsUpdate) -> dict[str, Any]:
-        """`load()`; a broadcast round that failed in the workers may have swapped some layers in already, so the
-        engine is `weights_mixed` (the generator samples nothing until the next round loads) and the failure is
-        a `WeightsRejected` (counted; the next round is fetched)."""
+        """`load()`; a broadcast round that failed in the workers is a `WeightsRejected` (counted; the next round
+        is fetched). One that failed while its layers were being swapped in may have replaced some already: the
+        engine is then `weights_mixed` (the generator samples nothing until the next round loads)."""
         try:
             return load()
         except Exception as error:
             if not isinstance(update, BroadcastRound):
                 raise
-            self.weights_mixed = True
+            self.weights_mixed = self.weights_mixed or self._broadcast.swapping
             raise WeightsRejected(
                 f"broadcast round v{update.policy_version} failed in the workers ({error}); sampling waits for the "
                 "next round"

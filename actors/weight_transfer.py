@@ -77,11 +77,13 @@ class BroadcastLoad:
     def __init__(self, rpc: Callable[..., Any]) -> None:
         self.rpc = rpc
         self.epoch = -1
+        self.swapping = False  # a round's layers are being swapped in: a failure now leaves the model mixed
 
     def run(self, ticket: GroupTicket, header: WeightsHeader) -> dict[str, float | str]:
         """Join the ticket's group when it is a new epoch, then receive and load the round. Returns where the time
         went ("path": "broadcast"; map_s: joining the group, load_s: the round, process_s: the layerwise finish).
-        Raises what the workers raised (the group is then left for the next epoch)."""
+        Raises what the workers raised (the group is then left for the next epoch); `swapping` then says whether
+        some layers may already hold the new weights."""
         started = time.perf_counter()
         if ticket.epoch != self.epoch:
             if self.epoch >= 0:
@@ -91,6 +93,7 @@ class BroadcastLoad:
             self.epoch = ticket.epoch
         joined = time.perf_counter()
         self.rpc("start_weight_update")
+        self.swapping = True
         try:
             self.rpc("update_weights", args=(update_info(header),))
         except BaseException:
@@ -98,6 +101,7 @@ class BroadcastLoad:
             raise
         loaded = time.perf_counter()
         self.rpc("finish_weight_update")
+        self.swapping = False
         return {
             "path": "broadcast",
             "map_s": joined - started,
