@@ -65,8 +65,12 @@ def test_cuda_is_asked_in_a_child_process() -> None:
 def test_the_learner_and_generator_roles_stop_before_their_engine(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from common import sockets
     from launch import cli
 
+    # cli.main releases this process's ZeroMQ context after a role: in pytest's process that would close every
+    # socket other tests' servers still hold (their serving threads would then fail until the process exits 70)
+    monkeypatch.setattr(sockets, "release_context", lambda: None)
     monkeypatch.setenv("TANDEM_REQUIRE_GPU", "1")
     monkeypatch.setattr(devices, "cuda_usable", lambda: False)
     for role in ("learner", "generator", "run"):
