@@ -116,8 +116,10 @@ def register_backend() -> None:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:
         return
-    if BACKEND not in WeightTransferEngineFactory._registry:  # no public "is registered" query in 0.32
+    try:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "BroadcastTransferEngine")
+    except ValueError:  # registered already (this module imported again): 0.32 has no "is registered" query
+        pass
 
 
 def _engine_class() -> type:
