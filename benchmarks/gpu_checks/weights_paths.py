@@ -6,7 +6,7 @@ device (tied, as Qwen2.5-1.5B is); each update is fresh random weights, and is c
 every byte the receiver holds, plus, for a tied model, that the output layer equals the embedding just sent and
 that the loader shipped it as `lm_head.weight` (`actors.cuda_weights.with_tied_head`).
 
-  C5(a) host-staged: `learners.publisher.copy_into_snapshot` (device -> host buckets) -> `actors.weights.
+  C5(a) host-staged: `learners.snapshot.copy_into_snapshot` (device -> host buckets) -> `actors.weights.
         SharedMemoryStaging.write` (the generator's staging file) -> `actors.cuda_weights.load_staged_pinned`;
   C5(b) CUDA IPC: `common.broadcast.copy_into_buckets` into one set of device buckets, reused for every update as
         the generator does, exported once (`export_buckets`); a child process on the same GPU builds its model and
@@ -88,7 +88,7 @@ def staged_update(staging: Any, runner: StubModelRunner, layout: list, version: 
     """One host-staged update of fresh weights: snapshot (into `buckets` when given), staging file, load."""
     from actors.cuda_weights import load_staged_pinned
     from actors.weights import WeightsUpdate
-    from learners.publisher import copy_into_snapshot
+    from learners.snapshot import copy_into_snapshot
 
     device = str(runner.device)
     weights = random_weights(layout, device, seed=100 + version)
@@ -251,7 +251,7 @@ def check_publish_cost(device: str, shape: str, repeats: int = 2) -> dict[str, A
 
     from common.broadcast import allocate_buckets, copy_into_buckets
     from common.weights import plan_buckets
-    from learners.publisher import copy_into_snapshot
+    from learners.snapshot import copy_into_snapshot
 
     layout = layout_of_shape(shape)
     nbytes = layout_bytes(layout)

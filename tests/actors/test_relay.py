@@ -24,7 +24,8 @@ from common.config import WeightsConfig
 from common.sockets import SocketSecurity, free_port
 from launch.testing import wait_until
 from learners.fanout import FanoutTree
-from learners.publisher import ZmqWeightsPublisher, copy_into_snapshot
+from learners.publisher import ZmqWeightsPublisher
+from learners.snapshot import copy_into_snapshot
 from tests.shm_fakes import small_shared_memory
 
 CHUNK = 256 << 10

@@ -56,7 +56,7 @@ def test_a_target_module_the_model_lacks_is_refused_with_its_linear_layers(tiny_
 
 
 def test_an_adapter_update_header_carries_the_adapter_settings() -> None:
-    from learners.publisher import copy_into_snapshot
+    from learners.snapshot import copy_into_snapshot
 
     lora = LoraConfig(rank=2, alpha=4.0, target_modules=["q_proj"], sync="adapter")
     names = ["model.layers.0.self_attn.q_proj.lora_A.weight", "model.layers.0.self_attn.q_proj.lora_B.weight"]

@@ -15,11 +15,8 @@ from common.config import WeightsConfig
 from common.sockets import Client, SocketSecurity
 from common.types import ErrorReply, LeaseRequest, WeightsHeader, WeightsNotNewer
 from launch.testing import free_port
-from learners.publisher import (
-    ZmqWeightsPublisher,
-    buckets_reusable,
-    copy_into_snapshot,
-)
+from learners.publisher import ZmqWeightsPublisher
+from learners.snapshot import buckets_reusable, copy_into_snapshot
 from tests.learners.learner_fakes import fetch_weights
 
 

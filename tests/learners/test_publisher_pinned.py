@@ -14,8 +14,9 @@ import torch
 
 from common.sockets import Client, SocketSecurity
 from launch.testing import free_port
-from learners import publisher as publisher_module
-from learners.publisher import ZmqWeightsPublisher, buckets_reusable, copy_into_snapshot
+from learners import snapshot as snapshot_module
+from learners.publisher import ZmqWeightsPublisher
+from learners.snapshot import buckets_reusable, copy_into_snapshot
 from tests.learners.learner_fakes import fetch_weights
 from tests.learners.test_publisher import layout_of, model_weights
 
@@ -36,10 +37,10 @@ def fake_cuda(monkeypatch):
         return all(fake.pinned.get(id(bucket)) is bucket for bucket in buckets)
 
     # raising=False: the same fakes can be applied to a publisher without these helpers
-    monkeypatch.setattr(publisher_module, "_cuda_device", lambda tensor: "cuda:0", raising=False)
-    monkeypatch.setattr(publisher_module, "_pinned_buckets", pinned_buckets, raising=False)
-    monkeypatch.setattr(publisher_module, "_pinned", pinned, raising=False)
-    monkeypatch.setattr(publisher_module, "_wait_for_copies", fake.waits.append, raising=False)
+    monkeypatch.setattr(snapshot_module, "_cuda_device", lambda tensor: "cuda:0", raising=False)
+    monkeypatch.setattr(snapshot_module, "_pinned_buckets", pinned_buckets, raising=False)
+    monkeypatch.setattr(snapshot_module, "_pinned", pinned, raising=False)
+    monkeypatch.setattr(snapshot_module, "_wait_for_copies", fake.waits.append, raising=False)
     return fake
 
 
