@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from actors import relay
+from actors import host_copy
 from actors.weights import open_weights_source
 from common.config import WeightsConfig
 from common.sockets import SocketSecurity
@@ -34,14 +34,14 @@ def main() -> None:
     parser.add_argument("--stall-timeout-s", type=float, default=1.0)
     args = parser.parse_args()
     if args.stop_after_chunks:
-        write = relay.HostCopy.write_chunk
+        write = host_copy.HostCopy.write_chunk
 
-        def write_then_stop(copy: relay.HostCopy, index: int, data) -> None:
+        def write_then_stop(copy: host_copy.HostCopy, index: int, data) -> None:
             write(copy, index, data)
             if index + 1 == args.stop_after_chunks:
                 threading.Event().wait()
 
-        relay.HostCopy.write_chunk = write_then_stop
+        host_copy.HostCopy.write_chunk = write_then_stop
     weights = WeightsConfig(stall_timeout_s=args.stall_timeout_s, host_id=f"host-{args.id}")
     source = open_weights_source(weights, args.publisher, SocketSecurity(), args.id, args.store)
     have = -1

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors.relay import HostCopy, NoRelay, RelayWeightsSource, open_relay_server
+from actors.host_copy import HostCopy
+from actors.relay import NoRelay, RelayWeightsSource, open_relay_server
 from actors.weights import WeightsUpdate, open_weights_source
 from common.config import WeightsConfig
 from common.sockets import SocketSecurity, free_port

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import zmq
 
-from actors.relay import HostCopy, RelayServer, RelayWeightsSource, StoreDirError, private_store_dir
+from actors.host_copy import HostCopy, StoreDirError, private_store_dir
+from actors.relay import RelayServer, RelayWeightsSource
 from actors.weights import WeightsPoller, open_weights_source
 from common.config import WeightsConfig
 from common.sockets import Client, SocketSecurity, free_port
