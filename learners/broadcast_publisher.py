@@ -40,7 +40,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from common.broadcast import BroadcastGroup, allocate_buckets, copy_into_buckets, resolve_backend, send_round
+from common.broadcast import (
+    BroadcastGroup,
+    allocate_buckets,
+    copy_into_buckets,
+    refuse_exposed_group,
+    resolve_backend,
+    send_round,
+)
 from common.config import WeightsConfig
 from common.serving import answer_safely, supervised_thread
 from common.sockets import Request, Server, SocketSecurity, free_port
@@ -331,7 +338,5 @@ def open_broadcast_publisher(
     """The publisher for `weights.transport = "broadcast"` (doorbell on host:port, group on weights.broadcast_*).
     Raises ValueError for a configuration that cannot work (nccl without CUDA, an exposed group address without
     run.insecure), OSError when the doorbell's port is taken."""
-    from common.broadcast import refuse_exposed_group
-
     refuse_exposed_group(weights.broadcast_host, security.insecure)
     return BroadcastWeightsPublisher(host, port, security, weights)
