@@ -132,8 +132,10 @@ class Evaluator:
             return None
         from common.tasks import resolve_reward_fn
 
-        spec = config.eval.reward_fn or config.env.reward_fn
-        reward_fn = resolve_reward_fn(spec, config.env.plugin_paths)
+        if config.eval.reward_fn:  # another function: its own defaults, env.reward_fn_args are env.reward_fn's
+            reward_fn = resolve_reward_fn(config.eval.reward_fn, config.env.plugin_paths)
+        else:
+            reward_fn = resolve_reward_fn(config.env.reward_fn, config.env.plugin_paths, config.env.reward_fn_args)
         # on a worker thread within env.reward_timeout_s: one that blocks is scored 0, never holds the generator
         timed = TimedFunction(reward_fn, config.env.reward_timeout_s, "env.reward_timeout_s")
         return cls(engine, timed, config.generator.index, config.model.max_model_len)

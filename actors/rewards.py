@@ -108,7 +108,7 @@ class RewardScorer:
         self._total_reward = total_reward
         self._function: TimedFunction | None = None
         if not env.reward_url:
-            function = resolve_reward_fn(env.reward_fn, env.plugin_paths)
+            function = resolve_reward_fn(env.reward_fn, env.plugin_paths, env.reward_fn_args)
             self._function = TimedFunction(function, env.reward_timeout_s, "env.reward_timeout_s")
 
     def score(self, completion: str, metadata: dict[str, Any]) -> Score:

@@ -265,6 +265,34 @@ CoreList = Annotated[str, BeforeValidator(_cores_written), AfterValidator(_check
 EnvArg = Annotated[str | int | float | bool, BeforeValidator(_check_env_arg)]
 
 
+def _check_reward_fn_arg(value: Any) -> Any:
+    """A reward function's keyword argument (env.reward_fn_args): a TOML scalar or an array of them."""
+    for item in value if isinstance(value, list) else [value]:
+        try:
+            _check_env_arg(item)
+        except ValueError:
+            raise ValueError(
+                f"must be a string, an integer, a finite number, a boolean or an array of them, got {item!r}"
+            ) from None
+    return value
+
+
+RewardFnArg = Annotated[
+    str | int | float | bool | list[str | int | float | bool], BeforeValidator(_check_reward_fn_arg)
+]
+# env.reward_fn / eval.reward_fn: empty, a built-in short name (common.tasks.BUILTIN_REWARD_FNS) or module:function.
+REWARD_FN_PATTERN = r"^$|^[A-Za-z_]\w*$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+
+
+def _check_reward_fn_name(value: str) -> str:
+    """A bare reward_fn name must be a built-in (the spec form is checked when the function is resolved)."""
+    if value and ":" not in value:
+        from common.tasks import builtin_reward_spec  # no torch: a name table
+
+        builtin_reward_spec(value)
+    return value
+
+
 class RunConfig(_Section):
     """Run-wide settings: identity, directories, seed, security of the sockets."""
 
@@ -384,11 +412,20 @@ class EnvConfig(_Section):
         ge=0,
         le=3,
     )
-    reward_fn: str = Field(
+    reward_fn: Annotated[str, AfterValidator(_check_reward_fn_name)] = Field(
         "common.tasks:arithmetic_reward",
-        description="Reward function `module:function(completion, metadata) -> float | dict[str, float]`; empty = "
-        "none (then env.reward_model, env.reward_url or env.environment gives the reward).",
-        pattern=r"^$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="Reward function `module:function(completion, metadata) -> float | dict[str, float]`, or a "
+        "built-in's short name: `math` (common.math_reward: answers in \\boxed{}, `#### n` or `the answer is`, "
+        "checked by math-verify; needs `pip install 'tandem-rl[math]'`), `arithmetic` (common.tasks:"
+        "arithmetic_reward); empty = none (then env.reward_model, env.reward_url or env.environment gives the "
+        "reward).",
+        pattern=REWARD_FN_PATTERN,
+    )
+    reward_fn_args: dict[str, RewardFnArg] = Field(
+        {},
+        description="Keyword arguments of reward_fn (a TOML table), bound once at start-up, e.g. `{extract = "
+        '["boxed", "hash"], format_weight = 0.1}` for `math`; an argument the function does not take is refused '
+        "then, by name. Not passed to eval.reward_fn when that names another function.",
     )
     reward_fn_weight: float = Field(
         1.0,
@@ -472,6 +509,8 @@ class EnvConfig(_Section):
                 "reward_fn: empty, and nothing else gives a reward: set env.reward_fn, env.reward_model, "
                 "env.reward_url or env.environment"
             )
+        if self.reward_fn_args and not self.reward_fn:
+            raise ValueError("reward_fn_args: set, but env.reward_fn is empty: they are its arguments")
         if self.reward_model and self.environment:
             raise ValueError(
                 "reward_model: scores single-turn completions only, and env.environment is set (a multi-turn "
@@ -1174,10 +1213,11 @@ class EvalConfig(_Section):
     max_prompts: int = Field(
         50, description="Prompts per set, at most (the first ones of the set).", ge=1, le=MAX_EVAL_PROMPTS
     )
-    reward_fn: str = Field(
+    reward_fn: Annotated[str, AfterValidator(_check_reward_fn_name)] = Field(
         "",
-        description="Reward function of the eval sets (`module:function`, as env.reward_fn); empty = env.reward_fn.",
-        pattern=r"^$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="Reward function of the eval sets (`module:function` or a built-in name, as env.reward_fn, "
+        "called with its defaults); empty = env.reward_fn, with env.reward_fn_args.",
+        pattern=REWARD_FN_PATTERN,
     )
 
     @property

@@ -211,7 +211,7 @@ def environment_factory(env: EnvConfig) -> EnvironmentFactory:
     if not env.environment:
         from common.tasks import resolve_reward_fn
 
-        reward_fn = resolve_reward_fn(env.reward_fn, env.plugin_paths)
+        reward_fn = resolve_reward_fn(env.reward_fn, env.plugin_paths, env.reward_fn_args)
         return lambda: RewardFnEnvironment(reward_fn)
     if env.environment.startswith(VERIFIERS_PREFIX):  # a verifiers env: its loader lives with the actors
         load = resolve_callable(VERIFIERS_LOADER, "env.environment", "module:function", "a factory", env.plugin_paths)

@@ -14,7 +14,10 @@ datasets) are imported only by the loaders that need them.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
+import importlib.util
+import inspect
 import json
 import math
 import numbers
@@ -325,16 +328,71 @@ def arithmetic_reward(
 # ------------------------------------------------------------------------------- reward plug-ins
 
 
-def resolve_reward_fn(spec: str, search_path: Sequence[str] = ()) -> RewardFn:
-    """The callable named by `"package.module:function"` (a dotted attribute path after the colon also works),
-    imported from `search_path` (the resolved `env.plugin_paths`) first, then PYTHONPATH and the installed packages.
+# Short names of the built-in reward functions (env.reward_fn = "math"): name -> (spec, the module the function
+# needs at call time or "" for none, the pip extra that brings it).
+BUILTIN_REWARD_FNS: dict[str, tuple[str, str, str]] = {
+    "arithmetic": ("common.tasks:arithmetic_reward", "", ""),
+    "math": ("common.math_reward:math_reward", "math_verify", "math"),
+}
+
+
+def builtin_reward_spec(name: str) -> str:
+    """The `module:function` spec of a built-in reward function's short name (a spec with a colon is returned as
+    it is). Raises ValueError for an unknown bare name, listing the built-ins."""
+    if ":" in name:
+        return name
+    if name not in BUILTIN_REWARD_FNS:
+        raise ValueError(
+            f"reward function {name!r}: not a built-in name ({', '.join(sorted(BUILTIN_REWARD_FNS))}) and not "
+            "'module.path:function'"
+        )
+    return BUILTIN_REWARD_FNS[name][0]
+
+
+def resolve_reward_fn(spec: str, search_path: Sequence[str] = (), args: Mapping[str, Any] | None = None) -> RewardFn:
+    """The callable named by `spec`: a built-in short name (`BUILTIN_REWARD_FNS`: "math", "arithmetic") or
+    `"package.module:function"` (a dotted attribute path after the colon also works), imported from `search_path`
+    (the resolved `env.plugin_paths`) first, then PYTHONPATH and the installed packages. With `args` (e.g.
+    `env.reward_fn_args`), the function comes back with them bound as keyword arguments (functools.partial).
 
     The function is called as `fn(completion, metadata)` and returns a float or a mapping of named float
-    components (see `total_reward`). Raises ValueError for a malformed spec, ImportError when the module cannot
-    be imported (saying where it was searched), AttributeError when it has no such attribute, TypeError when the
-    attribute is not callable; every message names the spec.
+    components (see `total_reward`). Raises ValueError for a malformed spec or an unknown bare name (listing the
+    built-ins), ImportError when the module cannot be imported (saying where it was searched) or a built-in's
+    package is missing (saying what to pip install), AttributeError when it has no such attribute, TypeError when
+    the attribute is not callable, ValueError naming the arguments of `args` the function does not accept;
+    every message names the spec.
     """
-    return resolve_callable(spec, "reward function", "module.path:function", "a callable", search_path)
+    builtin = BUILTIN_REWARD_FNS.get(spec)
+    if builtin is not None and builtin[1] and importlib.util.find_spec(builtin[1]) is None:
+        raise ImportError(
+            f"reward function {spec!r} needs the {builtin[1]!r} package, which is not installed: "
+            f"pip install 'tandem-rl[{builtin[2]}]'"
+        )
+    function = resolve_callable(
+        builtin_reward_spec(spec), "reward function", "module.path:function", "a callable", search_path
+    )
+    if not args:
+        return function
+    _check_reward_args(function, spec, args)
+    return functools.partial(function, **args)
+
+
+def _check_reward_args(function: Callable[..., Any], spec: str, args: Mapping[str, Any]) -> None:
+    """Raise ValueError naming the keys of `args` that `function` cannot take as keyword arguments after its
+    `(completion, metadata)`: names it lacks (without **kwargs), positional-only ones, and the first two."""
+    parameters = list(inspect.signature(function).parameters.values())
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    positional = [p for p in parameters if p.kind != inspect.Parameter.KEYWORD_ONLY][:2]
+    accepted = {p.name for p in parameters if p.kind in keyword and p not in positional}
+    takes_any = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters)
+    taken = {p.name for p in positional}
+    refused = sorted(name for name in args if name in taken or not (name in accepted or takes_any))
+    if refused:
+        raise ValueError(
+            f"env.reward_fn_args: reward function {spec!r} does not accept {', '.join(refused)} "
+            f"(its keyword arguments: {', '.join(sorted(accepted)) or 'none'}); remove "
+            f"{'it' if len(refused) == 1 else 'them'} or fix the name"
+        )
 
 
 def _finite(value: Any, what: str) -> float:
