@@ -29,6 +29,7 @@ from typing import Protocol
 
 from actors.engine_api import Engine, FinishedSample
 from actors.episodes import EpisodeDriver, EpisodeLimits
+from actors.failure_guard import guarded
 from actors.group_rewards import GroupRewards
 from actors.groups import PendingGroup, PendingGroups, build_group, sample_request_id
 from actors.trajectory import build_episode_group
@@ -201,12 +202,17 @@ class EpisodeRollouts:
 def rollouts_maker(config: TandemConfig, generator_id: int) -> Callable[[Engine], Rollouts]:
     """What builds this generator's rollouts once its engine is up. The reward sources or the environment are
     resolved now, before the engine's slow start, so a misnamed one (or arguments the environment's `prepare`
-    refuses) stops the generator at once."""
+    refuses) stops the generator at once. A reward that fails on most samples stops it later
+    (`actors.failure_guard`, env.stop_failure_share)."""
     group_size = config.algo.group_size
     if not config.env.environment:
         rewards = GroupRewards.from_config(config, f"generator-{generator_id}")
         max_model_len = config.model.max_model_len
-        return lambda engine: SingleTurnRollouts(engine, rewards, group_size, max_model_len, generator_id)
+
+        def single_turn(engine: Engine) -> Rollouts:
+            return SingleTurnRollouts(engine, rewards, group_size, max_model_len, generator_id)
+
+        return guarded(single_turn, config.env.stop_failure_share)
     from actors.env_runner import EnvRunner
     from common.envs import environment_factory
 
@@ -218,4 +224,4 @@ def rollouts_maker(config: TandemConfig, generator_id: int) -> Callable[[Engine]
         driver = EpisodeDriver(engine, environments, limits, EnvRunner(workers), group_size)
         return EpisodeRollouts(driver, generator_id)
 
-    return episodes
+    return guarded(episodes, config.env.stop_failure_share)

@@ -94,6 +94,18 @@ def test_serves_all_prompts_survives_a_raising_reward_and_exits_when_exhausted(t
     assert records[-1]["actor/tokens_per_s"] > 0 and 0 <= records[-1]["actor/engine_idle_frac"] <= 1
 
 
+def test_a_reward_that_fails_on_every_sample_stops_the_generator_with_the_error(tmp_path, ports):
+    """GSM8K's `#### 72` answers under a reward that wants a number: every sample fails. The generator exits
+    non-zero after MIN_SAMPLES (actors/failure_guard.py) with the error and a prompt, not training on the fallback."""
+    buffer = FakeBuffer(_config(tmp_path, ports), arithmetic_items(40, explode_every=1), lease_size=2)
+    with buffer, FakePublisher(ports[1]):
+        code, err = _finish(_start(_config(tmp_path, ports)), timeout_s=60)
+    assert code != 0, err[-3000:]
+    assert "RewardsFailing" in err and "env.stop_failure_share = 0.5" in err, err[-3000:]
+    assert "env_error: reward: RuntimeError: reward exploded on purpose" in err, err[-3000:]
+    assert len(buffer.groups) * GROUP_SIZE < 40 * GROUP_SIZE  # stopped before the prompts ran out
+
+
 def test_stale_refusal_loads_newer_weights_and_later_samples_carry_the_version(tmp_path, ports, peers):
     buffer, publisher = peers
     buffer.refusal = lambda request: None if request.policy_version >= 1 else LeaseRefused("stale", 1, 0.1)

@@ -42,7 +42,7 @@ def _rollouts(tmp_path, env: dict) -> tuple[Rollouts, SimEngine]:
         "rollouts",
         run={"simulate": True},
         algo={"group_size": GROUP},
-        env={"failure_reward": FAILURE, **env},
+        env={"failure_reward": FAILURE, "stop_failure_share": 1.0, **env},  # the guard: test_failure_guard.py
         generator={"sim_tokens": 4},
     )
     engine = SimEngine(4, 0.0, max_num_seqs=16, seed=0)
