@@ -56,6 +56,7 @@ from actors.chat_turns import TokenizerTexts
 from actors.engine_api import TRAINING_PRIORITY, FinishedSample, SamplingSettings
 from actors.weight_transfer import BACKEND, BroadcastLoad, register_backend
 from actors.weights import SharedMemoryStaging, WeightsRejected, WeightsUpdate, check_update_kind
+from common.chat_format import chat_format
 from common.config import GeneratorConfig, ModelConfig, parse_cores
 from common.devices import vllm_eager
 from common.dtypes import choose_dtype
@@ -288,6 +289,8 @@ class VllmEngine(TokenizerTexts):
         from vllm.platforms import current_platform
         from vllm.sampling_params import RequestOutputKind
 
+        self.chat = chat_format(model)  # a missing template file stops here, before vLLM starts
+
         lora_args = lora_engine_args(lora_rank)
         self.dtype = engine_dtype(model.dtype)
         args = EngineArgs(
@@ -320,6 +323,7 @@ class VllmEngine(TokenizerTexts):
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         self.tokenizer = self.engine.get_tokenizer()
+        self.chat.check(self.tokenizer)  # every prompt, turn and evaluation renders with it (TokenizerTexts)
         self.policy_version = 0
         self.engine.set_weight_version("0")
         self._start_versions: dict[str, int] = {}

@@ -92,6 +92,7 @@ class GroupRewards:
             from pathlib import Path
 
             from actors.reward_model import RewardModelScorer
+            from common.chat_format import chat_format
 
             reward = config.reward
             model = RewardModelScorer(  # on the CPU: vLLM holds the GPU's memory
@@ -101,6 +102,7 @@ class GroupRewards:
                 config.model.max_model_len,
                 reward.normalize,
                 device="cpu",
+                chat=chat_format(config.model),
             )
             log.info("reward model in this process: %s", model.describe())
         elif env.reward_model:

@@ -5,7 +5,8 @@
     scores = scorer.score_chats([chat, chat, ...])              # each chat ends with the assistant turn scored
 
 What is scored: the chat (the prompt's messages, then the completion as an assistant turn) through the RM's own
-tokenizer chat template: the prompt's tokens exactly as `common.tasks.render_prompt` renders them for generation,
+tokenizer and the run's chat format (`chat`: model.chat_template and its kwargs, common.chat_format; with
+model.chat_template empty, the RM tokenizer's own template), as every stage renders: the prompt's tokens exactly as `common.tasks.render_prompt` renders them for generation,
 then the tokens of the text the template appends for the reply (its content and end of turn). This is the
 sequence `tandem rm` trains on (learners.offline_data.tokenize_pair: a preference pair's prompt + reply), so a
 score here is the score the trainer saw.
@@ -35,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.chat_format import TOKENIZER_OWN, ChatFormat
 from common.chat_tokens import reply_ids
 from common.devices import reward_model_device
 from common.dtypes import DTYPE_CHOICES, choose_dtype
@@ -80,9 +82,16 @@ class RewardModelScorer:
     """
 
     def __init__(
-        self, model_dir: Path, dtype: str, batch_size: int, max_len: int, normalize: bool, device: str = "auto"
+        self,
+        model_dir: Path,
+        dtype: str,
+        batch_size: int,
+        max_len: int,
+        normalize: bool,
+        device: str = "auto",
+        chat: ChatFormat = TOKENIZER_OWN,
     ) -> None:
-        """`device`: "auto" = CUDA when this process was given GPUs (CUDA_VISIBLE_DEVICES names one: the reward
+        """`chat`: how chats are rendered (common.chat_format; the module docstring). `device`: "auto" = CUDA when this process was given GPUs (CUDA_VISIBLE_DEVICES names one: the reward
         service under `tandem run`, or with ray.reward_gpus > 0) and torch sees one, else the CPU
         (`common.devices.reward_model_device`); "cpu" always (a generator scoring in-process beside vLLM, which
         holds its GPU's memory)."""
@@ -105,6 +114,7 @@ class RewardModelScorer:
         self.batch_size = batch_size
         self.max_len = max_len
         self.norm = RunningNorm() if normalize else None
+        self.chat = chat
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         self.device = torch.device(reward_model_device(device, visible, torch.cuda.is_available))
@@ -138,10 +148,11 @@ class RewardModelScorer:
         return int(pad)
 
     def _check_template(self) -> None:
-        if not getattr(self.tokenizer, "chat_template", None):
+        if self.chat.template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(
                 f"env.reward_model: the tokenizer of '{self.model_dir}' has no chat template: the RM scores chats"
             )
+        self.chat.check(self.tokenizer)
         probe = self.tokenize(_PROBE_CHAT)
         self.truncated = 0  # the probe is not a scored chat
         if probe[-1] == self.pad_id:
@@ -160,8 +171,9 @@ class RewardModelScorer:
         if len(chat) < 2 or chat[-1].get("role") != "assistant":
             raise ValueError("a scored chat is a prompt and then the reply: its last message must be the assistant's")
         prompt = PromptRecord(0, list(chat[:-1]))
-        reply = reply_ids(self.tokenizer, prompt.messages, list(chat[-1:]), f"the reply (model '{self.model_dir}')")
-        return self._cut(render_prompt(self.tokenizer, prompt) + reply)
+        what = f"the reply (model '{self.model_dir}')"
+        reply = reply_ids(self.tokenizer, prompt.messages, list(chat[-1:]), what, self.chat)
+        return self._cut(render_prompt(self.tokenizer, prompt, self.chat) + reply)
 
     def _cut(self, ids: list[int]) -> list[int]:
         if len(ids) > self.max_len:

@@ -62,11 +62,17 @@ def run(config: TandemConfig) -> int:
         os.sched_setaffinity(0, cores)  # before torch starts its threads: it takes one per core it may use
     with caught_signals() as stopped:
         from actors.reward_model import RewardModelScorer
+        from common.chat_format import chat_format
 
         started = time.monotonic()
         reward = config.reward
         scorer = RewardModelScorer(
-            Path(config.env.reward_model), reward.dtype, reward.batch_size, config.model.max_model_len, reward.normalize
+            Path(config.env.reward_model),
+            reward.dtype,
+            reward.batch_size,
+            config.model.max_model_len,
+            reward.normalize,
+            chat=chat_format(config.model),
         )
         log.info("reward model loaded in %.1fs: %s", time.monotonic() - started, scorer.describe())
         server = open_reward_server(reward.host, reward.port, SocketSecurity.from_run(config.run))

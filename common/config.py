@@ -384,6 +384,19 @@ class ModelConfig(_Section):
         "learner's dtype and the generator casts them into its own (common.dtypes).",
     )
     max_model_len: int = Field(1024, description="Prompt + completion tokens, at most.", ge=32, le=131072)
+    chat_template: str = Field(
+        "",
+        description="How every stage renders chats (RL prompts, multi-turn turns, SFT/RM/DPO rows, evaluation, the "
+        "OpenAI endpoint, the reward model scorer): empty = the tokenizer's own template; a Jinja file (a relative "
+        "path starts at the config file's folder; reading a TOML config makes it absolute); `none` = no template: "
+        "the messages' contents joined with newlines as plain text, after the special tokens the tokenizer adds "
+        "(BOS). See docs/chat_templates.md.",
+    )
+    chat_template_kwargs: dict[str, EnvArg] = Field(
+        {},
+        description="Keyword arguments passed to every chat template rendering (a TOML table), e.g. "
+        "`{enable_thinking = false}` for Qwen3.",
+    )
 
 
 class EnvConfig(_Section):
@@ -1819,7 +1832,18 @@ def load_config(path: str | Path | None, overrides: list[str] | dict[str, Any] |
         data = apply_overrides(data, _parsed(split) if isinstance(overrides, list) else overrides, written)
     config = build_config(data, written)
     config.env.plugin_paths = plugin_search_path(config.env.plugin_paths, None if path is None else Path(path))
+    config.model.chat_template = chat_template_path(config.model.chat_template, None if path is None else Path(path))
     return config
+
+
+def chat_template_path(written: str, config_path: Path | None) -> str:
+    """`model.chat_template` as every role reads it: a template file's path made absolute from the config file's
+    folder (as `plugin_search_path` resolves env.plugin_paths; no file: from the current directory); "" and "none"
+    as written."""
+    if written in ("", "none"):
+        return written
+    folder = Path(os.path.abspath(config_path)).parent if config_path is not None else Path.cwd()
+    return os.path.abspath(folder / Path(written).expanduser())
 
 
 def write_resolved(config: TandemConfig, run_dir: Path) -> Path:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from common.chat_format import TOKENIZER_OWN, ChatFormat
 from common.plugins import resolve_callable
 
 MetadataValue = str | int | float | bool
@@ -102,17 +103,15 @@ class HasMessages(Protocol):
     def messages(self) -> list[dict[str, str]]: ...
 
 
-def render_prompt(tokenizer: Any, record: HasMessages) -> list[int]:
-    """The prompt token ids the generator samples from: `record.messages` through the tokenizer's chat
-    template with the assistant generation prompt appended (for SmolLM2: ChatML, ending `<|im_start|>assistant\\n`).
-    `record` is a PromptRecord or anything with the same `messages` (e.g. a lease's `PromptItem`).
+def render_prompt(tokenizer: Any, record: HasMessages, chat: ChatFormat = TOKENIZER_OWN) -> list[int]:
+    """The prompt token ids the generator samples from: `record.messages` through the chat template (`chat`,
+    model.chat_template and its kwargs; default the tokenizer's own) with the assistant generation prompt appended
+    (for SmolLM2: ChatML, ending `<|im_start|>assistant\\n`). `record` is a PromptRecord or anything with the same
+    `messages` (e.g. a lease's `PromptItem`).
 
-    Raises ValueError when the tokenizer has no chat template.
+    Raises ValueError when there is no chat template (the tokenizer's own is asked for and it has none).
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"{type(tokenizer).__name__} has no chat template: cannot render chat prompts")
-    ids = tokenizer.apply_chat_template(record.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    return [int(i) for i in ids]
+    return chat.render_prompt(tokenizer, record.messages)
 
 
 # ------------------------------------------------------------------------------------- arithmetic

@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 
+from common.chat_format import chat_format, check_template_text
 from common.config import BUILT_IN_MODELS, TandemConfig
 from common.keys import SecurityError, check_keys
 from common.tasks import load_prompts
@@ -29,14 +30,14 @@ EMBEDDED = " or ".join(BUILT_IN_MEANING[name] for name in BUILT_IN_MODELS)
 
 # role -> the checks it needs; `run` starts every role on this machine
 NEEDS = {
-    "run": ("prompts", "model", "reward_model", "keys"),
+    "run": ("prompts", "model", "chat_template", "reward_model", "keys"),
     "buffer": ("prompts", "keys"),
-    "generator": ("model", "reward_model", "keys"),
+    "generator": ("model", "chat_template", "reward_model", "keys"),
     "learner": ("model", "keys"),
-    "sft": ("model", "stage_data"),
-    "rm": ("model", "stage_data"),
-    "dpo": ("model", "stage_data", "reference"),
-    "reward": ("reward_model", "keys"),
+    "sft": ("model", "chat_template", "stage_data"),
+    "rm": ("model", "chat_template", "stage_data"),
+    "dpo": ("model", "chat_template", "stage_data", "reference"),
+    "reward": ("reward_model", "chat_template", "keys"),
 }
 # role -> (the client roles it connects as, whether it serves): which key files it loads (common.keys.check_keys).
 # A learner serves the weights on rank 0 only, so its server key is checked when that socket opens.
@@ -95,6 +96,18 @@ def _model_problem(config: TandemConfig, role: str) -> str | None:
         f"model.path: no such model directory '{config.model.path}' on this machine{_relative_hint(path)}: name a "
         f"local Hugging Face model directory, or use {EMBEDDED}"
     )
+
+
+def _chat_template_problem(config: TandemConfig, role: str) -> str | None:
+    """model.chat_template: a template file that is missing, unreadable, or fails to render a probe chat (jinja2
+    alone: no tokenizer is loaded here; the role checks again with its tokenizer at start)."""
+    if config.run.simulate:  # SIMULATION renders no chat
+        return None
+    try:
+        chat = chat_format(config.model)
+    except ValueError as error:
+        return str(error)
+    return check_template_text(chat)
 
 
 def _reward_model_problem(config: TandemConfig, role: str) -> str | None:
@@ -168,6 +181,7 @@ CHECKS = {
     "prompts": _prompts_problem,
     "model": _model_problem,
     "reward_model": _reward_model_problem,
+    "chat_template": _chat_template_problem,
     "keys": _keys_problem,
     "stage_data": _stage_data_problem,
     "reference": _reference_problem,

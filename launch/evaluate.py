@@ -294,10 +294,16 @@ def _add_rm_scores(plan: EvalPlan, scored: dict[str, dict[str, list[list[ScoredC
     """`rm_score` of every completion of every model, by `plan.reward_model` (loaded once; the prompt and each
     completion as one chat, scored by the model's single logit, unnormalized), in place."""
     from actors.reward_model import RewardModelScorer
+    from common.chat_format import chat_format
 
     reward = plan.config.reward
     scorer = RewardModelScorer(
-        plan.reward_model, reward.dtype, reward.batch_size, plan.config.model.max_model_len, normalize=False
+        plan.reward_model,
+        reward.dtype,
+        reward.batch_size,
+        plan.config.model.max_model_len,
+        normalize=False,
+        chat=chat_format(plan.config.model),
     )
     for by_set in scored.values():
         for s in plan.sets:

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from common.chat_format import TOKENIZER_OWN, ChatFormat
 from common.chat_tokens import appended_text, encode_text, render_text, reply_ids
 from common.config import RmConfig, SftConfig
 from common.padding import pad_right
@@ -96,8 +97,11 @@ def _reply_mask(tokenizer: Any, reply: list[int]) -> list[bool]:
     return [i < cut for i in range(len(reply))]
 
 
-def tokenize_chat(tokenizer: Any, messages: list[dict], max_len: int) -> ChatExample:
-    """The chat as tokens with the loss on the assistant's tokens only (see ChatExample).
+def tokenize_chat(
+    tokenizer: Any, messages: list[dict], max_len: int, chat_format: ChatFormat = TOKENIZER_OWN
+) -> ChatExample:
+    """The chat as tokens with the loss on the assistant's tokens only (see ChatExample), rendered by
+    `chat_format` (model.chat_template and its kwargs; default the tokenizer's own template).
 
     For each assistant turn i the template renders messages[:i] with the generation prompt and messages[:i + 1]
     without; the text between the two is the turn (content, end of turn, separator), the text before the prompt's
@@ -112,15 +116,15 @@ def tokenize_chat(tokenizer: Any, messages: list[dict], max_len: int) -> ChatExa
         raise ValueError("the chat has no assistant turn: nothing to train on")
     if turns[0] == 0:
         raise ValueError("the chat starts with an assistant turn: it needs a prompt (a user message) before it")
-    ids = render_prompt(tokenizer, PromptRecord(0, chat[: turns[0]]))
+    ids = render_prompt(tokenizer, PromptRecord(0, chat[: turns[0]]), chat_format)
     first_reply, mask = len(ids), [False] * len(ids)
-    rendered = render_text(tokenizer, chat[: turns[0]], generation_prompt=True)
+    rendered = render_text(tokenizer, chat[: turns[0]], generation_prompt=True, chat=chat_format)
     for turn in turns:
         if turn != turns[0]:
-            prompt = render_text(tokenizer, chat[:turn], generation_prompt=True)
+            prompt = render_text(tokenizer, chat[:turn], generation_prompt=True, chat=chat_format)
             between = encode_text(tokenizer, appended_text(rendered, prompt, f"rendering messages up to {turn}"))
             ids, mask, rendered = ids + between, mask + [False] * len(between), prompt
-        replied = render_text(tokenizer, chat[: turn + 1], generation_prompt=False)
+        replied = render_text(tokenizer, chat[: turn + 1], generation_prompt=False, chat=chat_format)
         reply = encode_text(tokenizer, appended_text(rendered, replied, f"assistant message {turn}"))
         ids, mask, rendered = ids + reply, mask + _reply_mask(tokenizer, reply), replied
     truncated = len(ids) > max_len
@@ -134,16 +138,22 @@ def tokenize_chat(tokenizer: Any, messages: list[dict], max_len: int) -> ChatExa
 
 
 def tokenize_pair(
-    tokenizer: Any, prompt: list[dict], chosen: list[dict], rejected: list[dict], max_len: int
+    tokenizer: Any,
+    prompt: list[dict],
+    chosen: list[dict],
+    rejected: list[dict],
+    max_len: int,
+    chat: ChatFormat = TOKENIZER_OWN,
 ) -> PairExample:
-    """The pair as tokens (see PairExample): the prompt through `render_prompt`, each reply the text the template
+    """The pair as tokens (see PairExample), rendered by `chat` (model.chat_template and its kwargs; default the
+    tokenizer's own template): the prompt through `render_prompt`, each reply the text the template
     appends to it when the chat prompt + reply is rendered whole (no generation prompt), tokenized on its own, as
     the generator's samples follow the prompt's tokens. Each reply is cut from the right so that prompt + reply
     fits max_len (truncated=True). Raises ValueError for malformed messages, a reply that does not start with an
     assistant message, a template that does not render prefix-stably, or a prompt that leaves no room in max_len.
     """
     prompt = _checked_messages(prompt, "the prompt")
-    prompt_ids = render_prompt(tokenizer, PromptRecord(0, prompt))
+    prompt_ids = render_prompt(tokenizer, PromptRecord(0, prompt), chat)
     room = max_len - len(prompt_ids)
     if room < 1:
         raise ValueError(
@@ -151,7 +161,7 @@ def tokenize_pair(
             "max_len or shorten the prompt"
         )
     replies = [
-        reply_ids(tokenizer, prompt, _checked_reply(reply, f"the {name} reply"), f"the {name} reply")
+        reply_ids(tokenizer, prompt, _checked_reply(reply, f"the {name} reply"), f"the {name} reply", chat)
         for name, reply in (("chosen", chosen), ("rejected", rejected))
     ]
     truncated = any(len(reply) > room for reply in replies)

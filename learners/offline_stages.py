@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from common.chat_format import ChatFormat, chat_format
 from common.config import DpoConfig, RmConfig, SftConfig, TandemConfig
 from learners.logprobs import logprobs_from_logits
 from learners.losses import bradley_terry_loss, dpo_loss, sft_token_nll
@@ -53,6 +54,14 @@ from learners.offline_data import (
 
 Forward = Callable[..., Any]  # the DeepSpeed engine (train) or the module itself: model(input_ids=..., ...)
 STAGES = ("sft", "rm", "dpo")
+
+
+def stage_chat_format(config: TandemConfig, tokenizer: Any) -> ChatFormat:
+    """How the stage renders its rows (model.chat_template and its kwargs, common.chat_format), checked with its
+    tokenizer: ValueError, one line, for a missing template file or one that fails to render."""
+    chat = chat_format(config.model)
+    chat.check(tokenizer)
+    return chat
 
 
 def pad_token_id(tokenizer: Any) -> int:
@@ -132,6 +141,7 @@ class SftStage:
     ) -> None:
         self.cfg, self.device, self.seed = config.sft, device, config.run.seed
         self.pad_id = pad_token_id(tokenizer)
+        self.chat = stage_chat_format(config, tokenizer)
         self.model: nn.Module = load_policy(
             model_dir, dtype, config.learner.gradient_checkpointing, config.learner.attn_implementation
         )
@@ -150,7 +160,7 @@ class SftStage:
         return _split_file_rows(chat_rows(cfg.source, cfg), cfg, eval_rows)
 
     def tokenize(self, tokenizer: Any, row: list[dict], max_len: int) -> ChatExample:
-        return tokenize_chat(tokenizer, row, max_len)
+        return tokenize_chat(tokenizer, row, max_len, self.chat)
 
     def loss_units(self, examples: Sequence[ChatExample]) -> int:
         """Assistant tokens that a position predicts (every one but a row's first token)."""
@@ -175,6 +185,7 @@ class _PairStage:
     name = ""
     cfg: RmConfig
     seed: int
+    chat: ChatFormat
 
     def rows(self) -> tuple[list[PreferenceRow], list[PreferenceRow]]:
         cfg = self.cfg
@@ -190,7 +201,7 @@ class _PairStage:
         return _split_file_rows(preference_rows(cfg.source, cfg), cfg, eval_rows)
 
     def tokenize(self, tokenizer: Any, row: PreferenceRow, max_len: int) -> PairExample:
-        return tokenize_pair(tokenizer, row.prompt, row.chosen, row.rejected, max_len)
+        return tokenize_pair(tokenizer, row.prompt, row.chosen, row.rejected, max_len, self.chat)
 
     def loss_units(self, examples: Sequence[PairExample]) -> int:
         return len(examples)
@@ -213,6 +224,7 @@ class RewardStage(_PairStage):
 
         self.cfg, self.device, self.seed = config.rm, device, config.run.seed
         self.pad_id = pad_token_id(tokenizer)
+        self.chat = stage_chat_format(config, tokenizer)
         model = AutoModelForSequenceClassification.from_pretrained(
             str(model_dir),
             num_labels=1,
@@ -261,6 +273,7 @@ class DpoStage(_PairStage):
         self.cfg: DpoConfig = config.dpo
         self.device, self.seed = device, config.run.seed
         self.pad_id = pad_token_id(tokenizer)
+        self.chat = stage_chat_format(config, tokenizer)
         self.model: nn.Module = load_policy(
             model_dir, dtype, config.learner.gradient_checkpointing, config.learner.attn_implementation
         )
