@@ -399,6 +399,41 @@ class ModelConfig(_Section):
     )
 
 
+# A reward function: a built-in short name ("math") or `module.path:function`.
+_REWARD_FN_SPEC = r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$"
+
+
+def _check_prompt_template(value: str | None) -> str | None:
+    if value and "{prompt}" not in value:
+        raise ValueError("must contain {prompt} (where the row's prompt goes), or be empty for none")
+    return value
+
+
+class PromptSourceConfig(_Section):
+    """One dataset of `env.sources`, mixed with the others by weight (common/prompt_sources.py, docs/datasets.md).
+    A key left out takes the `[env]` value."""
+
+    source: str = Field(..., description="Dataset path (.jsonl, .parquet, or a `datasets` folder).", min_length=1)
+    weight: float = Field(1.0, description="Share of the mix: weight / sum of the weights (exact per epoch).", gt=0)
+    name: str = Field(
+        "",
+        description="The data_source of rows that have none (default: the file's stem); reward routing keys on it.",
+    )
+    prompt_key: str | None = Field(None, description="This source's env.prompt_key.", min_length=1)
+    label_key: str | None = Field(None, description="This source's env.label_key.", min_length=1)
+    prompt_template: Annotated[str | None, AfterValidator(_check_prompt_template)] = Field(
+        None, description='This source\'s env.prompt_template ("" = none).'
+    )
+    system_prompt: str | None = Field(None, description='This source\'s env.system_prompt ("" = none).')
+    reward_fn: str = Field(
+        "",
+        description="Reward function of this source's rows (a built-in name or `module:function`); empty = "
+        "env.reward_fns by data_source, else env.reward_fn. Rows must carry no other data_source than `name`.",
+        pattern=r"^$|" + _REWARD_FN_SPEC[1:],
+    )
+    reward_fn_args: dict[str, EnvArg] = Field({}, description="Keyword arguments bound to this source's reward_fn.")
+
+
 class EnvConfig(_Section):
     """The task: where prompts come from and how completions are scored."""
 
@@ -406,6 +441,40 @@ class EnvConfig(_Section):
         "arithmetic", description="`arithmetic`: the embedded procedurally generated task; `file`: `source`."
     )
     source: str = Field("", description="Dataset path for kind=file (.jsonl, .parquet, or a `datasets` folder).")
+    sources: list[PromptSourceConfig] = Field(
+        [],
+        description="kind=file: several datasets mixed by weight (`[[env.sources]]` tables; docs/datasets.md): each "
+        "epoch holds every source at least once, each exactly at its weight's share, the smaller ones cycled. "
+        "Instead of env.source, not with it.",
+    )
+    prompt_key: str = Field(
+        "prompt",
+        description="kind=file: the column of the prompt, a string or a chat (a dotted path reaches a nested key: "
+        "`extra_info.question`); OpenRLHF's --input_key.",
+        min_length=1,
+    )
+    messages_key: str = Field("messages", description="kind=file: the column of a chat, when prompt_key has none.")
+    label_key: str = Field(
+        "answer",
+        description="kind=file: the column whose value becomes metadata['answer'], what the built-in rewards read "
+        "(dotted: `reward_model.ground_truth`); OpenRLHF's --label_key. A veRL row's reward_model.ground_truth is "
+        "used when this names nothing.",
+        min_length=1,
+    )
+    prompt_template: Annotated[str, AfterValidator(_check_prompt_template)] = Field(
+        "",
+        description="kind=file: the last user message becomes this text with `{prompt}` replaced by it (other "
+        "braces are kept as written), e.g. `'{prompt} Put your final answer within \\boxed{}.'` (a TOML literal "
+        "string: no escapes); empty = as is.",
+    )
+    system_prompt: str = Field(
+        "", description="kind=file: a system message put first, unless the chat has one; empty = none."
+    )
+    reward_fns: dict[str, Annotated[str, Field(pattern=_REWARD_FN_SPEC)]] = Field(
+        {},
+        description='Reward function by the row\'s data_source (`{"openai/gsm8k" = "math"}`); a data_source not '
+        "named here (nor by a source's reward_fn) is scored by env.reward_fn (common/reward_routing.py).",
+    )
     num_prompts: int = Field(
         1024, description="Prompts generated for kind=arithmetic.", ge=1, le=MAX_ARITHMETIC_PROMPTS
     )
@@ -523,13 +592,49 @@ class EnvConfig(_Section):
     )
 
     @model_validator(mode="after")
+    def _sources_mixed(self) -> EnvConfig:
+        """env.sources: instead of env.source, with kind = file; one reward function per data_source."""
+        if not self.sources:
+            return self
+        if self.source:
+            raise ValueError("sources: set, and env.source too: keep one (a single file is env.source alone)")
+        if self.kind != "file":
+            raise ValueError(f"sources: datasets are read with kind = 'file', not {self.kind!r}")
+        routes: dict[str, tuple[str, dict[str, Any]]] = {}
+        for i, spec in enumerate(self.sources):
+            name = spec.name or Path(spec.source.rstrip("/")).stem
+            if not spec.reward_fn:
+                if spec.reward_fn_args:
+                    raise ValueError(f"sources[{i}].reward_fn_args: set, but its reward_fn is empty")
+                continue
+            route = (spec.reward_fn, dict(spec.reward_fn_args))
+            if routes.get(name, route) != route or self.reward_fns.get(name, spec.reward_fn) != spec.reward_fn:
+                raise ValueError(
+                    f"sources[{i}].reward_fn: another reward function is already given for data_source {name!r} "
+                    "(by an earlier source of that name or by env.reward_fns): give the sources distinct names"
+                )
+            routes[name] = route
+        from common.prompt_sources import MAX_WEIGHT_PERIOD, integer_weights  # numpy, no torch
+
+        ratio = integer_weights([spec.weight for spec in self.sources])
+        if sum(ratio) > MAX_WEIGHT_PERIOD:
+            raise ValueError(
+                f"sources: the weights reduce to the integer ratio {ratio}, whose sum {sum(ratio)} (each epoch a "
+                f"multiple of it) is over {MAX_WEIGHT_PERIOD}: write them as small integers or short decimals"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _file_needs_source(self) -> EnvConfig:
-        if self.kind == "file" and not self.source:
-            raise ValueError("source: required when kind = 'file' (a .jsonl, .parquet or datasets folder)")
-        if not (self.reward_fn or self.reward_url or self.reward_model or self.environment):
+        if self.kind == "file" and not (self.source or self.sources):
+            raise ValueError(
+                "source: required when kind = 'file' (a .jsonl, .parquet or datasets folder), or env.sources"
+            )
+        routed = bool(self.reward_fns or any(spec.reward_fn for spec in self.sources))
+        if not (self.reward_fn or self.reward_url or self.reward_model or self.environment or routed):
             raise ValueError(
                 "reward_fn: empty, and nothing else gives a reward: set env.reward_fn, env.reward_model, "
-                "env.reward_url or env.environment"
+                "env.reward_url, env.environment or env.reward_fns"
             )
         if self.reward_fn_args and not self.reward_fn:
             raise ValueError("reward_fn_args: set, but env.reward_fn is empty: they are its arguments")
