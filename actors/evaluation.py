@@ -130,12 +130,11 @@ class Evaluator:
         the config refuses eval sets with env.environment). A misnamed reward function raises now."""
         if not config.eval.enabled or config.env.environment:
             return None
-        from common.tasks import resolve_reward_fn
+        from common.reward_routing import reward_fn_for
 
-        if config.eval.reward_fn:  # another function: its own defaults, env.reward_fn_args are env.reward_fn's
-            reward_fn = resolve_reward_fn(config.eval.reward_fn, config.env.plugin_paths)
-        else:
-            reward_fn = resolve_reward_fn(config.env.reward_fn, config.env.plugin_paths, config.env.reward_fn_args)
+        # eval.reward_fn: another function for every row, with its own defaults (env.reward_fn_args are
+        # env.reward_fn's); else the run's, routed by data_source as in training
+        reward_fn = reward_fn_for(config.env, override=config.eval.reward_fn)
         # on a worker thread within env.reward_timeout_s: one that blocks is scored 0, never holds the generator
         timed = TimedFunction(reward_fn, config.env.reward_timeout_s, "env.reward_timeout_s")
         return cls(engine, timed, config.generator.index, config.model.max_model_len)

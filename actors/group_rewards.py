@@ -28,6 +28,7 @@ from typing import Any
 from actors.reward_client import RewardClient
 from actors.rewards import RewardScorer, Score
 from common.config import TandemConfig
+from common.reward_routing import has_reward_fn
 from common.sockets import SocketSecurity
 
 log = logging.getLogger("tandem.actors.group_rewards")
@@ -86,7 +87,7 @@ class GroupRewards:
     def from_config(cls, config: TandemConfig, name: str) -> GroupRewards:
         """The sources the config names; a misnamed reward function or an RM that cannot load raises now."""
         env = config.env
-        function = RewardScorer(env) if (env.reward_fn or env.reward_url) else None
+        function = RewardScorer(env) if has_reward_fn(env) else None
         model = client = None
         if env.reward_model and config.reward.in_process:
             from pathlib import Path

@@ -101,14 +101,15 @@ class RewardScorer:
     """Scores one completion at a time with the configured function or endpoint (see the module docstring)."""
 
     def __init__(self, env: EnvConfig) -> None:
-        from common.tasks import resolve_reward_fn, total_reward
+        from common.reward_routing import reward_fn_for
+        from common.tasks import total_reward
 
         self.env = env
         self.errors = 0
         self._total_reward = total_reward
         self._function: TimedFunction | None = None
         if not env.reward_url:
-            function = resolve_reward_fn(env.reward_fn, env.plugin_paths, env.reward_fn_args)
+            function = reward_fn_for(env)  # env.reward_fn, or by the row's data_source (common/reward_routing.py)
             self._function = TimedFunction(function, env.reward_timeout_s, "env.reward_timeout_s")
 
     def score(self, completion: str, metadata: dict[str, Any]) -> Score:

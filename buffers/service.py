@@ -53,7 +53,9 @@ def load_prompt_records(env: EnvConfig, seed: int) -> list[Any]:
         return tasks.arithmetic_prompts(
             env.num_prompts, seed=seed, difficulty=env.difficulty, split=env.split, shots=env.shots
         )
-    return tasks.load_prompts(env.source)
+    from common.prompt_sources import load_env_prompts
+
+    return load_env_prompts(env, seed)  # env.source, or env.sources mixed by weight (docs/datasets.md)
 
 
 def journal_path(run_dir: Path) -> Path:

@@ -209,9 +209,9 @@ def environment_factory(env: EnvConfig) -> EnvironmentFactory:
     not at the first episode. `"verifiers:<id>"` loads a verifiers environment (actors.verifiers_env, resolved at
     run time by name: common/ imports no actors/ module)."""
     if not env.environment:
-        from common.tasks import resolve_reward_fn
+        from common.reward_routing import reward_fn_for
 
-        reward_fn = resolve_reward_fn(env.reward_fn, env.plugin_paths, env.reward_fn_args)
+        reward_fn = reward_fn_for(env)
         return lambda: RewardFnEnvironment(reward_fn)
     if env.environment.startswith(VERIFIERS_PREFIX):  # a verifiers env: its loader lives with the actors
         load = resolve_callable(VERIFIERS_LOADER, "env.environment", "module:function", "a factory", env.plugin_paths)

@@ -17,7 +17,7 @@ from pathlib import Path
 from common.chat_format import chat_format, check_template_text
 from common.config import BUILT_IN_MODELS, TandemConfig
 from common.keys import SecurityError, check_keys
-from common.tasks import load_prompts
+from common.prompt_sources import check_routes, load_source, source_mappings
 
 FIRST_ROWS = 100  # rows of a prompt file read before the run: a bad row among them is one line, not a traceback
 # The model.path names Tandem builds itself (common.model_prep), as a user needs them explained.
@@ -55,23 +55,33 @@ def _relative_hint(path: Path) -> str:
 
 
 def _prompts_problem(config: TandemConfig, role: str) -> str | None:
-    """A missing source, or the first bad row among its first FIRST_ROWS (a .jsonl or .parquet file: reading them
-    costs milliseconds; a `datasets` folder is only checked to exist, as reading it imports `datasets`)."""
+    """A missing source, or the first bad row among the first FIRST_ROWS of each source (env.source, or every one
+    of env.sources; a .jsonl or .parquet file: reading them costs milliseconds; a `datasets` folder is only checked
+    to exist, as reading it imports `datasets`), or rows there that no reward function would score."""
     if config.env.kind != "file":
         return None
-    source = Path(config.env.source).expanduser()
-    if not source.exists():
-        return (
-            f"env.source: '{config.env.source}' does not exist on this machine{_relative_hint(source)}: name a "
-            ".jsonl or .parquet file, or a `datasets` folder"
-        )
-    if source.is_file() and source.suffix not in (".jsonl", ".parquet"):
-        return f"env.source: '{config.env.source}' must be a .jsonl or .parquet file, or a `datasets` folder"
-    if source.is_file():
+    sources = source_mappings(config.env)
+    keys = [f"env.sources[{i}].source" for i in range(len(sources))] if config.env.sources else ["env.source"]
+    first_rows = []
+    for key, (written, _, mapping) in zip(keys, sources, strict=True):
+        source = Path(written).expanduser()
+        if not source.exists():
+            return (
+                f"{key}: '{written}' does not exist on this machine{_relative_hint(source)}: name a "
+                ".jsonl or .parquet file, or a `datasets` folder"
+            )
+        if source.is_file() and source.suffix not in (".jsonl", ".parquet"):
+            return f"{key}: '{written}' must be a .jsonl or .parquet file, or a `datasets` folder"
+        if source.is_file():
+            try:
+                first_rows.append(load_source(str(source), mapping, limit=FIRST_ROWS))
+            except (ValueError, ImportError, OSError) as error:  # the message names the file and the line or row
+                return f"{key}: {error}"
+    if len(first_rows) == len(sources):
         try:
-            load_prompts(str(source), limit=FIRST_ROWS)
-        except (ValueError, ImportError, OSError) as error:  # the message names the file and the line or row
-            return f"env.source: {error}"
+            check_routes(config.env, first_rows)
+        except ValueError as error:
+            return str(error)
     return None
 
 

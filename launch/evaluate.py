@@ -213,11 +213,9 @@ def plan(argv: list[str]) -> EvalPlan:
         )
     if args.reward_model is not None and _hf_config(args.reward_model) is None:
         raise EvalUsageError(f"--reward-model {args.reward_model}: not a Hugging Face model directory (no config.json)")
-    from common.tasks import resolve_reward_fn
-
     reward_fn_spec = config.env.reward_fn or DEFAULT_REWARD_FN
     try:
-        resolve_reward_fn(reward_fn_spec, config.env.plugin_paths)  # a misnamed function fails now
+        _reward_fn(config)  # a misnamed function fails now
     except (ValueError, ImportError, AttributeError, TypeError) as error:
         raise EvalUsageError(f"env.reward_fn: {error}") from None
     models = {spec: resolve_eval_model(spec) for spec in args.models}
@@ -276,11 +274,18 @@ def _generate(plan: EvalPlan, model_dir: Path) -> dict[str, list[list[Any]]]:
         engine.shutdown()
 
 
+def _reward_fn(config: TandemConfig) -> Any:
+    """The run's reward function as training scores (env.reward_fn with its args, routed by data_source:
+    common.reward_routing), or DEFAULT_REWARD_FN when the config names none."""
+    from common.reward_routing import reward_fn_for, reward_routes
+
+    routed = config.env.reward_fn or reward_routes(config.env)
+    return reward_fn_for(config.env, override="" if routed else DEFAULT_REWARD_FN)
+
+
 def _score(plan: EvalPlan, completions: dict[str, list[list[Any]]]) -> dict[str, list[list[ScoredCompletion]]]:
     """Each completion judged and scored by the reward function (see common.eval_metrics.score_completion)."""
-    from common.tasks import resolve_reward_fn
-
-    reward_fn = resolve_reward_fn(plan.reward_fn_spec, plan.config.env.plugin_paths)
+    reward_fn = _reward_fn(plan.config)
     scored = {}
     for s in plan.sets:
         scored[s.name] = [

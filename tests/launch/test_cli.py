@@ -108,7 +108,7 @@ def test_config_catches_a_missing_prompt_file_or_its_first_bad_row(
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "1 + 1?", "answer": 2}\n\n{"question": "2 + 2?"}\n')
     line = refused(capsys, "config", "demo", "--env.kind", "file", "--env.source", str(prompts))
-    assert f"{prompts}, line 3: a row needs exactly one of 'prompt' (a string) or 'messages'" in line, line
+    assert f"{prompts}, line 3: no prompt: the row has no 'prompt'" in line and "env.prompt_key" in line, line
     prompts.write_text('{"prompt": "1 + 1?", "answer": 2}\n{"prompt": "fine"}\n')
     from launch.cli import main
 
