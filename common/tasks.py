@@ -358,8 +358,8 @@ def resolve_reward_fn(spec: str, search_path: Sequence[str] = (), args: Mapping[
     components (see `total_reward`). Raises ValueError for a malformed spec or an unknown bare name (listing the
     built-ins), ImportError when the module cannot be imported (saying where it was searched) or a built-in's
     package is missing (saying what to pip install), AttributeError when it has no such attribute, TypeError when
-    the attribute is not callable, ValueError naming the arguments of `args` the function does not accept;
-    every message names the spec.
+    the attribute is not callable, ValueError naming the arguments of `args` the function does not accept (or
+    whose values its `check_args(args)` attribute refuses, when it has one); every message names the spec.
     """
     builtin = BUILTIN_REWARD_FNS.get(spec)
     if builtin is not None and builtin[1] and importlib.util.find_spec(builtin[1]) is None:
@@ -373,6 +373,12 @@ def resolve_reward_fn(spec: str, search_path: Sequence[str] = (), args: Mapping[
     if not args:
         return function
     _check_reward_args(function, spec, args)
+    check_values = getattr(function, "check_args", None)  # a function's own check of the values (math_reward's)
+    if callable(check_values):
+        try:
+            check_values(dict(args))
+        except ValueError as error:
+            raise ValueError(f"env.reward_fn_args: reward function {spec!r}: {error}") from None
     return functools.partial(function, **args)
 
 
