@@ -428,29 +428,6 @@ def total_reward(result: float | Mapping[str, float]) -> tuple[float, dict[str, 
 # ---------------------------------------------------------------------------------- user datasets
 
 
-def _record_from_row(
-    row: Mapping[str, Any], prompt_id: int, where: str, prompt_key: str, messages_key: str
-) -> PromptRecord:
-    has_prompt = row.get(prompt_key) is not None
-    has_messages = row.get(messages_key) is not None
-    if has_prompt == has_messages:
-        raise ValueError(
-            f"{where}: a row needs exactly one of {prompt_key!r} (a string) or {messages_key!r} (a chat), "
-            f"got keys {sorted(row)}"
-        )
-    if has_prompt:
-        if not isinstance(row[prompt_key], str):
-            raise ValueError(f"{where}: {prompt_key!r} must be a string, got {type(row[prompt_key]).__name__}")
-        messages = [{"role": "user", "content": row[prompt_key]}]
-    else:
-        messages = row[messages_key]
-    metadata = {k: v for k, v in row.items() if k not in (prompt_key, messages_key) and v is not None}
-    try:
-        return PromptRecord(prompt_id=prompt_id, messages=messages, metadata=metadata)
-    except ValueError as error:
-        raise ValueError(f"{where}: {error}") from None
-
-
 def _jsonl_rows(path: Path) -> Iterable[tuple[str, dict[str, Any]]]:
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
@@ -522,21 +499,14 @@ def load_prompts(
     source: str, *, prompt_key: str = "prompt", messages_key: str = "messages", limit: int | None = None
 ) -> list[PromptRecord]:
     """Prompt records from a user's dataset: a `.jsonl` file, a `.parquet` file (needs pyarrow), or a folder
-    written by `datasets.Dataset.save_to_disk` (needs datasets).
-
-    Each row has either a string under `prompt_key` (it becomes one user message) or a chat under
-    `messages_key` (a list of `{"role", "content"}`), not both. Every other field goes to metadata; a null
-    field is left out (it has no scalar value). prompt_id = row index (blank jsonl lines are not rows).
-    `limit` keeps the first rows only. Raises FileNotFoundError for a missing source, ImportError (saying what to
-    install) when an optional reader is missing, ValueError naming the file and line/row for a malformed row,
-    and ValueError for an unknown source kind or a dataset without rows.
+    written by `datasets.Dataset.save_to_disk` (needs datasets), read by `common.prompt_sources.load_source` with
+    these two keys and the other keys' defaults (the rules there: a string or a chat under `prompt_key`, else a chat
+    under `messages_key`; `answer` or veRL's ground truth as the label; other fields flattened into metadata, nulls
+    left out). prompt_id = row index (blank jsonl lines are not rows). `limit` keeps the first rows only. Raises
+    FileNotFoundError for a missing source, ImportError (saying what to install) when an optional reader is missing,
+    ValueError naming the file and line/row for a malformed row, and ValueError for an unknown source kind or a
+    dataset without rows.
     """
-    rows = read_rows(source, what="prompt source")
-    records: list[PromptRecord] = []
-    for where, row in rows:
-        if limit is not None and len(records) >= limit:
-            break
-        records.append(_record_from_row(row, len(records), where, prompt_key, messages_key))
-    if not records:
-        raise ValueError(f"prompt source {source!r} has no rows")
-    return records
+    from common.prompt_sources import RowMapping, load_source  # imports this module: not at the top
+
+    return load_source(source, RowMapping(prompt_key=prompt_key, messages_key=messages_key), limit=limit)

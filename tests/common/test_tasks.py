@@ -294,11 +294,11 @@ def test_load_prompts_custom_keys(tmp_path: Path) -> None:
     [
         ('{"prompt": "unterminated', "not valid JSON"),
         ("[1, 2]", "expected a JSON object"),
-        ({"answer": 1}, "exactly one of 'prompt'"),
-        ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "exactly one of 'prompt'"),
+        ({"answer": 1}, r"no prompt: the row has no 'prompt'.*keys are \['answer'\].*env.prompt_key"),
+        ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "both 'prompt' and 'messages'"),
         ({"prompt": 5}, "'prompt' must be a string"),
         ({"messages": [{"role": "user"}]}, r"messages\[0\]"),
-        ({"prompt": "a", "tests": [1, 2]}, r"metadata\['tests'\]"),
+        ({"prompt": [1, 2]}, "'prompt' must be a string or a list of"),  # a list field elsewhere is JSON metadata
     ],
 )
 def test_load_prompts_malformed_row_names_file_and_line(tmp_path: Path, bad_row: object, message: str) -> None:
