@@ -23,7 +23,7 @@ The three kinds of `model.chat_template`:
           the special tokens the tokenizer's `encode` adds (BOS, where it adds one). What OpenRLHF does with
           `--apply_chat_template` off, written as a template so that every stage (deltas included) treats it alike.
 `chat_template_kwargs` go to every `apply_chat_template` call (e.g. `{enable_thinking = false}` for Qwen3).
-Importing this module is cheap (no transformers; jinja2 only inside `check_template_text`).
+Importing this module is cheap (no transformers, no jinja2).
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ PLAIN_TEMPLATE = (
     "{{ message['content'] }}{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '\\n' }}{% endif %}"
 )
-# A chat that every template must render (check, check_template_text): a system prompt, a question, an answer.
+# A chat that every template must render (check, check_template_text): a question, an answer, a question. No
+# system message: some templates refuse one (Gemma's raises), and user/assistant alternate (Mistral's demand it).
 PROBE_CHAT: list[Message] = [
-    {"role": "system", "content": "You are helpful."},
     {"role": "user", "content": "What is 2 + 3?"},
     {"role": "assistant", "content": "5"},
     {"role": "user", "content": "And 2 + 4?"},
@@ -161,27 +161,18 @@ def read_template(path: Path) -> str:
 
 
 def check_template_text(chat: ChatFormat) -> str | None:
-    """Why `chat`'s template fails to render PROBE_CHAT without a tokenizer (jinja2 only, as transformers compiles
-    it: a sandbox, trim_blocks and lstrip_blocks, `raise_exception`, `tojson`; special tokens empty), else None.
-    For `tandem config`, which loads no tokenizer; a role checks again with its tokenizer (`ChatFormat.check`)."""
+    """Why `chat`'s template fails to render PROBE_CHAT without a tokenizer (transformers' own Jinja renderer, the
+    environment `apply_chat_template` uses, with empty special tokens), else None. For `tandem config`, which loads
+    no tokenizer; a role checks again with its tokenizer (`ChatFormat.check`). Imports transformers' template
+    module (not torch) only when there is a template file to check."""
     if chat.template is None:
         return None
-    import json
+    from transformers.utils.chat_template_utils import render_jinja_template
 
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise ValueError(message)
-
-    environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    environment.filters["tojson"] = lambda value, **kw: json.dumps(value, ensure_ascii=False, **kw)
-    environment.globals["raise_exception"] = raise_exception
     try:
-        compiled = environment.from_string(chat.template)
-        compiled.render(
-            messages=PROBE_CHAT,
+        render_jinja_template(
+            conversations=[PROBE_CHAT],
+            chat_template=chat.template,
             add_generation_prompt=True,
             bos_token="",
             eos_token="",

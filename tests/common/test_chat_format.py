@@ -133,3 +133,14 @@ def test_a_broken_template_is_one_line(smollm2_tokenizer, tmp_path: Path) -> Non
         raising.check(smollm2_tokenizer)
     assert "only user turns" in (check_template_text(raising) or "")
     assert check_template_text(ChatFormat(QWEN3.read_text(), {"enable_thinking": False})) is None
+
+
+def test_kwargs_come_from_a_toml_table_and_templates_check_as_transformers_renders(tmp_path: Path) -> None:
+    config_file = tmp_path / "run.toml"
+    config_file.write_text('[model]\nchat_template = "none"\nchat_template_kwargs = {enable_thinking = false}\n')
+    config = load_config(config_file)
+    assert config.model.chat_template == "none"  # not a path: left as written
+    assert chat_format(config.model).kwargs == {"enable_thinking": False}
+    # transformers' own extensions and globals: a training template's {% generation %} block, strftime_now
+    training = "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}"
+    assert check_template_text(ChatFormat(training + "{{ strftime_now('%Y') }}", {})) is None
