@@ -109,8 +109,8 @@ def _model_problem(config: TandemConfig, role: str) -> str | None:
 
 
 def _chat_template_problem(config: TandemConfig, role: str) -> str | None:
-    """model.chat_template: a template file that is missing, unreadable, or fails to render a probe chat (jinja2
-    alone: no tokenizer is loaded here; the role checks again with its tokenizer at start)."""
+    """model.chat_template: a template file that is missing, unreadable, or fails to render a probe chat
+    (transformers' Jinja renderer: no tokenizer is loaded here; the role checks again with its tokenizer at start)."""
     if config.run.simulate:  # SIMULATION renders no chat
         return None
     try:
