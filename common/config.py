@@ -38,6 +38,8 @@ from pydantic import (
     model_validator,
 )
 
+from common.tiny_models import TINY_MODELS
+
 # Estimators that normalise rewards within the group of one prompt: they need at least two samples a group.
 GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"})
 # Estimators with per-token rewards, the only ones that can take the KL into the reward (`algo.kl_in_reward`).
@@ -59,8 +61,8 @@ MAX_MESSAGE_MB = 1 << 20
 # is ~730 MB and under a minute. More prompts than that: env.epochs, or a dataset file (env.kind = "file").
 MAX_ARITHMETIC_PROMPTS = 1_000_000
 # `model.path` values that name a model Tandem builds itself (common.model_prep.resolve_model_path); any other value
-# is a local Hugging Face directory.
-BUILT_IN_MODELS = ("smollm2", "tiny")
+# is a local Hugging Face directory. "tiny:<family>": a tiny random model of that architecture (common.tiny_models).
+BUILT_IN_MODELS = ("smollm2", "tiny", *TINY_MODELS)
 # A config is a few KiB; a file this large is not one (and would be read whole into memory).
 MAX_CONFIG_BYTES = 16 << 20
 

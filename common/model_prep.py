@@ -342,26 +342,36 @@ def make_tiny_model(
 
 def resolve_model_path(spec: str) -> Path:
     """The local Hugging Face directory that `model.path` names: "smollm2" -> the prepared SmolLM2-135M-Instruct
-    (built on first use), "tiny" -> the tiny random model (seed 0) in the cache, anything else -> that directory,
+    (built on first use), "tiny" -> the tiny random model (seed 0) in the cache, "tiny:<family>" -> the tiny model
+    of that architecture family (`common.tiny_models`; "tiny:llama" is "tiny"), anything else -> that directory,
     which must exist and hold a config.json (else FileNotFoundError saying what to pass)."""
     if spec == "smollm2":
         return prepare_smollm2()
-    if spec == "tiny":
+    if spec in ("tiny", "tiny:llama"):
         return make_tiny_model(default_cache_dir() / "tiny-llama", seed=0)
+    if spec.startswith("tiny:"):
+        from common.tiny_models import family_of, make_tiny_family
+
+        family = family_of(spec)
+        return make_tiny_family(default_cache_dir() / f"tiny-{family}", family, seed=0)
     path = Path(spec).expanduser()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"model.path: '{spec}' is not a Hugging Face model directory (no config.json); "
-            "use 'smollm2', 'tiny' or a local model directory"
+            "use 'smollm2', 'tiny', 'tiny:<family>' or a local model directory"
         )
     return path
 
 
 def model_vocab_size(spec: str) -> int:
     """Rows of the embedding of the model `model.path` names (token ids are [0, this)), read without building
-    or loading it (no torch): SMOLLM2_VOCAB_SIZE for "smollm2" and "tiny", else `vocab_size` of the directory's
-    config.json (or of its `text_config`). Raises FileNotFoundError or ValueError saying what to set."""
-    if spec in ("smollm2", "tiny"):
+    or loading it (no torch): SMOLLM2_VOCAB_SIZE for "smollm2", "tiny" and "tiny:<family>", else `vocab_size` of
+    the directory's config.json (or of its `text_config`). Raises FileNotFoundError or ValueError saying what to set."""
+    if spec in ("smollm2", "tiny") or spec.startswith("tiny:"):
+        if spec.startswith("tiny:"):
+            from common.tiny_models import family_of
+
+            family_of(spec)  # an unknown family: ValueError listing them
         return SMOLLM2_VOCAB_SIZE
     config_file = Path(spec).expanduser() / "config.json"
     if not config_file.is_file():

@@ -24,9 +24,10 @@ FIRST_ROWS = 100  # rows of a prompt file read before the run: a bad row among t
 BUILT_IN_MEANING = {
     "smollm2": "'smollm2' (the embedded SmolLM2-135M-Instruct: built into the cache on first use, or ahead by "
     "`tandem prepare-model`)",
-    "tiny": "'tiny' (a tiny random model with SmolLM2's tokenizer, for tests)",
+    "tiny": "'tiny' (a tiny random model with SmolLM2's tokenizer, for tests; 'tiny:qwen3' and the like: another "
+    "architecture, common.tiny_models)",
 }
-EMBEDDED = " or ".join(BUILT_IN_MEANING[name] for name in BUILT_IN_MODELS)
+EMBEDDED = " or ".join(BUILT_IN_MEANING.values())
 
 # role -> the checks it needs; `run` starts every role on this machine
 NEEDS = {
@@ -100,7 +101,7 @@ def _model_problem(config: TandemConfig, role: str) -> str | None:
     if close:
         return (
             f"model.path: no such model directory '{config.model.path}' on this machine; did you mean "
-            f"{BUILT_IN_MEANING[close[0]]}?"
+            f"{BUILT_IN_MEANING.get(close[0], repr(close[0]))}?"
         )
     return (
         f"model.path: no such model directory '{config.model.path}' on this machine{_relative_hint(path)}: name a "
