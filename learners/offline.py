@@ -233,9 +233,10 @@ class OfflineTrainer:
     def export(self, directory: Path) -> None:
         """A Hugging Face directory of the current weights (rank 0 writes; the gather is collective)."""
         from learners.checkpoint import export_hf_model
+        from learners.checkpoint_names import checkpoint_weights
 
         config = self.stage.model.config
-        weights = self.engine.full_weights()
+        weights = checkpoint_weights(self.stage.model, self.engine.full_weights())
         export_hf_model(directory, config, self.model_dir, weights, write=self.dist.rank == 0)
 
     def export_final(self, target: Path) -> None:

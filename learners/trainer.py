@@ -93,6 +93,7 @@ from learners.batching import (
     token_budget_micro_batches,
 )
 from learners.checkpoint import check_resume_dtype, export_adapter, export_hf_model
+from learners.checkpoint_names import checkpoint_layout, checkpoint_weights
 from learners.completion_logprobs import completion_logprobs, fused_head
 from learners.models import (
     ADAPTER,
@@ -421,11 +422,13 @@ class Trainer:
             layout = adapter_layout(module)
         else:
             layout = merged_layout(module)
+        if self.lora is None or self.lora.sync != "adapter":  # checkpoint names: fused MoE experts split per expert
+            layout = checkpoint_layout(module, layout)
         return [(name, str(dtype).removeprefix("torch."), shape) for name, dtype, shape in layout]
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The tensors a weight update publishes (collective under ZeRO-3; each valid until the next is asked for):
-        the policy's full weights by HF name (`TrainEngine.full_weights`); with LoRA and learner.lora.sync =
+        the policy's full weights by checkpoint name (`TrainEngine.full_weights`); with LoRA and learner.lora.sync =
         "merged" the same names and shapes with every adapted weight merged (`models.merged_weights`); with
         sync = "adapter" only the adapters' A and B matrices (`models.adapter_weights`, the header carries the
         adapter's settings: `learners.publisher`)."""
@@ -434,10 +437,12 @@ class Trainer:
         return self._merged_weights()
 
     def _merged_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The full weights by HF name, adapters merged (what the HF export writes)."""
+        """The full weights by checkpoint name (`learners.checkpoint_names`), adapters merged (what the HF export
+        writes)."""
+        module = self.policy.module
         if self.lora is None:
-            return self.policy.full_weights()
-        return merged_weights(self.policy.module, self.policy.zero3)
+            return checkpoint_weights(module, self.policy.full_weights())
+        return checkpoint_weights(module, merged_weights(module, self.policy.zero3))
 
     # ------------------------------------------------------------------------------------------------ state
     def save_state(self, directory: Path) -> None:
