@@ -45,12 +45,19 @@ METRICS_EVERY_S = 2.0
 
 
 def load_prompt_records(env: EnvConfig, seed: int) -> list[Any]:
-    """The dataset as PromptRecords (prompt_id, messages, metadata), from `env.kind`. Arithmetic prompts come from
-    `env.split` (by default `train`: no expression of the held-out split that evaluation measures is trained on)."""
+    """The dataset as PromptRecords (prompt_id, messages, metadata), from `env.kind`. Arithmetic prompts and word
+    problems come from `env.split` (by default `train`: no expression or question of the held-out split that
+    evaluation measures is trained on)."""
     from common import tasks
 
     if env.kind == "arithmetic":
         return tasks.arithmetic_prompts(
+            env.num_prompts, seed=seed, difficulty=env.difficulty, split=env.split, shots=env.shots
+        )
+    if env.kind == "word_problems":
+        from common.word_problems import word_problem_prompts
+
+        return word_problem_prompts(
             env.num_prompts, seed=seed, difficulty=env.difficulty, split=env.split, shots=env.shots
         )
     from common.prompt_sources import load_env_prompts

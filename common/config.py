@@ -439,8 +439,11 @@ class PromptSourceConfig(_Section):
 class EnvConfig(_Section):
     """The task: where prompts come from and how completions are scored."""
 
-    kind: Literal["arithmetic", "file"] = Field(
-        "arithmetic", description="`arithmetic`: the embedded procedurally generated task; `file`: `source`."
+    kind: Literal["arithmetic", "word_problems", "file"] = Field(
+        "arithmetic",
+        description="`arithmetic`: the embedded procedurally generated task; `word_problems`: the embedded "
+        "GSM8K-shaped task (common.word_problems: the answer a worked solution ending in `#### n`; score it with a "
+        "reward that reads it, e.g. env.reward_fn = `math`); `file`: `source`.",
     )
     source: str = Field("", description="Dataset path for kind=file (.jsonl, .parquet, or a `datasets` folder).")
     sources: list[PromptSourceConfig] = Field(
@@ -478,20 +481,24 @@ class EnvConfig(_Section):
         "named here (nor by a source's reward_fn) is scored by env.reward_fn (common/reward_routing.py).",
     )
     num_prompts: int = Field(
-        1024, description="Prompts generated for kind=arithmetic.", ge=1, le=MAX_ARITHMETIC_PROMPTS
+        1024, description="Prompts generated for kind=arithmetic or word_problems.", ge=1, le=MAX_ARITHMETIC_PROMPTS
     )
-    difficulty: int = Field(1, description="Arithmetic difficulty level (see common.tasks).", ge=1, le=5)
+    difficulty: int = Field(
+        1, description="Difficulty level of the embedded task (common.tasks, common.word_problems).", ge=1, le=5
+    )
     split: Literal["train", "held_out", "all"] = Field(
         "train",
-        description="kind=arithmetic: which expressions prompts are drawn from. `train` leaves out the held-out "
-        "split (common.tasks.is_held_out: a fixed ~20% of the expressions of each level; level 1: 19 of its 100), "
+        description="kind=arithmetic / word_problems: which expressions (questions) prompts are drawn from. `train` "
+        "leaves out the held-out split (common.tasks.is_held_out: a fixed ~20% of the expressions of each level; "
+        "level 1: 19 of its 100; common.word_problems.is_held_out: ~20% of the question texts), "
         "which evaluation and `tandem eval` use, so that they measure prompts the model never trained on; `all` "
         "draws from every one.",
     )
     shots: int = Field(
         0,
-        description="kind=arithmetic: worked examples before each question, as earlier turns of the chat (`2 + 3 = 5` "
-        "then `#### 5`, common.tasks.WORKED_EXAMPLES): they show the model the answer format the instruction asks "
+        description="kind=arithmetic / word_problems: worked examples before each question, as earlier turns of the "
+        "chat (`2 + 3 = 5` then `#### 5`, common.tasks.WORKED_EXAMPLES; a train-split problem and its worked "
+        "solution for word_problems): they show the model the answer format the instruction asks "
         "for. The eval sets ask with the same number (so evaluation asks as training asked).",
         ge=0,
         le=3,
@@ -1313,7 +1320,8 @@ class EvalConfig(_Section):
     sets: list[Annotated[str, AfterValidator(_check_eval_set)]] = Field(
         [],
         description="Eval sets (common.eval_sets): `arithmetic` (held-out level 1), `arithmetic-d2` (held-out level "
-        "2), `arithmetic-reworded` (level 1, another instruction) or `file:PATH` (a .jsonl/.parquet/datasets folder "
+        "2), `arithmetic-reworded` (level 1, another instruction), `word_problems` (held-out GSM8K-shaped word "
+        "problems, common.word_problems) or `file:PATH` (a .jsonl/.parquet/datasets folder "
         "of prompts, scored by eval.reward_fn). Empty = no evaluation.",
     )
     every: int = Field(

@@ -1,4 +1,4 @@
-"""Named evaluation sets: held-out arithmetic, transfer sets, and any prompt file.
+"""Named evaluation sets: held-out arithmetic, transfer sets, held-out word problems, and any prompt file.
 
     from common.eval_sets import eval_set, parse_set_names
     for name in parse_set_names("arithmetic,arithmetic-d2,file:data/test.jsonl"):
@@ -10,6 +10,9 @@ The sets (`SETS`; `tandem eval --sets`, and the names an `[eval]` config section
   arithmetic-d2        level-2 arithmetic (two-digit + and -), held out: transfer to harder questions
   arithmetic-reworded  the `arithmetic` questions with the instruction reworded (it still asks for the `####`
                        marker): transfer to a prompt the model was not trained on
+  word_problems        level-WORD_PROBLEMS_LEVEL word problems (common.word_problems) from its held-out split: the
+                       GSM8K-shaped task on unseen questions; metadata `answer` is a worked solution ending in
+                       `#### n`, and strict/lenient accuracy compare with that n (common.eval_metrics)
   file:PATH            the prompts of a .jsonl / .parquet / `datasets` folder (`common.tasks.load_prompts`), scored
                        by the config's env.reward_fn; rows with an `answer` field get strict/lenient accuracy too
 An arithmetic set holds each expression once, in the order the held-out stream first draws it: level 1 has only 19
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.tasks import ANSWER_MARKER, PromptRecord, arithmetic_messages, arithmetic_prompts, load_prompts
+from common.word_problems import word_problem_prompts
 
 EVAL_SEED = 0
 MAX_SET_PROMPTS = 200  # the default cap on prompts per set
@@ -33,6 +37,7 @@ FILE_PREFIX = "file:"
 REWORDED_INSTRUCTION = f"End your reply with '{ANSWER_MARKER}' followed by the final answer."
 _DRAWN_PER_PROMPT = 10  # held-out prompts drawn per distinct one wanted (repeats are dropped)
 _MIN_DRAWN = 2000  # level 1: 19 distinct held-out expressions, each ~1/19 of the draws; 2000 draws find them all
+WORD_PROBLEMS_LEVEL = 1  # the level examples/word_problems.toml trains on (common.word_problems: the measured headroom)
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,22 @@ def _distinct_held_out(difficulty: int, limit: int, shots: int) -> list[PromptRe
     return list(seen.values())
 
 
+def _distinct_word_problems(difficulty: int, limit: int, shots: int) -> list[PromptRecord]:
+    """The first `limit` distinct held-out questions of a word-problem level, renumbered 0.. (prefix-stable like
+    `_distinct_held_out`; thousands of distinct held-out questions per level, so repeats are rare)."""
+    drawn = word_problem_prompts(
+        limit * _DRAWN_PER_PROMPT, seed=EVAL_SEED, difficulty=difficulty, split="held_out", shots=shots
+    )
+    seen: dict[str, PromptRecord] = {}
+    for record in drawn:
+        question = str(record.metadata["question"])
+        if question not in seen:
+            seen[question] = PromptRecord(len(seen), record.messages, dict(record.metadata))
+            if len(seen) == limit:
+                break
+    return list(seen.values())
+
+
 def _reworded(record: PromptRecord, shots: int) -> PromptRecord:
     """The question (and its worked examples) asked with REWORDED_INSTRUCTION instead of the task's own."""
     ask = "Calculate {expression}. " + REWORDED_INSTRUCTION
@@ -76,6 +97,10 @@ _BUILTIN: dict[str, tuple[str, Callable[[int, int], list[PromptRecord]]]] = {
     "arithmetic-reworded": (
         "held-out level-1 arithmetic, reworded instruction (transfer)",
         lambda limit, shots: [_reworded(r, shots) for r in _distinct_held_out(1, limit, 0)],
+    ),
+    "word_problems": (
+        f"held-out level-{WORD_PROBLEMS_LEVEL} word problems (GSM8K-shaped)",
+        lambda limit, shots: _distinct_word_problems(WORD_PROBLEMS_LEVEL, limit, shots),
     ),
 }
 SETS = (*_BUILTIN, f"{FILE_PREFIX}PATH")
@@ -124,9 +149,9 @@ def eval_set(
     prompt_key: str = "prompt",
     messages_key: str = "messages",
 ) -> EvalSet:
-    """The set `name` (see the module docstring) with at most `limit` prompts (>= 1). An arithmetic set puts
-    `shots` worked examples before each question (`common.tasks.arithmetic_messages`; pass the run's env.shots, so
-    that it asks as training asked). A file set keeps its first `limit` rows (`prompt_key` / `messages_key` as in
+    """The set `name` (see the module docstring) with at most `limit` prompts (>= 1). An arithmetic or word-problem
+    set puts `shots` worked examples before each question (`common.tasks.arithmetic_messages`,
+    `common.word_problems.word_problem_messages`; pass the run's env.shots, so that it asks as training asked). A file set keeps its first `limit` rows (`prompt_key` / `messages_key` as in
     `common.tasks.load_prompts`). Raises ValueError for an unknown name or a bad limit, and what `load_prompts`
     raises for a bad file."""
     if limit < 1:

@@ -303,7 +303,8 @@ def arithmetic_reward(
     """Verifiable reward: `{"correct": 1.0 | 0.0, "format": format_weight | 0.0}`; the scalar reward is the sum.
 
     correct: the answer `parse_answer` reads (after the marker, else the last number in the text) equals
-    `metadata["answer"]` (an int, a float or a numeric string such as "1,234"). The fallback to the last
+    `metadata["answer"]` (an int, a float, a numeric string such as "1,234", or a worked solution whose last
+    `####` is followed by the number, as GSM8K and common.word_problems write it). The fallback to the last
     number is deliberate: SmolLM2-135M rarely writes the marker at first (~5% of samples), so a marker-only
     rule would leave almost no signal to learn from, while the last number is right ~30% of the time.
     format: `format_weight` when the marker is followed by a number on its line, whether right or not.
@@ -314,7 +315,11 @@ def arithmetic_reward(
     if "answer" not in metadata:
         raise KeyError(f"arithmetic_reward needs metadata['answer'], got keys {sorted(metadata)}")
     expected = metadata["answer"]
-    if isinstance(expected, str):
+    if isinstance(expected, str) and ANSWER_MARKER in expected:  # a worked solution ending in `#### n` (GSM8K)
+        expected, formatted = parse_answer(expected)
+        if not formatted:
+            raise ValueError(f"metadata['answer'] = {metadata['answer']!r} has no number after its last '####'")
+    elif isinstance(expected, str):
         matched = _NUMBER.fullmatch(expected.strip())
         if matched is None:
             raise ValueError(f"metadata['answer'] = {expected!r} is not a number")
