@@ -84,6 +84,10 @@ def test_none_renders_plain_text(smollm2_tokenizer) -> None:
     prompt = render_prompt(tokenizer, PromptRecord(0, QUESTION), chat)
     assert prompt == tokenizer.encode("Be brief.\nWhat is 2 + 3?\n", add_special_tokens=False)
     assert tokenizer.decode(reply_ids(tokenizer, QUESTION, ANSWER, chat=chat)) == "5" + tokenizer.eos_token
+    texts = Texts(tokenizer, chat)  # multi-turn: the model's turn ends on eos, the observation follows as text
+    turn = [*tokenizer.encode("5", add_special_tokens=False), tokenizer.eos_token_id]
+    assert texts.turns.end_of_turn_id() == tokenizer.eos_token_id
+    assert tokenizer.decode(texts.render_turn(turn, [{"role": "user", "content": "And 3?"}])) == "\nAnd 3?\n"
 
 
 def test_none_puts_the_tokenizers_bos_in_front(smollm2_tokenizer) -> None:
