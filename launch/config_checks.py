@@ -18,6 +18,8 @@ from common.chat_format import chat_format, check_template_text
 from common.config import BUILT_IN_MODELS, TandemConfig
 from common.keys import SecurityError, check_keys
 from common.prompt_sources import check_routes, load_source, source_mappings
+from common.reward_routing import has_reward_fn, reward_fn_for
+from common.tasks import total_reward
 
 FIRST_ROWS = 100  # rows of a prompt file read before the run: a bad row among them is one line, not a traceback
 # The model.path names Tandem builds itself (common.model_prep), as a user needs them explained.
@@ -31,7 +33,7 @@ EMBEDDED = " or ".join(BUILT_IN_MEANING.values())
 
 # role -> the checks it needs; `run` starts every role on this machine
 NEEDS = {
-    "run": ("prompts", "model", "chat_template", "reward_model", "keys"),
+    "run": ("prompts", "rewards", "model", "chat_template", "reward_model", "keys"),
     "buffer": ("prompts", "keys"),
     "generator": ("model", "chat_template", "reward_model", "keys"),
     "learner": ("model", "keys"),
@@ -83,6 +85,44 @@ def _prompts_problem(config: TandemConfig, role: str) -> str | None:
             check_routes(config.env, first_rows)
         except ValueError as error:
             return str(error)
+    return None
+
+
+SCORED_ROWS = 8  # first rows of each source the reward function scores before a run (see _rewards_problem)
+
+
+def _rewards_problem(config: TandemConfig, role: str) -> str | None:
+    """A reward function that raises on every one of the first SCORED_ROWS rows of a source, each scored with the
+    row's own label (metadata `answer`, or "") as the completion: a function that cannot score a row whatever the
+    model writes (GSM8K's `#### 72` answers under a reward that wants a number) would train the run on
+    env.failure_reward, which the generators' guard (actors/failure_guard.py) stops only after 64 samples. One
+    row that scores is enough to pass: a function may raise on a few rows. kind = file only (the embedded tasks
+    are scored by their own tests); not an endpoint (env.reward_url: not called before the run); a problem in the
+    rows themselves is the prompts check's line."""
+    env = config.env
+    if env.kind != "file" or env.environment or env.reward_url or not has_reward_fn(env):
+        return None
+    try:
+        score = reward_fn_for(env)
+        sources = [(path, load_source(path, mapping, limit=SCORED_ROWS)) for path, _, mapping in source_mappings(env)]
+    except (ValueError, ImportError, OSError, TypeError, AttributeError):  # said by the prompts check or at start
+        return None
+    for path, records in sources:
+        errors = []
+        for record in records:
+            try:
+                total_reward(score(str(record.metadata.get("answer", "")), record.metadata))
+            except Exception as error:  # noqa: BLE001 - a user reward function may raise anything: that is the finding
+                errors.append(f"row {record.prompt_id}: {type(error).__name__}: {error}"[:300])
+        if len(errors) == len(records):
+            hint = ""
+            answer = str(records[0].metadata.get("answer", ""))
+            if ("####" in answer or "\\boxed" in answer) and env.reward_fn != "math":
+                hint = '; the answers are worked solutions: env.reward_fn = "math" reads them (docs/datasets.md)'
+            return (
+                f"env.reward_fn: {env.reward_fn or 'the routed reward'!r} raised on each of the first {len(records)} "
+                f"rows of {path}, scoring each row's own answer, e.g. {errors[0]}{hint}"
+            )
     return None
 
 
@@ -190,6 +230,7 @@ def _keys_problem(config: TandemConfig, role: str) -> str | None:
 
 CHECKS = {
     "prompts": _prompts_problem,
+    "rewards": _rewards_problem,
     "model": _model_problem,
     "reward_model": _reward_model_problem,
     "chat_template": _chat_template_problem,
