@@ -1,13 +1,13 @@
-"""Multi-turn episodes under Qwen3's real chat template, which rewrites earlier turns: token-exact all the same.
+"""Multi-turn episodes under a Qwen3-style chat template, which rewrites earlier turns: token-exact all the same.
 
-Qwen3's template (tests/fixtures/qwen3_chat_template.jinja) renders an assistant turn after the last user message
-with a `<think>...</think>` block and strips the reasoning of earlier ones, so rendering [user, assistant] and
-[user, assistant, user] differ in the assistant's part: the prefix-stable delta of actors.chat_turns cannot be used,
-and the delta is found in the text after the anchor's closer. Here SmolLM2's tokenizer (ChatML tokens, which
-Qwen3's template writes too) carries that template, and a policy engine answers with think blocks through the real
-episode driver. Checked: the trajectory is the prompt, then each turn's sampled tokens exactly as sampled, then the
-rendered delta; each delta decodes to the template's user/tool turn and its generation prompt (with
-enable_thinking=false: the empty think block).
+The template (tests/fixtures/thinking_chat_template.jinja, the project's own, imitating Qwen3's documented
+behaviour) renders an assistant turn after the last user message with a `<think>...</think>` block and strips the
+reasoning of earlier ones, so rendering [user, assistant] and [user, assistant, user] differ in the assistant's part:
+the prefix-stable delta of actors.chat_turns cannot be used, and the delta is found in the text after the anchor's
+closer. Here SmolLM2's tokenizer (ChatML tokens, which the template writes too) carries that template, and a policy
+engine answers with think blocks through the real episode driver. Checked: the template does rewrite earlier turns;
+the trajectory is the prompt, then each turn's sampled tokens exactly as sampled, then the rendered delta; each delta
+decodes to the template's user/tool turn and its generation prompt (with enable_thinking=false: the empty think block).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from common.types import PromptItem
 from launch.testing import drive_until_done
 from tests.actors.env_fakes import PolicyEngine, ScriptedFactory
 
-QWEN3 = Path(__file__).parent.parent / "fixtures" / "qwen3_chat_template.jinja"
+THINKING = Path(__file__).parent.parent / "fixtures" / "thinking_chat_template.jinja"
 TASK = PromptItem(prompt_id=3, epoch=0, messages=[{"role": "user", "content": "Guess my number (1-9)."}], metadata={})
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 
 
 class ToolThenUserEnv:
-    """Answers the first turn as a tool (Qwen3 wraps it in <tool_response> inside a user turn), the second as a
+    """Answers the first turn as a tool (the template wraps it in <tool_response> inside a user turn), the second as a
     user, and ends on the third."""
 
     def __init__(self) -> None:
@@ -68,16 +68,41 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+def test_the_template_strips_the_reasoning_of_earlier_turns_only(tokenizer) -> None:
+    """What the episode test relies on: the fixture rewrites an assistant turn once a user message follows it."""
+    chat = ChatFormat(THINKING.read_text(), {}, source=str(THINKING))
+    reply = {"role": "assistant", "content": "<think>\nit is odd\n</think>\n\nI guess 3."}
+    question = {"role": "user", "content": "Guess."}
+    system = {"role": "system", "content": "Be brief."}
+    last = chat.render_text(tokenizer, [system, question, reply], generation_prompt=False)
+    assert last == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nGuess.<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nit is odd\n</think>\n\nI guess 3.<|im_end|>\n"
+    )
+    field = {"role": "assistant", "content": "I guess 3.", "reasoning_content": "it is odd"}
+    assert chat.render_text(tokenizer, [system, question, field], generation_prompt=False) == last
+    earlier = chat.render_text(tokenizer, [question, reply, {"role": "user", "content": "Higher."}], True)
+    assert earlier == (
+        "<|im_start|>user\nGuess.<|im_end|>\n<|im_start|>assistant\nI guess 3.<|im_end|>\n"
+        "<|im_start|>user\nHigher.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    tools = [{"role": "tool", "content": "a"}, {"role": "tool", "content": "b"}]
+    assert chat.render_text(tokenizer, [question, reply, *tools], generation_prompt=False).endswith(
+        "I guess 3.<|im_end|>\n<|im_start|>user\n<tool_response>\na\n</tool_response>\n<tool_response>\nb\n"
+        "</tool_response><|im_end|>\n"
+    )  # tool results are no user message: the reply keeps its reasoning, both results share one user turn
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}], ids=["thinking", "enable_thinking_false"])
 def test_qwen3_episode_is_token_exact(tokenizer, kwargs) -> None:
-    chat = ChatFormat(QWEN3.read_text(), kwargs, source=str(QWEN3))
+    chat = ChatFormat(THINKING.read_text(), kwargs, source=str(THINKING))
     engine = PolicyEngine(tokenizer, thinking_policy)
     engine.chat = chat
     generation_prompt = "<|im_start|>assistant\n" + (EMPTY_THINK if kwargs else "")
     anchor = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
     before = chat.render_ids(tokenizer, anchor, generation_prompt=False)
     after = chat.render_ids(tokenizer, [*anchor, {"role": "user", "content": "z"}], generation_prompt=True)
-    assert after[: len(before)] != before, "Qwen3's template must rewrite the earlier assistant turn here"
+    assert after[: len(before)] != before, "the template must rewrite the earlier assistant turn here"
 
     env = ToolThenUserEnv()
     limits = EpisodeLimits(

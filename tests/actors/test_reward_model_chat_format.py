@@ -12,14 +12,14 @@ from common.chat_format import ChatFormat
 from learners.offline_data import tokenize_pair
 from tests.actors.reward_models import make_tiny_reward_model
 
-QWEN3 = Path(__file__).parent.parent / "fixtures" / "qwen3_chat_template.jinja"
+THINKING = Path(__file__).parent.parent / "fixtures" / "thinking_chat_template.jinja"
 PROMPT = [{"role": "user", "content": "What is 3 + 4?"}]
 CHOSEN, REJECTED = [{"role": "assistant", "content": "#### 7"}], [{"role": "assistant", "content": "#### 8"}]
 
 
 def test_the_scorer_renders_with_the_runs_chat_format(tiny_model_dir: Path, tmp_path: Path) -> None:
     rm_dir = make_tiny_reward_model(tiny_model_dir, tmp_path / "rm", seed=1)
-    chat = ChatFormat(QWEN3.read_text(), {"enable_thinking": False}, source=str(QWEN3))
+    chat = ChatFormat(THINKING.read_text(), {"enable_thinking": False}, source=str(THINKING))
     scorer = RewardModelScorer(rm_dir, "float32", batch_size=2, max_len=512, normalize=False, chat=chat)
     own = RewardModelScorer(rm_dir, "float32", batch_size=2, max_len=512, normalize=False)
     pair = tokenize_pair(scorer.tokenizer, PROMPT, CHOSEN, REJECTED, max_len=512, chat=chat)  # what tandem rm trains on

@@ -17,7 +17,7 @@ from common.types import PromptItem
 from launch.config_checks import missing_paths
 from learners.offline_data import tokenize_chat, tokenize_pair
 
-QWEN3 = Path(__file__).parent.parent / "fixtures" / "qwen3_chat_template.jinja"
+THINKING = Path(__file__).parent.parent / "fixtures" / "thinking_chat_template.jinja"
 # A prefix-stable override unlike ChatML: every stage must render with it once it is configured.
 BRACKETS = (
     "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% if m['role'] == 'assistant' %}{{ eos_token }}"
@@ -35,9 +35,9 @@ class Texts(TokenizerTexts):
 
 
 def test_enable_thinking_false_reaches_the_prompt(smollm2_tokenizer) -> None:
-    """Qwen3's template adds the empty think block to the generation prompt only when enable_thinking is false."""
-    thinking = ChatFormat(QWEN3.read_text(), {})
-    not_thinking = ChatFormat(QWEN3.read_text(), {"enable_thinking": False})
+    """The Qwen3-style test template adds the empty think block to the generation prompt only when enable_thinking is false."""
+    thinking = ChatFormat(THINKING.read_text(), {})
+    not_thinking = ChatFormat(THINKING.read_text(), {"enable_thinking": False})
     record = PromptRecord(0, QUESTION)
     plain = smollm2_tokenizer.decode(render_prompt(smollm2_tokenizer, record, thinking))
     off = smollm2_tokenizer.decode(render_prompt(smollm2_tokenizer, record, not_thinking))
@@ -136,7 +136,7 @@ def test_a_broken_template_is_one_line(smollm2_tokenizer, tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="fails to render a chat: .*only user turns"):
         raising.check(smollm2_tokenizer)
     assert "only user turns" in (check_template_text(raising) or "")
-    assert check_template_text(ChatFormat(QWEN3.read_text(), {"enable_thinking": False})) is None
+    assert check_template_text(ChatFormat(THINKING.read_text(), {"enable_thinking": False})) is None
 
 
 def test_kwargs_come_from_a_toml_table_and_templates_check_as_transformers_renders(tmp_path: Path) -> None:
