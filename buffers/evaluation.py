@@ -52,6 +52,7 @@ from buffers.leases import PromptRecordLike
 from common.config import EvalConfig
 from common.eval_metrics import result_metrics
 from common.eval_sets import eval_set, set_label
+from common.prompt_sources import RowMapping
 from common.types import EvalAck, EvalGrant, EvalResult, PromptItem
 
 log = logging.getLogger("tandem.buffer.eval")
@@ -113,11 +114,16 @@ class EvalLease:
         return cls(lease_id, generator, name, version, deadline, list(prompts), greedy, samples, state, ended_at)
 
 
-def load_sets(config: EvalConfig, shots: int = 0) -> dict[str, list[PromptRecordLike]]:
+def load_sets(
+    config: EvalConfig, shots: int = 0, mapping: RowMapping | None = None
+) -> dict[str, list[PromptRecordLike]]:
     """The prompts of every set of eval.sets (at most eval.max_prompts each, arithmetic ones with the run's
-    env.shots worked examples), in config order. Raises what `common.eval_sets.eval_set` raises for an unknown set
-    or an unreadable file (the buffer does not start)."""
-    return {name: eval_set(name, limit=config.max_prompts, shots=shots).records for name in config.sets}
+    env.shots worked examples, file sets read with `mapping`: the run's `common.prompt_sources.env_row_mapping`),
+    in config order. Raises what `common.eval_sets.eval_set` raises for an unknown set or an unreadable file (the
+    buffer does not start)."""
+    return {
+        name: eval_set(name, limit=config.max_prompts, shots=shots, mapping=mapping).records for name in config.sets
+    }
 
 
 class EvalScheduler:
@@ -160,9 +166,11 @@ class EvalScheduler:
         lease_timeout_s: float,
         retain_s: float | None = None,
         shots: int = 0,
+        mapping: RowMapping | None = None,
     ) -> EvalScheduler:
-        """A scheduler over the sets of `config` (`load_sets`, with `shots` worked examples: env.shots)."""
-        return cls(config, load_sets(config, shots), max_tokens, lease_timeout_s, retain_s)
+        """A scheduler over the sets of `config` (`load_sets`, with `shots` worked examples: env.shots, and file sets
+        read with `mapping`: the run's column mapping)."""
+        return cls(config, load_sets(config, shots, mapping), max_tokens, lease_timeout_s, retain_s)
 
     # ------------------------------------------------------------------------------------------ rounds
     def report_version(self, policy_version: int, final: bool, now: float) -> bool:

@@ -35,6 +35,7 @@ from buffers.state import BufferSettings, BufferState
 from common.config import ConfigError, EnvConfig, TandemConfig
 from common.logs import setup_logging
 from common.metrics import MetricsSink
+from common.prompt_sources import env_row_mapping, load_env_prompts
 from common.serving import answer_safely
 from common.sockets import Server, SocketSecurity
 from common.types import MAX_NAME_CHARS, MAX_REWARD_COMPONENTS, max_group_bytes
@@ -60,8 +61,6 @@ def load_prompt_records(env: EnvConfig, seed: int) -> list[Any]:
         return word_problem_prompts(
             env.num_prompts, seed=seed, difficulty=env.difficulty, split=env.split, shots=env.shots
         )
-    from common.prompt_sources import load_env_prompts
-
     return load_env_prompts(env, seed)  # env.source, or env.sources mixed by weight (docs/datasets.md)
 
 
@@ -114,7 +113,12 @@ def run(config: TandemConfig) -> int:
     if config.eval.enabled:
         retain_s = max(config.buffer.lease_timeout_s, config.buffer.heartbeat_timeout_s)
         evaluation = EvalScheduler.load(
-            config.eval, config.eval_max_tokens, config.buffer.lease_timeout_s, retain_s, shots=config.env.shots
+            config.eval,
+            config.eval_max_tokens,
+            config.buffer.lease_timeout_s,
+            retain_s,
+            shots=config.env.shots,
+            mapping=env_row_mapping(config.env),
         )
         log.info("evaluation: %s every %d versions", ", ".join(config.eval.sets), config.eval.every)
     state = BufferState(BufferSettings.from_config(config), prompts, journal, evaluation)

@@ -28,7 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.tasks import ANSWER_MARKER, PromptRecord, arithmetic_messages, arithmetic_prompts, load_prompts
+from common.prompt_sources import RowMapping, load_source
+from common.tasks import ANSWER_MARKER, PromptRecord, arithmetic_messages, arithmetic_prompts
 from common.word_problems import word_problem_prompts
 
 EVAL_SEED = 0
@@ -148,12 +149,14 @@ def eval_set(
     shots: int = 0,
     prompt_key: str = "prompt",
     messages_key: str = "messages",
+    mapping: RowMapping | None = None,
 ) -> EvalSet:
     """The set `name` (see the module docstring) with at most `limit` prompts (>= 1). An arithmetic or word-problem
     set puts `shots` worked examples before each question (`common.tasks.arithmetic_messages`,
     `common.word_problems.word_problem_messages`; pass the run's env.shots, so that it asks as training asked). A file set keeps its first `limit` rows (`prompt_key` / `messages_key` as in
     `common.tasks.load_prompts`). Raises ValueError for an unknown name or a bad limit, and what `load_prompts`
-    raises for a bad file."""
+    raises for a bad file. `mapping` (the run's `common.prompt_sources.env_row_mapping`) reads a file set
+    with the run's keys, template and system prompt instead of `prompt_key` / `messages_key` alone."""
     if limit < 1:
         raise ValueError(f"an evaluation set needs at least 1 prompt, got limit {limit}")
     check_set_name(name)
@@ -161,5 +164,7 @@ def eval_set(
         description, build = _BUILTIN[name]
         return EvalSet(name, description, build(limit, shots))
     source = name[len(FILE_PREFIX) :]
-    records = load_prompts(source, prompt_key=prompt_key, messages_key=messages_key, limit=limit)
+    if mapping is None:
+        mapping = RowMapping(prompt_key=prompt_key, messages_key=messages_key)
+    records = load_source(source, mapping, limit=limit)  # the run's column mapping: asked as training asked
     return EvalSet(name, f"prompts of {source}", records)

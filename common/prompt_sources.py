@@ -256,11 +256,17 @@ def mix(sources: Sequence[Sequence[PromptRecord]], weights: Sequence[float], see
     ]
 
 
+def env_row_mapping(env: Any) -> RowMapping:
+    """The `[env]` column mapping (prompt_key, messages_key, label_key, prompt_template, system_prompt): how
+    `env.source` is read, what each of `env.sources` starts from, and how evaluation reads a `file:` set."""
+    return RowMapping(env.prompt_key, env.messages_key, env.label_key, env.prompt_template, env.system_prompt)
+
+
 def source_mappings(env: Any) -> list[tuple[str, float, RowMapping]]:
     """(path, weight, mapping) of every source of an `[env]` section (`common.config.EnvConfig`): `env.sources`, each
     key a source leaves unset taken from `[env]`, its `name` (default: the file's stem) as the data_source of rows
     without one; or `env.source` alone (weight 1, no name)."""
-    base = RowMapping(env.prompt_key, env.messages_key, env.label_key, env.prompt_template, env.system_prompt)
+    base = env_row_mapping(env)
     if not env.sources:
         return [(env.source, 1.0, base)]
     found = []

@@ -29,6 +29,7 @@ from typing import Any
 from common.config import ConfigError, ModelConfig, TandemConfig, load_config
 from common.eval_metrics import ScoredCompletion, score_completion, set_metrics
 from common.eval_sets import MAX_SET_PROMPTS, SETS, EvalSet, eval_set, parse_set_names
+from common.prompt_sources import env_row_mapping
 
 log = logging.getLogger("tandem.launch.evaluate")
 
@@ -220,7 +221,8 @@ def plan(argv: list[str]) -> EvalPlan:
         raise EvalUsageError(f"env.reward_fn: {error}") from None
     models = {spec: resolve_eval_model(spec) for spec in args.models}
     try:
-        sets = [eval_set(name, limit=args.prompts, shots=config.env.shots) for name in names]  # asked as trained
+        mapping = env_row_mapping(config.env)  # file sets read with the run's keys and template: asked as trained
+        sets = [eval_set(name, limit=args.prompts, shots=config.env.shots, mapping=mapping) for name in names]
     except (ValueError, OSError, ImportError) as error:
         raise EvalUsageError(f"--sets: {error}") from None
     return EvalPlan(

@@ -312,3 +312,15 @@ def test_start_up_check_reads_the_first_rows_of_every_source(tmp_path: Path) -> 
     bad.write_text('{"problem": "ok", "solution": "1"}\n')
     path.write_text('[env]\nkind = "file"\n' + sources)
     assert not [p for p in missing_paths(load_config(path, []), "buffer") if p.startswith("env.")]
+
+
+def test_eval_file_set_is_read_with_the_runs_mapping(tmp_path: Path) -> None:
+    from common.eval_sets import eval_set
+    from common.prompt_sources import env_row_mapping
+
+    path = write_jsonl(tmp_path / "test.jsonl", [{"problem": "What is 1 + 1?", "solution": "\\boxed{2}"}] * 3)
+    config = env(source=str(path), prompt_key="problem", label_key="solution", prompt_template=BOXED)
+    records = eval_set(f"file:{path}", limit=2, mapping=env_row_mapping(config)).records
+    assert len(records) == 2
+    assert records[0].messages[-1]["content"].endswith("within \\boxed{}.")
+    assert records[0].metadata == {"answer": "\\boxed{2}"}
