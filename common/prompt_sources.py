@@ -49,9 +49,10 @@ from common.tasks import MetadataValue, PromptRecord, read_rows
 LABEL = "answer"  # the metadata key of the label: what every built-in reward reads
 DATA_SOURCE = "data_source"  # veRL's column; the key reward routing reads
 VERL_LABEL = "reward_model.ground_truth"  # veRL's label, used when label_key names nothing in the row
-# The largest mix epoch (records built at the buffer's start; ~1 us and ~100 B each, the chats shared with the
-# source rows). Larger means weights far apart or one source far larger than its weight: see `mix_plan`.
-MAX_MIX_PROMPTS = 10_000_000
+# The largest mix epoch. Its records are built at the buffer's start, the chats shared with the source rows: measured
+# 6-8 us and ~140 B a record (25,000 records; AMD EPYC, avx2, no avx512, 2 cores under load), so 4M is ~30 s and
+# ~560 MB on top of the sources. Larger means weights far apart or one source far larger than its weight: `mix_plan`.
+MAX_MIX_PROMPTS = 4_000_000
 # The largest sum of the weights as a reduced integer ratio (0.3 and 0.7 -> 3 and 7: 10). The epoch is a multiple
 # of it, so a ratio like 0.333333 : 0.666667 (sum 1,000,000) would make every epoch a million records at least.
 MAX_WEIGHT_PERIOD = 10_000

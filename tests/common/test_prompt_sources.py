@@ -15,6 +15,7 @@ import pytest
 
 from common.config import ConfigError, EnvConfig, load_config
 from common.prompt_sources import (
+    MAX_MIX_PROMPTS,
     MAX_WEIGHT_PERIOD,
     RowMapping,
     integer_weights,
@@ -196,6 +197,11 @@ def test_weights_far_apart_are_refused() -> None:
     with pytest.raises(ValueError, match="integer ratio"):
         mix_plan([10, 10], [0.333333, 0.666667], seed=0)
     assert MAX_WEIGHT_PERIOD < 1_000_000
+    # 2,000,001 rows beside 1 at equal weights: k = 2,000,001 periods of 2 = 4,000,002 prompts, just over the cap;
+    # refused before a record is built
+    with pytest.raises(ValueError, match=r"an epoch of this mix is 4,000,002 prompts"):
+        mix_plan([2_000_001, 1], [1, 1], seed=0)
+    assert MAX_MIX_PROMPTS == 4_000_000
 
 
 # ------------------------------------------------------------------------------------------ reward routing
