@@ -1304,9 +1304,9 @@ MAX_EVAL_PROMPTS = 1000  # prompts per eval set: one set is one eval lease, answ
 
 
 def _check_eval_set(name: str) -> str:
-    from common.eval_sets import check_set_name  # no torch, no tokenizer: checks a name and a path
+    from common.eval_sets import check_set_name  # no torch, no tokenizer: checks a name (its path: config_checks)
 
-    check_set_name(name)
+    check_set_name(name, paths=False)
     return name
 
 

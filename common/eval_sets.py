@@ -119,13 +119,15 @@ def parse_set_names(text: str) -> list[str]:
     return names
 
 
-def check_set_name(name: str) -> None:
-    """Raise ValueError, saying what to write, unless `name` is a built-in set or `file:` and an existing path."""
+def check_set_name(name: str, paths: bool = True) -> None:
+    """Raise ValueError, saying what to write, unless `name` is a built-in set or `file:` and a path, which must
+    exist when `paths` (a config is loaded without it: its files are checked where the buffer runs, by
+    launch/config_checks.py, so a config for other machines loads anywhere)."""
     if name in _BUILTIN:
         return
     if name.startswith(FILE_PREFIX):
         path = Path(name[len(FILE_PREFIX) :]).expanduser()
-        if not path.exists():
+        if paths and not path.exists():
             raise ValueError(f"evaluation set {name!r}: {str(path)!r} does not exist")
         return
     raise ValueError(f"unknown evaluation set {name!r}; the sets: {', '.join(SETS)}")

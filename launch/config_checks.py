@@ -16,6 +16,7 @@ from pathlib import Path
 
 from common.chat_format import chat_format, check_template_text
 from common.config import BUILT_IN_MODELS, TandemConfig
+from common.eval_sets import check_set_name
 from common.keys import SecurityError, check_keys
 from common.prompt_sources import check_routes, load_source, source_mappings
 from common.reward_routing import has_reward_fn, reward_fn_for
@@ -33,8 +34,8 @@ EMBEDDED = " or ".join(BUILT_IN_MEANING.values())
 
 # role -> the checks it needs; `run` starts every role on this machine
 NEEDS = {
-    "run": ("prompts", "rewards", "model", "chat_template", "reward_model", "keys"),
-    "buffer": ("prompts", "keys"),
+    "run": ("prompts", "rewards", "eval_sets", "model", "chat_template", "reward_model", "keys"),
+    "buffer": ("prompts", "eval_sets", "keys"),
     "generator": ("model", "chat_template", "reward_model", "keys"),
     "learner": ("model", "keys"),
     "sft": ("model", "chat_template", "stage_data"),
@@ -123,6 +124,16 @@ def _rewards_problem(config: TandemConfig, role: str) -> str | None:
                 f"env.reward_fn: {env.reward_fn or 'the routed reward'!r} raised on each of the first {len(records)} "
                 f"rows of {path}, scoring each row's own answer, e.g. {errors[0]}{hint}"
             )
+    return None
+
+
+def _eval_sets_problem(config: TandemConfig, role: str) -> str | None:
+    """A `file:` evaluation set that does not exist here (the buffer reads it when evaluation starts)."""
+    for i, name in enumerate(config.eval.sets):
+        try:
+            check_set_name(name)
+        except ValueError as error:
+            return f"eval.sets[{i}]: {error} on this machine"
     return None
 
 
@@ -231,6 +242,7 @@ def _keys_problem(config: TandemConfig, role: str) -> str | None:
 CHECKS = {
     "prompts": _prompts_problem,
     "rewards": _rewards_problem,
+    "eval_sets": _eval_sets_problem,
     "model": _model_problem,
     "reward_model": _reward_model_problem,
     "chat_template": _chat_template_problem,

@@ -57,3 +57,18 @@ def test_set_names_are_checked(tmp_path: Path) -> None:
         parse_set_names(" , ")
     with pytest.raises(ValueError, match="at least 1 prompt"):
         eval_set("arithmetic", limit=0)
+
+
+def test_a_config_loads_with_a_file_set_absent_here_and_the_run_check_names_it(tmp_path):
+    """A config written for other machines loads anywhere; `tandem run`/the buffer check the file where they run."""
+    from common.config import load_config
+    from launch.config_checks import missing_paths
+
+    path = tmp_path / "run.toml"
+    path.write_text(f'[eval]\nsets = ["arithmetic", "file:{tmp_path / "absent.jsonl"}"]\n')
+    config = load_config(path, [])
+    problems = [p for p in missing_paths(config, "buffer") if p.startswith("eval.")]
+    assert problems == [
+        f"eval.sets[1]: evaluation set 'file:{tmp_path / 'absent.jsonl'}': "
+        f"'{tmp_path / 'absent.jsonl'}' does not exist on this machine"
+    ]
