@@ -39,6 +39,7 @@ def test_every_saved_result_has_a_headline(path: Path) -> None:
         "weight_sync",
         "weights_slow_reader",
         "wire_codec",
+        "word_problems_headroom",
     ],
 )
 def test_the_headline_is_made_from_the_saved_figures(name: str) -> None:

@@ -170,3 +170,14 @@ def test_env_kind_word_problems_is_a_config_value_the_buffer_loads() -> None:
     assert records == word_problem_prompts(40, seed=config.run.seed, difficulty=2, split="train")
     with pytest.raises(ConfigError, match="word_problems"):  # the error lists the kinds there are
         load_config(None, ["--env.kind", "word_problem"])
+
+
+def test_the_math_verifier_scores_the_rows_by_their_final_number() -> None:
+    math_reward = pytest.importorskip("common.math_reward").math_reward  # env.reward_fn = "math"
+    for record in word_problem_prompts(20, seed=2, difficulty=5):
+        solution = str(record.metadata["answer"])
+        answer = int(solution.rsplit(ANSWER_MARKER, 1)[1])
+        assert math_reward(solution, record.metadata)["correct"] == 1.0  # the reference itself is right
+        assert math_reward(f"{ANSWER_MARKER} {answer}", record.metadata)["correct"] == 1.0
+        assert math_reward(f"\\boxed{{{answer}}}", record.metadata)["correct"] == 1.0
+        assert math_reward(f"{ANSWER_MARKER} {answer + 1}", record.metadata)["correct"] == 0.0
