@@ -9,7 +9,7 @@ Per level it prints: `correct` (the answer after the last `####`, or in the last
 instruction, equals the reference's `#### n`: what a math reward gives), `marker` (the share that wrote the marker
 the instruction asks for), lenient (the last number anywhere is right), and `spread` (groups neither all right nor
 all wrong: the groups GRPO learns from). The correctness check here is a measuring aid only, not a verifier: runs
-score with env.reward_fn (common.math_reward). Writes benchmarks/results/word_problems_headroom.json (runs keyed by shots).
+score with env.reward_fn (common.math_reward). Writes benchmarks/results/word_problems_headroom.json (runs keyed by shots and max tokens).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def measure(engine: Any, records: list[PromptRecord], samples: int, boxed: bool)
 
 
 def headline(result: dict[str, Any]) -> dict[str, Any]:
-    """Per run (shots), instruction and level: the share right and the groups with a spread, from a saved result."""
+    """Per run (shots, tokens), instruction and level: the share right and the groups with a spread, from a saved result."""
     figures = {}
     for run, saved in result["runs"].items():
         for key, level in saved["levels"].items():
@@ -133,9 +133,9 @@ def main() -> None:
                 print(f"{instruction} level {level}: {shown}\n  example: {figures['example']!r}", flush=True)
     finally:
         engine.shutdown()
-    saved = RESULTS / f"{NAME}.json"  # one file; a run of other shots keeps the runs saved before it
+    saved = RESULTS / f"{NAME}.json"  # one file; a run of other shots or tokens keeps the runs saved before it
     runs = json.loads(saved.read_text())["runs"] if saved.exists() else {}
-    runs[f"shots{args.shots}"] = {"settings": vars(args), "levels": results}
+    runs[f"shots{args.shots}_tokens{args.max_tokens}"] = {"settings": vars(args), "levels": results}
     save(NAME, {"runs": runs, "headline": headline({"runs": runs})})
 
 

@@ -25,6 +25,10 @@ so level 1 is the one to learn on: the math reward's mean there is ~0.19 + 0.1 x
 it extracts, plus the format bonus), as level-1 arithmetic's 0.28, and 4 groups in 5 give GRPO a signal. Level 2
 leaves 35 of 64 groups without a spread (nearly all wrong). Levels 3-5 (two and three steps) were not measured:
 they are harder still, there for larger models.
+The instruction and the worked example (level 1, no worked example, 32 prompts x 8, 128 tokens, the same machine):
+INSTRUCTION's '####' was written in 0.12 of the samples and right in 0.004; "... put the final answer within
+\\boxed{}." was followed in 0.004 and right in 0; both rambled to ~115 tokens. So the marker, and env.shots = 1: with
+one worked example the marker is written in 0.89 and the answer is right in 0.18 (above).
 """
 
 from __future__ import annotations
