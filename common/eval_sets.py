@@ -10,7 +10,7 @@ The sets (`SETS`; `tandem eval --sets`, and the names an `[eval]` config section
   arithmetic-d2        level-2 arithmetic (two-digit + and -), held out: transfer to harder questions
   arithmetic-reworded  the `arithmetic` questions with the instruction reworded (it still asks for the `####`
                        marker): transfer to a prompt the model was not trained on
-  word_problems        level-WORD_PROBLEMS_LEVEL word problems (common.word_problems) from its held-out split: the
+  word_problems        level-1 (WORD_PROBLEMS_LEVEL) word problems (common.word_problems), held out: the
                        GSM8K-shaped task on unseen questions; metadata `answer` is a worked solution ending in
                        `#### n`, and strict/lenient accuracy compare with that n (common.eval_metrics)
   file:PATH            the prompts of a .jsonl / .parquet / `datasets` folder (`common.tasks.load_prompts`), scored
