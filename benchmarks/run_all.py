@@ -45,6 +45,7 @@ BENCHMARKS = (
     "slow_generators",
     "demo_wall",
     "broadcast_rounds",
+    "architectures",
 )
 OPTIONAL = frozenset({"ray_overhead", "env_latency"})  # run when present
 HERE = Path(__file__).resolve().parent

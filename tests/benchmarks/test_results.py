@@ -25,6 +25,7 @@ def test_every_saved_result_has_a_headline(path: Path) -> None:
 @pytest.mark.parametrize(
     "name",
     [
+        "architectures",
         "broadcast_rounds",
         "buffer_flood",
         "buffer_throughput",
