@@ -56,14 +56,7 @@ def _distinct_held_out(difficulty: int, limit: int, shots: int) -> list[PromptRe
     drawn = arithmetic_prompts(
         max(_MIN_DRAWN, limit * _DRAWN_PER_PROMPT), seed=EVAL_SEED, difficulty=difficulty, split="held_out", shots=shots
     )
-    seen: dict[str, PromptRecord] = {}
-    for record in drawn:
-        expression = str(record.metadata["expression"])
-        if expression not in seen:
-            seen[expression] = PromptRecord(len(seen), record.messages, dict(record.metadata))
-            if len(seen) == limit:
-                break
-    return list(seen.values())
+    return _first_distinct(drawn, "expression", limit)
 
 
 def _distinct_word_problems(difficulty: int, limit: int, shots: int) -> list[PromptRecord]:
@@ -72,11 +65,16 @@ def _distinct_word_problems(difficulty: int, limit: int, shots: int) -> list[Pro
     drawn = word_problem_prompts(
         limit * _DRAWN_PER_PROMPT, seed=EVAL_SEED, difficulty=difficulty, split="held_out", shots=shots
     )
+    return _first_distinct(drawn, "question", limit)
+
+
+def _first_distinct(drawn: list[PromptRecord], key: str, limit: int) -> list[PromptRecord]:
+    """The first `limit` records of `drawn` whose `metadata[key]` was not seen before, renumbered 0.. in order."""
     seen: dict[str, PromptRecord] = {}
     for record in drawn:
-        question = str(record.metadata["question"])
-        if question not in seen:
-            seen[question] = PromptRecord(len(seen), record.messages, dict(record.metadata))
+        value = str(record.metadata[key])
+        if value not in seen:
+            seen[value] = PromptRecord(len(seen), record.messages, dict(record.metadata))
             if len(seen) == limit:
                 break
     return list(seen.values())
