@@ -347,7 +347,8 @@ def test_any_file_text_and_arguments_are_loaded_or_refused_with_config_error(tex
 
 
 def test_the_paths_a_role_needs_pass_when_present_and_only_roles_check_them(tmp_path: Path) -> None:
-    (tmp_path / "prompts.jsonl").write_text('{"prompt": "What is 1 + 1?"}\n')
+    # with its answer: the default reward (arithmetic) raises on a row without one, which `run` refuses (rewards)
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "What is 1 + 1?", "answer": 2}\n')
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
     write_keys(tmp_path / "keys")
