@@ -26,7 +26,7 @@ worker processes (common/math_verify_worker.py: plain `subprocess`, never a fork
 a comparison past `timeout_s` has its worker killed and replaced (the replacement starts importing at once, in the
 background) and scores `correct = 0`: counted in `stats()`, logged the first time, never raised. An answer longer than MAX_ANSWER_CHARS (or 4x the gold's length) is wrong at once.
 
-Cost, measured on this repo's CPU machine (Intel Xeon with avx2/avx512, no AMX; 2 cores shared with other work): the
+Cost, measured on this repo's CPU machine (AMD EPYC with AVX2 only, no avx512, no AMX; 2 cores shared with other work): the
 fast path ~50-110 us a call (extraction included, short completions); a sympy comparison median 2.5 ms, up to ~330 ms
 (sets, intervals), the pipe included; a worker's start (importing sympy and math_verify) ~2 s, paid by the first
 comparison and, in the background, after each kill. tests/common/test_math_reward.py prints these with `-s`.
