@@ -69,6 +69,8 @@ def test_a_config_loads_with_a_file_set_absent_here_and_the_run_check_names_it(t
     config = load_config(path, [])
     problems = [p for p in missing_paths(config, "buffer") if p.startswith("eval.")]
     assert problems == [
-        f"eval.sets[1]: evaluation set 'file:{tmp_path / 'absent.jsonl'}': "
-        f"'{tmp_path / 'absent.jsonl'}' does not exist on this machine"
+        (
+            f"eval.sets[1]: evaluation set 'file:{tmp_path / 'absent.jsonl'}': "
+            f"'{tmp_path / 'absent.jsonl'}' does not exist on this machine"
+        )
     ]
