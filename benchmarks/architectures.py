@@ -188,9 +188,9 @@ def train_and_export(model_dir: Path, zero_stage: int, out: Path, dist: Any) -> 
 
 def publish_to_engine(trainer: Any, engine: Any, version: int) -> str:
     """The trainer's full weights through the learner's ZeroMQ publisher to the generator's source (star), loaded
-    into `engine`; returns the engine's load path: "in_place" (dense families on CPU), or "layerwise" (vLLM's
-    layerwise reload, which `actors.engine.WeightLoader` takes where a layer is not a plain linear or embedding
-    one, e.g. vLLM's fused-MoE layers)."""
+    into `engine`; returns the engine's load path: "in_place" (every tiny family on CPU, the fused-MoE experts
+    included: actors/in_place_load.py), or "layerwise" (vLLM's layerwise reload, which `actors.engine.WeightLoader`
+    takes elsewhere, e.g. on a GPU)."""
     from actors.weights import ZmqWeightsSource
     from common.sockets import SocketSecurity
     from launch.testing import free_port

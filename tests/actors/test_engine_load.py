@@ -101,6 +101,25 @@ def test_in_place_loads_sample_exactly_as_a_fresh_engine_on_the_new_weights(tiny
             np.testing.assert_array_equal(logprobs, fresh_logprobs)
 
 
+def test_moe_in_place_loads_sample_exactly_as_a_fresh_engine_on_the_new_weights(tmp_path: Path) -> None:
+    """A mixture-of-experts model (the tiny Mixtral: 4 experts, top-2, checkpoint names `block_sparse_moe.experts.E.
+    w1/w2/w3`): its experts load through vLLM's expert weight loader into scratch weights and are prepacked again
+    for the CPU kernel (actors/in_place_load.py), so the engine samples bit for bit as a fresh one on the new
+    weights, three loads in a row. vLLM's layerwise reload, taken before, left the experts unpacked: log-probs
+    ~100x the float32 bound off (docs/models.md)."""
+    from common.model_prep import resolve_model_path
+    from common.tiny_models import make_tiny_family
+
+    old_dir = resolve_model_path("tiny:mixtral")
+    new_dir = make_tiny_family(tmp_path / "seed1", "mixtral", seed=1)
+    updates = [_update(new_dir, 1), _update(old_dir, 2), _update(new_dir, 3)]
+    before, (after_first, back, after_third), fresh = _beside_a_fresh_engine(
+        old_dir, new_dir, tmp_path / "fresh.json", "auto", updates
+    )
+    assert back == before
+    assert after_first == after_third == [(list(t), list(lp)) for t, lp in fresh]
+
+
 def test_updates_in_another_dtype_are_cast_into_the_engines(tiny_model_dir: Path, tmp_path: Path) -> None:
     """model.dtype = "auto" chooses per machine: a float32 engine (a generator where bf16 is emulated) is sent the
     learner's bfloat16 weights, then the same weights in float32. vLLM's weight loaders cast both into the engine's
