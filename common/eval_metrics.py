@@ -144,6 +144,16 @@ def _share(flags: list[bool | None]) -> float | None:
     return _mean([1.0 if flag else 0.0 for flag in flags])
 
 
+def _prompt_stderr(shares: list[float | None]) -> float | None:
+    """The standard error of the mean of per-prompt shares (sample variance, n - 1); None when a share is
+    undefined or there is only one prompt."""
+    if len(shares) < 2 or any(share is None for share in shares):
+        return None
+    mean = _mean(shares)  # type: ignore[arg-type]
+    variance = math.fsum((share - mean) ** 2 for share in shares) / (len(shares) - 1)  # type: ignore[operator]
+    return math.sqrt(variance / len(shares))
+
+
 def _pass_rates(groups: Sequence[Sequence[ScoredCompletion]], k: int) -> tuple[float | None, float | None]:
     """(pass@1, pass@k), each the mean over prompts of the unbiased estimator; None when a verdict is missing."""
     if any(s.passed is None for group in groups for s in group):
@@ -156,7 +166,10 @@ def set_metrics(groups: Sequence[Sequence[ScoredCompletion]], k: int | None = No
     """The metrics of one evaluation set: `groups[p]` holds the scored completions of prompt p, the same number n
     for every prompt; pass@k is taken with `k` (default n; 1 <= k <= n).
 
-    Keys: strict_accuracy, lenient_accuracy (shares of all completions; None without answers), pass@1, pass@k (the
+    Keys: strict_accuracy, lenient_accuracy (shares of all completions; None without answers),
+    strict_accuracy_stderr (the standard error of strict_accuracy with prompts as the units: the sample standard
+    deviation of the prompts' own strict shares over sqrt(prompts), since a prompt's completions are not
+    independent of each other; None without answers or with one prompt), pass@1, pass@k (the
     unbiased estimator averaged over prompts; None where no verdict exists), k, mean_reward and `reward/<name>` for
     every component (a component absent from a completion counts as 0 there), mean_tokens, truncated_share (the
     share that stopped at the token limit), rm_score (the mean reward-model score; only when every completion has
@@ -175,6 +188,7 @@ def set_metrics(groups: Sequence[Sequence[ScoredCompletion]], k: int | None = No
     metrics: dict[str, Any] = {
         "strict_accuracy": _share([s.strict for s in flat]),
         "lenient_accuracy": _share([s.lenient for s in flat]),
+        "strict_accuracy_stderr": _prompt_stderr([_share([s.strict for s in group]) for group in groups]),
         "pass@1": pass_1,
         "pass@k": pass_k,
         "k": k,

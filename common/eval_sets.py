@@ -13,6 +13,8 @@ The sets (`SETS`; `tandem eval --sets`, and the names an `[eval]` config section
   word_problems        level-1 (WORD_PROBLEMS_LEVEL) word problems (common.word_problems), held out: the
                        GSM8K-shaped task on unseen questions; metadata `answer` is a worked solution ending in
                        `#### n`, and strict/lenient accuracy compare with that n (common.eval_metrics)
+  word_problems-d2     level-2 word problems (one addition or subtraction, numbers to 20), held out: the task of
+                       benchmarks/time_to_accuracy's workloads (the embedded model leaves headroom there)
   file:PATH            the prompts of a .jsonl / .parquet / `datasets` folder (`common.tasks.load_prompts`), scored
                        by the config's env.reward_fn; rows with an `answer` field get strict/lenient accuracy too
 An arithmetic set holds each expression once, in the order the held-out stream first draws it: level 1 has only 19
@@ -100,6 +102,10 @@ _BUILTIN: dict[str, tuple[str, Callable[[int, int], list[PromptRecord]]]] = {
     "word_problems": (
         f"held-out level-{WORD_PROBLEMS_LEVEL} word problems (GSM8K-shaped)",
         lambda limit, shots: _distinct_word_problems(WORD_PROBLEMS_LEVEL, limit, shots),
+    ),
+    "word_problems-d2": (
+        "held-out level-2 word problems (addition or subtraction, numbers to 20)",
+        lambda limit, shots: _distinct_word_problems(2, limit, shots),
     ),
 }
 SETS = (*_BUILTIN, f"{FILE_PREFIX}PATH")

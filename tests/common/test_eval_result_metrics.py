@@ -49,6 +49,8 @@ def test_greedy_and_samples_match_hand_worked_values() -> None:
     expected = {
         "greedy/strict_accuracy": 1 / 2,
         "greedy/lenient_accuracy": 2 / 2,
+        # prompts' strict shares 1 and 0: sample variance ((1/2)^2 + (1/2)^2) / 1 = 1/2, over 2 prompts -> sqrt(1/4)
+        "greedy/strict_accuracy_stderr": 1 / 2,
         "greedy/pass@1": 1 / 2,
         "greedy/pass@k": 1 / 2,
         "greedy/k": 1,
@@ -61,6 +63,8 @@ def test_greedy_and_samples_match_hand_worked_values() -> None:
         "greedy/samples": 2,
         "strict_accuracy": 1 / 6,
         "lenient_accuracy": 3 / 6,
+        # prompts' strict shares 1/3 and 0 (mean 1/6): variance 2 (1/6)^2 / 1 = 1/18, over 2 prompts -> sqrt(1/36)
+        "strict_accuracy_stderr": 1 / 6,
         "pass@1": (1 / 3 + 0) / 2,
         "pass@k": (1.0 + 0.0) / 2,
         "k": 3,
@@ -94,7 +98,7 @@ def test_undefined_verdicts_give_no_accuracy_and_no_pass_at_k() -> None:
     rows = [(-1, -1, -1, *row[3:]) for row in ROWS]  # a set without answers and no `correct` component
     result = eval_result(rows, [7, 9])
     metrics = result_metrics(result, greedy=True, samples=3)
-    for key in ("strict_accuracy", "lenient_accuracy", "pass@1", "pass@k"):
+    for key in ("strict_accuracy", "lenient_accuracy", "strict_accuracy_stderr", "pass@1", "pass@k"):
         assert metrics[key] is None and metrics[f"greedy/{key}"] is None, key
     assert metrics["mean_tokens"] == pytest.approx(19.0, rel=1e-12)  # 114 / 6
 

@@ -162,6 +162,15 @@ def test_the_eval_set_holds_distinct_held_out_questions_never_trained_on() -> No
     assert len(one_shot[0].messages) == 3
 
 
+def test_the_level_2_eval_set_holds_held_out_level_2_questions() -> None:
+    records = eval_set("word_problems-d2", limit=40).records
+    questions = [r.metadata["question"] for r in records]
+    assert len(set(questions)) == 40 and all(is_held_out(q) for q in questions)
+    assert {r.metadata["difficulty"] for r in records} == {2}
+    trained = word_problem_prompts(3000, seed=0, difficulty=2, split="train")
+    assert not {r.metadata["question"] for r in trained} & set(questions)
+
+
 def test_env_kind_word_problems_is_a_config_value_the_buffer_loads() -> None:
     from buffers.service import load_prompt_records
 
