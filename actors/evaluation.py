@@ -1,7 +1,7 @@
 """The eval work of one generator (evaluation during training, issue 16): sample an `EvalGrant`'s prompts with one
 policy version, score them, and deliver one `EvalResult` to the buffer.
 
-    evaluation = Evaluator.from_config(config, engine)   # None for a multi-turn generator (no eval grants)
+    evaluation = Evaluator.from_config(config, engine)   # None without eval sets
     evaluation.accept(grant)                  # the buffer's EvalGrant (the reply to a LeaseRequest)
     evaluation.submit()                       # adds its requests once the engine holds >= grant.min_version
     ... for sample in engine.step(): evaluation.on_sample(sample) if is_eval_request(sample.request_id) ...
@@ -126,9 +126,10 @@ class Evaluator:
 
     @classmethod
     def from_config(cls, config: TandemConfig, engine: Engine) -> Evaluator | None:
-        """The eval work of a generator whose config has eval sets, else None (also for a multi-turn generator:
-        the config refuses eval sets with env.environment). A misnamed reward function raises now."""
-        if not config.eval.enabled or config.env.environment:
+        """The eval work of a generator whose config has eval sets, else None. A misnamed reward function raises
+        now. A multi-turn generator (env.environment) evaluates too: the sets are sampled in one turn (prompt,
+        one completion, eval.reward_fn or env.reward_fn), beside its episodes."""
+        if not config.eval.enabled:
             return None
         from common.reward_routing import reward_fn_for
 

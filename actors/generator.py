@@ -42,8 +42,9 @@ One loop, one thread, each pass in this order (`run` below):
 A generator that starts (or restarts) asks the publisher for the newest weights before its first lease.
 On exit it returns the prompts it did not finish (`LeaseReturn`) so the buffer re-issues them at once. An
 unfinished eval lease is dropped on drain, `RunOver` and exit (the buffer expires it and grants its set again).
-Multi-turn generators get no eval grants (the config refuses eval sets with an environment); one that comes is
-logged and ignored.
+A multi-turn generator evaluates as a single-turn one does: eval sets are sampled in one turn (prompt, one
+completion) beside its episodes, and finished samples are routed by request id in one place (`advance_engine`).
+A grant to a generator without eval sets is logged and ignored.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def run(config: TandemConfig) -> int:
             WEIGHTS_POLL_S,
             gen.reconnect_max_s,
         ),
-        Evaluator.from_config(config, engine),  # None: no eval sets, or multi-turn
+        Evaluator.from_config(config, engine),  # None: no eval sets
         MetricsSink(config.run.run_dir, f"generator-{gen.index}", simulation=config.run.simulate),
         Pulse(  # its own socket: the loop's link is the loop's
             BufferLink(gen.buffer_address, security, gen.index, gen.reconnect_max_s),
@@ -360,8 +361,8 @@ class Generator:
         self.next_lease = now
         if self.evaluation is None:
             log.warning(
-                "eval grant %d (set %s) ignored: this generator does not evaluate (no eval.sets in its config, or "
-                "multi-turn); the buffer expires the lease",
+                "eval grant %d (set %s) ignored: this generator does not evaluate (no eval.sets in its config); "
+                "the buffer expires the lease",
                 grant.lease_id,
                 grant.set_name,
             )

@@ -1620,9 +1620,7 @@ class TandemConfig(_Section):
                 f"{self.algo.overlong_window}); lower it, or 0 for a quarter of the budget"
             )
         if self.eval.enabled:
-            if self.env.environment:
-                problems.append("eval.sets: evaluation is single-turn; with env.environment set, leave eval.sets empty")
-            if not (self.eval.reward_fn or self.env.reward_fn):
+            if not (self.eval.reward_fn or self.env.reward_fn):  # with env.environment too: the sets are one turn
                 problems.append("eval.reward_fn: empty, and so is env.reward_fn: the eval sets need a reward function")
             if self.eval.max_tokens >= self.model.max_model_len:
                 problems.append(

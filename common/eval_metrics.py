@@ -30,6 +30,7 @@ from common.tasks import ANSWER_MARKER, parse_answer, total_reward
 METRIC_KEYS = (
     "strict_accuracy",
     "lenient_accuracy",
+    "strict_accuracy_stderr",
     "pass@1",
     "pass@k",
     "k",

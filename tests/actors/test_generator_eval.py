@@ -262,6 +262,7 @@ def make_generator(
     link: FakeLink,
     eval_reward_fn: str = f"{HERE}:reward",
     evaluate: bool = True,
+    env: dict[str, Any] | None = None,
     **generator: Any,
 ) -> Generator:
     config = run_config(
@@ -269,7 +270,7 @@ def make_generator(
         "gen",
         run={"simulate": True},
         algo={"group_size": 2},
-        env={"reward_fn": f"{HERE}:reward"},
+        env={"reward_fn": f"{HERE}:reward", **(env or {})},
         eval={"sets": ["arithmetic"] if evaluate else [], "reward_fn": eval_reward_fn},
         generator={"prompts_in_flight": 2, "sim_tokens": SIM_TOKENS, **generator},
     )
@@ -545,6 +546,21 @@ def test_a_grant_to_a_generator_that_does_not_evaluate_is_ignored(tmp_path, clos
         _pass(actor)  # asks for training prompts again at once
     assert "eval grant 7 (set arithmetic) ignored" in caplog.text
     assert engine.eval_adds() == [] and len(link.of(LeaseRequest)) == 2 and len(engine.adds) == 2
+
+
+def test_a_multi_turn_generator_evaluates_in_one_turn_beside_its_episodes(tmp_path, closing):
+    """Training runs episodes through env.environment; the eval sets are still sampled in one turn and scored by
+    the eval's reward function (the generator routes finished samples by request id, whatever made them)."""
+    engine = TextEngine()
+    link = FakeLink([eval_grant(), training_grant(1, [0, 1])])
+    actor = make_generator(tmp_path, engine, link, env={"environment": "tests.actors.env_fakes:TwoTurnEnv"})
+    closing(actor)
+    assert actor.evaluation is not None
+    run_until(actor, lambda: link.of(EvalResult) and len(actor.outbox.acks) and not actor.book.in_flight())
+    (result,) = link.of(EvalResult)
+    result.validate()
+    assert _per_prompt(result.strict) == [[1, 0, 0, 0]] * 3  # the same scripted verdicts as single-turn's
+    assert actor.outbox.acks["accepted"] == 2  # both episodes' groups went on beside it
 
 
 def test_inflight_loads_wait_for_a_lease_redone_twice(tmp_path, closing):
