@@ -682,6 +682,19 @@ class AlgoConfig(_Section):
         "token", description="Importance weight per token or sequence; `sequence` only with correction = `tis`."
     )
     tis_cap: float = Field(2.0, description="Importance weights are truncated at this value.", gt=0)
+    is_mask: Literal["none", "token", "sequence", "geometric"] = Field(
+        "none",
+        description="Reject (mask) what the vLLM-trainer mismatch put too far off: rho = pi_prox / pi_behaviour "
+        "outside [is_mask_low, is_mask_high]. `token`: each such token (IcePop); `sequence`: whole sequences whose "
+        "product of ratios is outside (long ones leave first); `geometric`: whole sequences whose geometric-mean "
+        "ratio is outside (length-normalised: the one for long completions). A rejected token adds no loss, no "
+        "gradient and leaves the denominator; the correction's weight still applies to the kept ones. With "
+        "ratio = `sequence` (GSPO) only `sequence` or `geometric`.",
+    )
+    is_mask_low: float = Field(
+        0.5, description="Lower bound of the band of rho that is_mask keeps (1/c for a symmetric band).", gt=0, lt=1
+    )
+    is_mask_high: float = Field(2.0, description="Upper bound of the band of rho that is_mask keeps (c).", gt=1)
     clip_low: float = Field(0.2, description="PPO ratio lower clip: 1 - clip_low.", ge=0, lt=1)
     clip_high: float = Field(0.28, description="PPO ratio upper clip: 1 + clip_high.", ge=0)
     dual_clip: float | None = Field(None, description="Dual-clip constant c > 1 for negative advantages.", gt=1)
@@ -745,6 +758,11 @@ class AlgoConfig(_Section):
             raise ValueError(
                 "ratio: 'sequence' (GSPO) takes one importance weight per sequence; set algo.correction = 'tis' "
                 "with algo.tis_level = 'sequence', or algo.correction = 'none'"
+            )
+        if self.ratio == "sequence" and self.is_mask == "token":
+            raise ValueError(
+                "is_mask: 'token' drops tokens from inside GSPO's sequence ratio (ratio = 'sequence'); set "
+                "algo.is_mask = 'sequence' or 'geometric', or algo.ratio = 'token'"
             )
         if self.ratio == "sequence" and self.aggregation != "seq_mean":
             raise ValueError(

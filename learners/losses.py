@@ -33,6 +33,7 @@ from learners.advantages import action_mask, masked_mean
 __all__ = [
     "bradley_terry_loss",
     "dpo_loss",
+    "importance_mask",
     "kl_estimate",
     "policy_loss",
     "sequence_log_ratio",
@@ -45,6 +46,7 @@ _CORRECTIONS = ("none", "decoupled", "tis")
 _TIS_LEVELS = ("token", "sequence")
 _AGGREGATIONS = ("token_mean", "seq_mean")
 _RATIOS = ("token", "sequence")
+_IS_MASKS = ("none", "token", "sequence", "geometric")
 
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str, mask: Tensor) -> Tensor:
@@ -94,6 +96,39 @@ def sequence_log_ratio(logprobs: Tensor, proximal_logprobs: Tensor, m: Tensor) -
     return torch.where(m, log_s + logprobs - logprobs.detach(), 0)  # [B, T]
 
 
+def importance_mask(
+    proximal_logprobs: Tensor, behaviour_logprobs: Tensor, m: Tensor, kind: str, low: float, high: float
+) -> Tensor:
+    """bool [B, T]: the action tokens kept by rejection on rho = pi_prox / pi_behaviour (False off `m`).
+
+    With log rho_t = proximal_logprobs - behaviour_logprobs on row i's action tokens (m: bool [B, T]):
+        "token"      keep token t    iff low <= rho_t <= high                       (IcePop's two-sided band)
+        "sequence"   keep all of row i iff low <= prod_t rho_t <= high               (the product: the whole
+                     sequence's likelihood ratio; it grows with length, so long rows leave the band first)
+        "geometric"  keep all of row i iff low <= exp(mean_t log rho_t) <= high       (length-normalised)
+    Compared in log space (log low <= stat <= log high; bounds inclusive), so a product of thousands of ratios
+    never overflows. A NaN ratio on an action token is outside every band: rejected (its row too, for the
+    sequence kinds). Off `m` the inputs may hold anything (inf/NaN). No gradient: it is a selection.
+    With low = 1/c, high = c, "token" rejects each token whose ratio lies outside [1/c, c].
+
+    Followed: veRL's rollout correction (`rollout_corr_helper.compute_rollout_rejection_mask`, rollout_rs =
+    token / sequence / geometric, a two-sided band whose lower bound defaults to 1/upper; Liu, Li et al. 2025,
+    "When Speed Kills Stability"), OpenRLHF's `vllm_is_correction_type` = "icepop" (token band) and
+    "seq-mask-tis" (geometric band), TRL's `vllm_importance_sampling_mode` = token_mask / sequence_mask (an
+    upper bound only, i.e. low -> 0). Raises ValueError for an unknown kind ("none" is `policy_loss`'s, not this one's).
+    """
+    if kind not in _IS_MASKS[1:]:
+        raise ValueError(f"kind must be one of {_IS_MASKS[1:]}, got {kind!r}")
+    log_rho = torch.where(m, proximal_logprobs - behaviour_logprobs, 0).detach()  # [B, T]
+    stat = log_rho  # [B, T]  the quantity the band is applied to, per token
+    if kind != "token":
+        stat = log_rho.sum(dim=1, keepdim=True)  # [B, 1]  log prod_t rho_t
+        if kind == "geometric":
+            stat = stat / m.sum(dim=1, keepdim=True).clamp(min=1)  # [B, 1]  mean_t log rho_t
+        stat = stat.expand_as(log_rho)  # [B, T]
+    return m & (stat >= math.log(low)) & (stat <= math.log(high))
+
+
 def _importance_weight(
     proximal: Tensor, behaviour: Tensor | None, m: Tensor, correction: str, tis_level: str, tis_cap: float
 ) -> tuple[Tensor, Tensor]:
@@ -118,9 +153,13 @@ def _check_policy_args(
     aggregation: str,
     has_behaviour: bool,
     ratio: str = "token",
+    is_mask: str = "none",
+    is_mask_low: float = 0.5,
+    is_mask_high: float = 2.0,
 ) -> None:
     """Raises ValueError naming the argument to change. ratio="sequence" (GSPO) takes one weight per sequence
-    (correction "none", or "tis" at tis_level "sequence") and its sequence mean (aggregation "seq_mean")."""
+    (correction "none", or "tis" at tis_level "sequence"), its sequence mean (aggregation "seq_mean") and keeps or
+    rejects whole sequences (is_mask "none", "sequence" or "geometric")."""
     if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
     if dual_clip is not None and dual_clip <= 1.0:
@@ -130,6 +169,7 @@ def _check_policy_args(
         ("tis_level", tis_level, _TIS_LEVELS),
         ("aggregation", aggregation, _AGGREGATIONS),
         ("ratio", ratio, _RATIOS),
+        ("is_mask", is_mask, _IS_MASKS),
     ):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
@@ -146,6 +186,17 @@ def _check_policy_args(
         raise ValueError(f"correction={correction!r} needs behaviour_logprobs")
     if not tis_cap > 0.0:
         raise ValueError(f"tis_cap must be > 0 (math.inf for no truncation), got {tis_cap}")
+    if not 0.0 < is_mask_low < 1.0 < is_mask_high:
+        raise ValueError(
+            f"need 0 < is_mask_low < 1 < is_mask_high (the band must hold rho = 1), got {is_mask_low}, {is_mask_high}"
+        )
+    if is_mask != "none" and not has_behaviour:
+        raise ValueError(f"is_mask={is_mask!r} needs behaviour_logprobs (the ratio is pi_prox / pi_behaviour)")
+    if ratio == "sequence" and is_mask == "token":
+        raise ValueError(
+            "ratio='sequence' (GSPO) keeps or rejects whole sequences: is_mask='token' would drop tokens from inside "
+            "a sequence's ratio; use is_mask='sequence' or 'geometric'"
+        )
 
 
 def policy_loss(
@@ -163,6 +214,9 @@ def policy_loss(
     tis_cap: float = 2.0,
     aggregation: str = "token_mean",
     ratio: str = "token",
+    is_mask: str = "none",
+    is_mask_low: float = 0.5,
+    is_mask_high: float = 2.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped policy-gradient loss (scalar, differentiable in `logprobs`) and its statistics.
 
@@ -187,6 +241,20 @@ def policy_loss(
     "tis" with tis_level="sequence"), else ValueError. With every token's log-ratio equal within each row it gives
     the token-level loss's value.
 
+    is_mask (rejection on rho = pi_prox / pi_behaviour, `importance_mask`; "none" = off): "token" rejects each
+    token whose rho_t lies outside [is_mask_low, is_mask_high], "sequence" / "geometric" whole rows whose product
+    / geometric-mean ratio does. A rejected token is treated as if it had not been sampled: no loss, no gradient,
+    and it leaves the denominator (token_mean divides by the KEPT action tokens, seq_mean by the rows with >= 1
+    kept token); w (`correction`, truncation) still applies to the kept tokens, and tis_level="sequence" takes its
+    product over the kept tokens only. With no action token outside the band the loss equals the unmasked loss
+    exactly. The denominator differs between frameworks: veRL's rollout_rs multiplies the rejection into the
+    response mask its aggregation divides by (rejected tokens leave the count, as here); OpenRLHF's icepop /
+    seq-mask-tis and TRL's token_mask / sequence_mask set the weight to 0 and keep dividing by every action token,
+    so the step shrinks by the kept share as the mismatch grows. Tandem follows veRL: rejection sampling means the
+    token was not drawn, and the step's scale should not depend on how many were rejected (`algo.overlong` =
+    "mask" counts the same way). ratio="sequence" with is_mask="token" is refused (ValueError): GSPO's ratio is a
+    mean over the whole sequence. is_mask != "none" needs behaviour_logprobs; 0 < is_mask_low < 1 < is_mask_high.
+
     Shapes: logprobs, proximal_logprobs, behaviour_logprobs (None allowed with correction="none"), advantages,
     mask: [B, T]. Sample-level advantages go through `advantages.broadcast_to_tokens` first.
     Stats (detached 0-d tensors over the batch's action tokens; the caller adds a namespace such as "policy/"):
@@ -197,9 +265,13 @@ def policy_loss(
         approx_kl                       mean of k3 between pi_theta and pi_prox: (pi_prox/pi_theta - 1) - log(...)
                                         (per token, whatever `ratio`)
         ratio_mean                      mean of r (the applied one: s_i per token with ratio="sequence")
+        is_masked_frac                  share of the action tokens rejected by is_mask (0 with "none")
+        is_masked_seq_frac              share of the rows with >= 1 action token that have >= 1 rejected token
         seq_clip_frac                   ratio="sequence" only: share of the rows with >= 1 action token whose
                                         clipped branch is active (A < 0 and s_i < 1 - clip_low, or A > 0 and
                                         s_i > 1 + clip_high)
+    Every statistic but the two is_masked ones is over the KEPT action tokens (the ones the loss uses); those two
+    are over all action tokens / rows. With is_mask="none" the kept tokens are the action tokens.
     """
     _check_policy_args(
         clip_low,
@@ -211,6 +283,9 @@ def policy_loss(
         aggregation,
         behaviour_logprobs is not None,
         ratio,
+        is_mask,
+        is_mask_low,
+        is_mask_high,
     )
     m = action_mask(mask, logprobs.shape)
     for name, x in (
@@ -234,13 +309,29 @@ def policy_loss(
     if dual_clip is not None:
         dual_active = m & (adv < 0) & (pg > -dual_clip * adv)
         pg = torch.where(dual_active, -dual_clip * adv, pg)
-    w, truncated = _importance_weight(proximal_logprobs, behaviour_logprobs, m, correction, tis_level, tis_cap)
-    per_token = torch.where(m, w * pg, 0)  # [B, T]
-    loss = _aggregate(per_token, m, aggregation)
-    stats = _policy_stats(m, adv, log_ratio, applied.detach(), w, truncated, dual_active, clip_low, clip_high)
+    kept = m  # [B, T]  the action tokens the loss uses
+    if is_mask != "none":
+        kept = importance_mask(proximal_logprobs, behaviour_logprobs, m, is_mask, is_mask_low, is_mask_high)
+    w, truncated = _importance_weight(proximal_logprobs, behaviour_logprobs, kept, correction, tis_level, tis_cap)
+    per_token = torch.where(kept, w * pg, 0)  # [B, T]
+    loss = _aggregate(per_token, kept, aggregation)
+    stats = _policy_stats(kept, adv, log_ratio, applied.detach(), w, truncated, dual_active & kept, clip_low, clip_high)
+    stats |= _mask_stats(m, kept)
     if ratio == "sequence":
-        stats["seq_clip_frac"] = _sequence_clip_frac(m, adv, applied.detach(), clip_low, clip_high)
+        stats["seq_clip_frac"] = _sequence_clip_frac(kept, adv, applied.detach(), clip_low, clip_high)
     return loss, stats
+
+
+@torch.no_grad()
+def _mask_stats(m: Tensor, kept: Tensor) -> dict[str, Tensor]:
+    """is_masked_frac (rejected / action tokens) and is_masked_seq_frac (rows with a rejected token / rows with
+    >= 1 action token); m, kept: bool [B, T], kept within m. 0 when there is no action token."""
+    rejected = m & ~kept  # [B, T]
+    rows = m.any(dim=1)  # [B]
+    return {
+        "is_masked_frac": rejected.sum() / m.sum().clamp(min=1),
+        "is_masked_seq_frac": rejected.any(dim=1).sum() / rows.sum().clamp(min=1),
+    }
 
 
 @torch.no_grad()

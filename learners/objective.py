@@ -29,6 +29,12 @@ statistics are means over all the steps of the batch (each epoch weighted equall
 `rollout/truncated_share` is the share of the batch's samples cut at the token limit (finish reason `length`),
 `reward/overlong_penalty` the mean penalty added to their rewards (0 unless algo.overlong = "penalty"); with
 algo.ratio = "sequence" (GSPO), `policy/seq_clip_frac` is the share of sequences whose clip is active.
+`policy/is_masked_frac` is the share of action tokens that algo.is_mask rejected (rho = pi_prox / pi_behaviour
+outside [is_mask_low, is_mask_high]), `policy/is_masked_seq_frac` the share of sequences with a rejected token; both
+0 with is_mask = "none". A rejected token leaves its micro-batch's loss and denominator (`policy_loss`); the
+micro-batch itself is still weighted by its share of the batch's loss units counted before the rejection (the
+trainer counts them before the forward), so with several micro-batches per step the step is a weighted mean of
+per-micro-batch kept-token means, not one mean over the kept tokens of the whole step.
 """
 
 from __future__ import annotations
@@ -141,6 +147,9 @@ def policy_objective(
         tis_cap=algo.tis_cap,
         aggregation=algo.aggregation,
         ratio=algo.ratio,
+        is_mask=algo.is_mask,
+        is_mask_low=algo.is_mask_low,
+        is_mask_high=algo.is_mask_high,
     )
     stats.add("loss/policy", loss, loss_share)
     if "seq_clip_frac" in parts:  # ratio = "sequence" needs seq_mean: loss_share is the share of its rows
@@ -170,6 +179,8 @@ def policy_objective(
             stats.add(f"{name}/epoch_{epoch}", value, token_share * algo.ppo_epochs)
     stats.add("policy/iw_mean", parts["is_weight_mean"], token_share)
     stats.add("policy/iw_truncated_frac", parts["is_truncated_frac"], token_share)
+    stats.add("policy/is_masked_frac", parts["is_masked_frac"], token_share)
+    stats.add("policy/is_masked_seq_frac", parts["is_masked_seq_frac"], token_share)
     stats.peak("policy/iw_max", parts["is_weight_max"])
     return loss
 
