@@ -5,7 +5,9 @@
 
 Every rank calls it with its own groups (a collective when ranks > 1: all must call it); every rank gets the
 statistics of the whole global batch. Staleness histogram: `staleness/frac_k` for k = 0..max_staleness, and
-`staleness/frac_over` for samples beyond the bound (0 unless the buffer let one through).
+`staleness/frac_over` for samples beyond the bound (0 unless the buffer let one through). Completion lengths:
+`perf/completion_tokens_min` and `_max`, the shortest and longest sample of the batch (model and environment
+tokens after the prompt): how far a step's lengths spread, which a synchronous step waits on.
 
 Reward components: `reward/<name>` is the mean of component `name` over the samples whose group carries it (the
 raw values the generator recorded: a component of weight 0, which adds nothing to the reward, shows here all the
@@ -52,7 +54,12 @@ def rollout_summary(
     if count == 0:
         raise ValueError("no samples in the global batch: nothing to summarise")
     mean = total[1] / count
-    peak = max_across_ranks(np.array([stale.max() if len(stale) else 0], dtype=np.float64))
+    lengths = np.concatenate([np.diff(g.offsets) for g in groups]) if groups else np.zeros(0, np.int64)
+    longest, shortest = (
+        (float(lengths.max()), float(lengths.min())) if len(lengths) else (0.0, np.inf)
+    )  # an empty rank: no minimum
+    # one reduction for three maxima: the stalest sample, the longest completion and -(the shortest one)
+    peak = max_across_ranks(np.array([stale.max() if len(stale) else 0, longest, -shortest], dtype=np.float64))
     summary = {
         "reward/mean": mean,
         "reward/std": float(np.sqrt(max(total[2] / count - mean**2, 0.0))),
@@ -61,6 +68,8 @@ def rollout_summary(
         "perf/samples": count,
         "perf/groups": total[6],
         "perf/completion_tokens": total[4],
+        "perf/completion_tokens_min": -peak[2],
+        "perf/completion_tokens_max": peak[1],
         "perf/tokens": total[4] + total[5],
     }
     for k in range(max_staleness + 1):

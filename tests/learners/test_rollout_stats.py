@@ -83,3 +83,32 @@ def test_ranks_agree_on_the_union_of_their_component_names():
     assert summaries[0] == summaries[1]
     assert summaries[0]["reward/correct"] == pytest.approx(3 / 4)
     assert summaries[0]["reward/reward_model"] == pytest.approx(0.5)
+
+
+def test_completion_length_extremes_over_the_batch_and_across_ranks():
+    rng = np.random.default_rng(3)
+    one = synthetic_group(rng, 3, [5, 40])
+    two = synthetic_group(rng, 3, [12, 300, 7])
+    summary = rollout_summary([one, two], [np.zeros(2, np.int32), np.zeros(3, np.int32)], max_staleness=0)
+    assert summary["perf/completion_tokens_min"] == 5 and summary["perf/completion_tokens_max"] == 300
+    # two ranks, one of which holds no sample: its empty share changes neither extreme
+    shares, ranks, summaries = [[two], []], _TwoRanks(), [None, None]
+
+    def rank_main(rank: int) -> None:
+        summaries[rank] = rollout_summary(
+            shares[rank],
+            [np.zeros(3, np.int32)] if shares[rank] else [],
+            max_staleness=0,
+            sum_across_ranks=ranks.reducer(rank, np.add),
+            max_across_ranks=ranks.reducer(rank, np.maximum),
+            rank=rank,
+            world_size=2,
+        )
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert summaries[0] == summaries[1]
+    assert summaries[0]["perf/completion_tokens_min"] == 7 and summaries[0]["perf/completion_tokens_max"] == 300
