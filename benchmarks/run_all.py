@@ -38,6 +38,7 @@ BENCHMARKS = (
     "staleness_effect",
     "length_bias",
     "time_to_reward",
+    "time_to_accuracy",
     "demo_runs",
     "ray_overhead",
     "env_latency",

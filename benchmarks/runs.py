@@ -55,6 +55,7 @@ class RunOutcome:
     generators_ready_wall: float | None  # when every generator had opened its metrics stream
     cpu_samples: list[tuple[float, dict[str, float]]]  # (wall time, role name -> CPU seconds so far)
     load_avg: float  # the machine's 1-minute load average as the run ended (others' work competes for cores)
+    started_wall: float = 0.0  # time.time() when the launcher was started: the origin of "seconds since launch"
 
     def cpu_at(self, role_prefix: str, wall: float) -> float:
         """CPU seconds used by the roles whose name starts with `role_prefix`, as of the last sample <= `wall`."""
@@ -115,6 +116,7 @@ def launch_run(config: Path, root: Path, name: str, overrides: dict[str, Any], t
         generators_ready_wall=watcher.generators_ready_wall,
         cpu_samples=watcher.cpu_samples,
         load_avg=os.getloadavg()[0],
+        started_wall=started,
     )
 
 
