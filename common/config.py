@@ -331,6 +331,16 @@ class RunConfig(_Section):
         "provided the vLLM engines on a shared GPU together take at most half of it "
         "(generator.gpu_memory_utilization each): the learner, started first, and the reward model need the rest.",
     )
+    placement: Literal["split", "colocated"] = Field(
+        "split",
+        description="How `tandem run` shares this machine's cores. `split`: the generators the first half, the "
+        "learner the rest (the reward service, if any, the generators' last core). `colocated`: every role pinned "
+        "to every core, each phase of synchronous training (generate, then train) given the whole machine in "
+        "turn, as OpenRLHF's --colocate_all_models and veRL's hybrid engine do; only with algo.max_staleness = 0 "
+        "(asynchronous roles would fight for the cores). Explicit generator/learner/reward.cpu_cores win either "
+        "way. `tandem ray` refuses `colocated` (Ray places each role by its resources). What it costs: "
+        "docs/placement.md.",
+    )
     port_base: int | None = Field(
         None,
         description="One number that moves every fixed port the run binds: buffer.port = base, "
@@ -1589,6 +1599,12 @@ class TandemConfig(_Section):
             problems.append(
                 f"learner.sync_every: must be <= algo.max_staleness + 1 = {self.algo.max_staleness + 1} "
                 f"(got {self.learner.sync_every}); weights published less often are staler than η allows"
+            )
+        if self.run.placement == "colocated" and self.algo.max_staleness > 0:
+            problems.append(
+                f'run.placement: "colocated" gives every core to each role in turn, which only synchronous training '
+                f"leaves room for: set algo.max_staleness = 0 (got {self.algo.max_staleness}), or "
+                'run.placement = "split" (the default) to train asynchronously'
             )
         if self.learner.groups_per_step % self.learner.world_size:
             problems.append(

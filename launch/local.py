@@ -5,10 +5,11 @@
 Order: buffer, then the learner rank(s) (whose publisher serves the initial weights), then the reward service
 (`reward-0`, when env.reward_model is scored out of process: `config.reward_service`), then the generator(s).
 Each child runs `python -m launch.cli ROLE <run_dir>/config.json ...` in its own session (so that vLLM's and
-torchrun's own children go with it), pinned to its CPU cores, with stdout/stderr in `logs/<role>-<i>.out`. On a
-machine with GPUs each role sees only its own (CUDA_VISIBLE_DEVICES, launch/gpu_plan.py): the learner's first, then
-each generator's, then the reward service's; too few is refused before anything starts (exit 2) unless
-run.share_gpus.
+torchrun's own children go with it), pinned to its CPU cores (`plan_cores`: run.placement "split" halves the machine
+between generators and learner, "colocated" gives each every core, docs/placement.md), with stdout/stderr in
+`logs/<role>-<i>.out`. On a machine with GPUs each role sees only its own (CUDA_VISIBLE_DEVICES,
+launch/gpu_plan.py): the learner's first, then each generator's, then the reward service's; too few is refused
+before anything starts (exit 2) unless run.share_gpus.
 
 Ends when:
   - the learner exits 0           -> the run is over: the buffer and the generators exit by themselves (the learner's
@@ -34,7 +35,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,16 +192,22 @@ def stop_grace_s(config: TandemConfig, role: str) -> float:
 
 
 def plan_cores(config: TandemConfig) -> tuple[set[int] | None, set[int] | None]:
-    """(generator cores, learner cores): split this machine's cores so that the two never fight.
+    """(generator cores, learner cores): split this machine's cores so that the two never fight, or, with
+    run.placement = "colocated" (synchronous training only: the config refuses it at η > 0), give each every core.
 
-    Explicit `generator.cpu_cores` / `learner.cpu_cores` win. Otherwise the generators get the first half
-    (at least one core) and the learner the rest; on one core both share it.
+    Explicit `generator.cpu_cores` / `learner.cpu_cores` win. Otherwise, "split": the generators get the first half
+    (at least one core) and the learner the rest; on one core both share it. "colocated": each role not written
+    gets every core this process may use (`os.sched_getaffinity(0)`), so that the role pins them all and sizes its
+    thread pool to them (vLLM's VLLM_CPU_OMP_THREADS_BIND, torch's set_num_threads), as an explicit list would.
     """
     available = sorted(os.sched_getaffinity(0))
     explicit = (
         parse_cores(config.generator.cpu_cores, "generator.cpu_cores") or None,
         parse_cores(config.learner.cpu_cores, "learner.cpu_cores") or None,
     )
+    if config.run.placement == "colocated":
+        generator, learner = explicit
+        return generator or set(available), learner or set(available)
     if any(explicit) or len(available) < 2:
         return explicit
     half = max(1, len(available) // 2)
@@ -212,16 +219,45 @@ def plan_reward_cores(
 ) -> tuple[set[int] | None, set[int] | None]:
     """(reward service cores, generator cores): the reward service's own core where there is one to spare.
 
-    An explicit `reward.cpu_cores` wins. Else, when the generators' share (plan_cores's, not written by the user)
-    holds 2 or more cores, its last one goes to the reward service. Else it shares the generators' cores (2 cores
-    here: the reward model scores a group while the generator waits for it and samples the next ones)."""
+    An explicit `reward.cpu_cores` wins. Colocated (run.placement): every core, as the other roles. Else, when the
+    generators' share (plan_cores's, not written by the user) holds 2 or more cores, its last one goes to the reward
+    service. Else it shares the generators' cores (2 cores here: the reward model scores a group while the
+    generator waits for it and samples the next ones)."""
     explicit = parse_cores(config.reward.cpu_cores, "reward.cpu_cores")
     if explicit:
         return explicit, generator_cores
+    if config.run.placement == "colocated":
+        return set(os.sched_getaffinity(0)), generator_cores
     if generator_cores and len(generator_cores) >= 2 and not config.generator.cpu_cores:
         last = max(generator_cores)
         return {last}, generator_cores - {last}
     return generator_cores, generator_cores
+
+
+def spin_warning(placement: str, environ: Mapping[str, str]) -> str | None:
+    """Why colocated roles would burn the cores they share while idle, or None: an OMP_WAIT_POLICY = ACTIVE (or a
+    GOMP_SPINCOUNT) the roles inherit keeps each idle role's OpenMP threads spinning for the other's whole phase.
+
+    libgomp's default (neither set) spins a few hundred thousand iterations, then sleeps: an idle colocated
+    role measured 0.03-0.04 cores (benchmarks/colocated_idle.py), which is why the launcher sets no policy of its
+    own (PASSIVE would put the working role's threads to sleep at every parallel region too)."""
+    policy, spincount = environ.get("OMP_WAIT_POLICY", ""), environ.get("GOMP_SPINCOUNT", "")
+    if placement != "colocated" or (policy.strip().lower() != "active" and not spincount):
+        return None
+    written = [
+        f"{name}={value}" for name, value in (("OMP_WAIT_POLICY", policy), ("GOMP_SPINCOUNT", spincount)) if value
+    ]
+    return (
+        f"run.placement colocated with {' and '.join(written)} in the environment: each idle role's OpenMP threads "
+        "spin on the cores the working role needs (an idle torch process measured ~1 core with ACTIVE, ~0 without): "
+        f"unset {'them' if len(written) > 1 else 'it'}"
+    )
+
+
+def describe_cores(roles: list[Role]) -> str:
+    """`learner-0 cores 0,1; generator-0 cores 0,1` (roles not pinned left out; "no role pinned" if none is)."""
+    pinned = [f"{role.name} cores {cores_spec(role.cores)}" for role in roles if role.cores]
+    return "; ".join(pinned) or "no role pinned"
 
 
 def cores_spec(cores: set[int] | None) -> str:
@@ -303,6 +339,10 @@ def run(config: TandemConfig) -> int:
         )
     mode = "SIMULATION (no vLLM, no DeepSpeed: compute stand-ins)" if config.run.simulate else "real engines"
     log.info("mode: %s; eta = %d; %d generator(s)", mode, config.algo.max_staleness, config.generator.count)
+    log.info("placement %s: %s", config.run.placement, describe_cores(roles))
+    spinning = spin_warning(config.run.placement, os.environ)
+    if spinning:
+        log.warning("%s", spinning)
     start = time.time()
     first_step = resumed_from(config)
     if config.learner.resume and first_step == 0:

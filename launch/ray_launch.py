@@ -17,7 +17,8 @@ machine) until the controller reports the outcome.
 
 Exit codes: 0 the learner finished; 1 a role failed beyond what the controller may repair (its reason and log
 tail are printed); 2 the config or the cluster cannot hold this run, or its run directory holds another run
-(`common.run_dir`); 130 Ctrl-C / SIGTERM (fleet stopped).
+(`common.run_dir`), or it asks for run.placement = "colocated" (a `tandem run` placement: refused, never
+ignored, so that a run is never silently placed otherwise than written); 130 Ctrl-C / SIGTERM (fleet stopped).
 The controller is killed when this process ends, and the local Ray it started is shut down. If this process is
 killed hard, the detached controller keeps the fleet running, on a joined cluster and on the local one alike (its
 head runs in its own session): `tandem ray status RUN` / `tandem ray stop RUN` reach it from any shell, and the
@@ -43,11 +44,19 @@ from launch.ray_local import LocalCluster, busy_problem, forget, start_local
 from launch.ray_plan import NAMESPACE, capacity_problem, controller_name, resource_demand
 
 FOLLOW_S = 1.0
+PLACEMENT_REFUSED = (
+    'run.placement: "colocated" is a `tandem run` placement (every role pinned to every core of one machine); '
+    'Ray places each role on a node by its CPU and GPU resources: leave run.placement out ("split") for '
+    "`tandem ray`, or use `tandem run`"
+)
 DRIVER_FAILED = {"outcome": "failed: tandem ray itself failed (see its output)", "code": 1}  # until one is known
 
 
 def run(config: TandemConfig) -> int:
     """Launch the fleet on Ray and follow it to its end; returns the exit code (see the module docstring)."""
+    if config.run.placement != "split":  # before Ray starts: a `tandem run` placement, meaningless on Ray
+        print(f"tandem ray: {PLACEMENT_REFUSED}", file=sys.stderr)
+        return 2
     import ray
 
     run_dir = config.run.run_dir.resolve()
