@@ -222,6 +222,15 @@ def idle_omp_cores() -> dict[str, float]:
     return cores
 
 
+def headline(result: dict) -> dict:
+    """The figures issues read: the idle role's cores and peak memory (real, sim), or the idle cores per wait
+    policy (omp)."""
+    if result["part"] == "omp":
+        return {"idle_cores_by_wait_policy": result["idle_cores_by_wait_policy"]}
+    keys = ("idle_learner_cores", "idle_generator_cores", "working_learner_cores", "working_generator_cores")
+    return {**{key: result[key] for key in keys}, "peak_rss_mib": result["peak_rss_mib"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--part", choices=["sim", "real", "omp"], default="sim")
@@ -237,6 +246,7 @@ def main() -> None:
         # eval off: the demo's eval rounds are sampled while the learner trains, work that is not idling
         result = measure(DEMO_CONFIG, {"eval": {"sets": []}}, args.steps or 4, args.timeout_s)
     result = {"part": args.part, **result}
+    result["headline"] = headline(result)
     for key, value in result.items():
         print(f"{key}: {value}")
     save(f"colocated_idle_{args.part}{args.label}", result)
