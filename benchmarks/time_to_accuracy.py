@@ -154,6 +154,9 @@ def workload_figures(runs: list[dict[str, Any]], target: float) -> dict[str, Any
         if mine is None or theirs is None:
             why = f"seed {seed}: {'async' if mine is None else better} did not reach the target"
             continue
+        if theirs == 0.0:  # already at version 0: the target is in the start's noise (a fixed --target too low)
+            why = f"seed {seed}: {better} was at the target at version 0"
+            continue
         ratios[seed] = mine / theirs
     return {
         "target": target,
