@@ -69,6 +69,10 @@ class RunOutcome:
     def cpu_between(self, role_prefix: str, start_wall: float, end_wall: float) -> float:
         return self.cpu_at(role_prefix, end_wall) - self.cpu_at(role_prefix, start_wall)
 
+    def published_s(self) -> dict[int, float]:
+        """Learner step -> seconds from launch until its record appeared (when that version was published)."""
+        return {step: wall - self.started_wall for step, wall in self.step_wall.items()}
+
     def first_step_after(self, wall: float) -> int:
         """The first learner step whose record appeared after `wall` (the last step if none did)."""
         later = [step for step, seen in sorted(self.step_wall.items()) if seen > wall]
@@ -118,6 +122,20 @@ def launch_run(config: Path, root: Path, name: str, overrides: dict[str, Any], t
         load_avg=os.getloadavg()[0],
         started_wall=started,
     )
+
+
+PUBLISHED = "published.json"  # beside a run: {learner step: seconds from launch to its record}
+
+
+def launch_fresh_run(config: Path, root: Path, name: str, overrides: dict[str, Any], timeout_s: float) -> RunOutcome:
+    """`launch_run` under a name not used before (a run dir there would be resumed: SystemExit saying so), then
+    <run_dir>/published.json: when each learner step's record appeared, in seconds since launch, so that the
+    figures can be recomputed from the run directory alone (`--from-runs`)."""
+    if (root / name).exists():
+        raise SystemExit(f"{root / name} exists (a run there would resume it): remove it or pass --runs-dir")
+    outcome = launch_run(config, root, name, overrides, timeout_s)
+    (outcome.run_dir / PUBLISHED).write_text(json.dumps(outcome.published_s()))
+    return outcome
 
 
 class RunWatcher:

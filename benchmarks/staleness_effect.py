@@ -30,7 +30,6 @@ missing, with the reason in `why_null`. Writes results/<--out>.{json,png} (defau
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import statistics
@@ -39,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import save, side_by_side
-from benchmarks.runs import REPO, launch_run, mean_of, trained_rate
-from benchmarks.time_to_accuracy import PUBLISHED, WORKLOADS, eval_curve
+from benchmarks.runs import REPO, launch_fresh_run, mean_of, trained_rate
+from benchmarks.time_to_accuracy import WORKLOADS, eval_curve
 from common.metrics import read_metrics
 
 CONFIG = WORKLOADS["A"]
@@ -157,19 +156,13 @@ def run_grid(etas: list[int], corrections: list[str], seeds: list[int], steps: i
         for correction in corrections:
             for eta in etas:
                 name = f"eta{eta}-{correction}-seed{seed}"
-                if (root / name).exists():
-                    raise SystemExit(
-                        f"{root / name} exists (a run there would resume it): remove it or pass --runs-dir"
-                    )
                 overrides = {
                     **CORRECTIONS[correction],
                     "algo.max_staleness": eta,
                     "run.seed": seed,
                     "learner.total_steps": steps,
                 }
-                outcome = launch_run(CONFIG, root, name, overrides, timeout_s=900 + 240 * steps)
-                published = {step: wall - outcome.started_wall for step, wall in outcome.step_wall.items()}
-                (outcome.run_dir / PUBLISHED).write_text(json.dumps(published))
+                outcome = launch_fresh_run(CONFIG, root, name, overrides, 900 + 240 * steps)
                 run = run_figures(name, eta, correction, seed, outcome.run_dir)
                 run.update(wall_s=outcome.wall_s, load_avg=outcome.load_avg)
                 runs.append(run)

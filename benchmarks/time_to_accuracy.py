@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import save, side_by_side
-from benchmarks.runs import REPO, launch_run, mean_of, trained_rate
+from benchmarks.runs import PUBLISHED, REPO, launch_fresh_run, mean_of, trained_rate
 from common.metrics import read_metrics
 
 HERE = Path(__file__).resolve().parent
@@ -68,7 +68,6 @@ SETUPS: dict[str, dict[str, Any]] = {
 ASYNC, SYNC_SETUPS = "async", ("sync", "sync-colocated")
 GAIN = 0.5
 FIRST_STEP = 1  # step splits and rates after this step's record (step 1's batch also waits for start-up)
-PUBLISHED = "published.json"  # beside a run: {version: seconds since launch}
 RUN_NAME = re.compile(r"(?P<workload>[A-Z])-(?P<setup>[a-z-]+)-seed(?P<seed>\d+)")
 DEFAULT_RUNS_DIR = REPO / "runs" / "time_to_accuracy"
 QUICK = {"workloads": ["C"], "seeds": [0], "steps": 12}
@@ -211,16 +210,10 @@ def run_grid(workloads: list[str], setups: list[str], seeds: list[int], steps: i
         for workload in workloads:
             for setup in setups:
                 name = f"{workload}-{setup}-seed{seed}"
-                if (root / name).exists():
-                    raise SystemExit(
-                        f"{root / name} exists (a run there would resume it): remove it or pass --runs-dir"
-                    )
                 overrides = {**SETUPS[setup], "run.seed": seed, "learner.total_steps": steps}
                 print(f"{name}: running ...", flush=True)
-                outcome = launch_run(WORKLOADS[workload], root, name, overrides, timeout_s=900 + 240 * steps)
-                published = {step: wall - outcome.started_wall for step, wall in outcome.step_wall.items()}
-                (outcome.run_dir / PUBLISHED).write_text(json.dumps(published))
-                run = run_figures(name, workload, setup, seed, outcome.run_dir, published)
+                outcome = launch_fresh_run(WORKLOADS[workload], root, name, overrides, 900 + 240 * steps)
+                run = run_figures(name, workload, setup, seed, outcome.run_dir, outcome.published_s())
                 run.update(wall_s=outcome.wall_s, load_avg=outcome.load_avg)
                 runs.append(run)
                 print(describe(run), flush=True)
