@@ -47,6 +47,7 @@ BENCHMARKS = (
     "demo_wall",
     "broadcast_rounds",
     "architectures",
+    "house_counts",
 )
 OPTIONAL = frozenset({"ray_overhead", "env_latency"})  # run when present
 HERE = Path(__file__).resolve().parent

@@ -264,6 +264,30 @@ def _read_stat(pid: int) -> list[str] | None:
     return text[text.rindex(")") + 2 :].split()
 
 
+def kept_runs(
+    saved_path: Path, new: list[dict[str, Any]], key: tuple[str, ...], same: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
+    """The runs of the result saved at `saved_path` that `new` does not redo (equal values of every field in `key`)
+    and that agree with `new` on every field in `same` (say, the steps each run trained), so that a grid run a piece
+    at a time (a real run takes 15-20 minutes on 2 cores) adds to the saved figures instead of replacing them. A
+    saved run lacking a `key` field (a former version of the benchmark wrote it) is left out. Each kept run keeps
+    the `cpu` it was measured on (`benchmarks.common.cpu`; a run saved before runs recorded it has none)."""
+    if not saved_path.exists():
+        return []
+    redone = {tuple(run[field] for field in key) for run in new}
+    wanted = {field: {run[field] for run in new} for field in same}
+    kept = [
+        run
+        for run in json.loads(saved_path.read_text()).get("runs", [])
+        if all(field in run for field in key)
+        and tuple(run[field] for field in key) not in redone
+        and all(run.get(field) in values for field, values in wanted.items())
+    ]
+    if kept:
+        print(f"kept {len(kept)} saved runs from {saved_path.name} (--fresh leaves them out)")
+    return kept
+
+
 def trained_rate(records: list[dict[str, Any]], first_step: int, last_step: int | None = None) -> dict[str, float]:
     """Trained samples/s from the record of `first_step` to that of `last_step` (default: the last record), on the
     learner's clock; with the window's steps, samples and seconds. Raises ValueError when the run has no step

@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import save, side_by_side
-from benchmarks.runs import REPO, launch_fresh_run, mean_of, trained_rate
+from benchmarks.common import RESULTS, cpu, save, side_by_side
+from benchmarks.runs import REPO, kept_runs, launch_fresh_run, mean_of, trained_rate
 from benchmarks.time_to_accuracy import WORKLOADS, eval_curve
 from common.metrics import read_metrics
 
@@ -66,6 +66,7 @@ STEPS = 24
 END_POINTS = 2  # evaluations averaged into a run's end accuracy
 DEFAULT_RUNS_DIR = REPO / "runs" / "staleness_effect"
 RUN_NAME = re.compile(r"eta(?P<eta>\d+)-(?P<correction>[a-z-]+)-seed(?P<seed>\d+)")
+RUN_KEY = ("eta", "correction", "seed")  # a run of the grid; a saved run with the same key is replaced
 
 
 def cell(eta: int, correction: str) -> str:
@@ -164,7 +165,7 @@ def run_grid(etas: list[int], corrections: list[str], seeds: list[int], steps: i
                 }
                 outcome = launch_fresh_run(CONFIG, root, name, overrides, 900 + 240 * steps)
                 run = run_figures(name, eta, correction, seed, outcome.run_dir)
-                run.update(wall_s=outcome.wall_s, load_avg=outcome.load_avg)
+                run.update(wall_s=outcome.wall_s, load_avg=outcome.load_avg, cpu=cpu())
                 runs.append(run)
                 print(describe(run), flush=True)
     return runs
@@ -244,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="staleness_effect", help="results/<OUT>.json and .png")
     parser.add_argument("--from-runs", type=Path, default=None, help="compute from the runs in DIR; run nothing")
     parser.add_argument("--runs-dir", type=Path, default=None, help="default runs/staleness_effect/<now>")
+    parser.add_argument(
+        "--fresh", action="store_true", help="do not keep the saved result's runs that this invocation did not redo"
+    )
     args = parser.parse_args(argv)
     base = QUICK if args.quick else DEFAULT
     started = time.time()
@@ -257,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         root.mkdir(parents=True, exist_ok=True)
         etas, corrections = args.etas or base["etas"], args.corrections or base["corrections"]
         runs = run_grid(etas, corrections, args.seeds or base["seeds"], steps, root)
+    if not args.fresh:  # accuracy per trained sample: only runs of as many steps compare
+        runs = kept_runs(RESULTS / f"{args.out}.json", runs, RUN_KEY, same=("steps",)) + runs
     result: dict[str, Any] = {
         "source": f"--from-runs {args.from_runs}" if args.from_runs else "grid",
         "config": str(CONFIG.relative_to(REPO)),

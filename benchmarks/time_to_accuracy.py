@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import RESULTS, cpu, save, side_by_side
-from benchmarks.runs import PUBLISHED, REPO, launch_fresh_run, mean_of, trained_rate
+from benchmarks.runs import PUBLISHED, REPO, kept_runs, launch_fresh_run, mean_of, trained_rate
 from common.metrics import read_metrics
 
 HERE = Path(__file__).resolve().parent
@@ -72,6 +72,7 @@ RUN_NAME = re.compile(r"(?P<workload>[A-Z])-(?P<setup>[a-z-]+)-seed(?P<seed>\d+)
 DEFAULT_RUNS_DIR = REPO / "runs" / "time_to_accuracy"
 QUICK = {"workloads": ["C"], "seeds": [0], "steps": 12}
 TARGET_RATIO = 0.8  # the issue's target on workloads B and C
+RUN_KEY = ("workload", "setup", "seed")  # a run of the grid; a saved run with the same key is replaced
 
 
 # ------------------------------------------------------------------------------------------- one run's figures
@@ -237,20 +238,6 @@ def load_runs(folder: Path) -> list[dict[str, Any]]:
     return runs
 
 
-def kept_runs(saved_path: Path, new: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The runs of the result saved at `saved_path` that `new` does not redo (same workload, setup and seed), so a
-    grid run a workload or a seed at a time (each run takes 15-20 minutes here) adds to the saved figures instead
-    of replacing them. A run keeps the `cpu` it was measured on; one saved before runs recorded it has none."""
-    if not saved_path.exists():
-        return []
-    redone = {(run["workload"], run["setup"], run["seed"]) for run in new}
-    saved = json.loads(saved_path.read_text()).get("runs", [])
-    kept = [run for run in saved if (run["workload"], run["setup"], run["seed"]) not in redone]
-    if kept:
-        print(f"kept {len(kept)} saved runs from {saved_path.name} (--fresh leaves them out)")
-    return kept
-
-
 def describe(run: dict[str, Any]) -> str:
     points = " ".join(f"v{p['version']}@{p['time_s']:.0f}s={p['accuracy']:.3f}" for p in run["curve"])
     return (
@@ -326,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         root.mkdir(parents=True, exist_ok=True)
         runs = run_grid(workloads, args.setups, seeds, steps, root)
     if not args.fresh:
-        runs = kept_runs(RESULTS / f"{args.out}.json", runs) + runs
+        runs = kept_runs(RESULTS / f"{args.out}.json", runs, RUN_KEY) + runs
     per_workload = figures(runs, _targets(args.target))
     for workload, figs in per_workload.items():
         ratio = "null (" + str(figs["ratio_why_null"]) + ")" if figs["ratio"] is None else f"{figs['ratio']:.3f}"

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 
 from benchmarks.run_all import format_figures, headline
-from benchmarks.runs import RunOutcome, process_cpu_s, trained_rate
+from benchmarks.runs import RunOutcome, kept_runs, process_cpu_s, trained_rate
 from common.config import parse_overrides
 from launch.testing import override_args
 
@@ -86,3 +87,18 @@ def test_scaling_efficiency_is_against_the_measured_capacities() -> None:
     ]
     add_scaling_efficiency(rows, calibration)
     assert [row["scaling_efficiency"] for row in rows] == pytest.approx([57 / 60, 72 / 75, 150 / 160])
+
+
+def test_kept_runs_are_the_saved_ones_not_redone_and_comparable(tmp_path: Path) -> None:
+    saved = tmp_path / "grid.json"
+    assert kept_runs(saved, [], ("seed",)) == []  # nothing saved yet
+    old = [
+        {"workload": "C", "seed": 0, "steps": 16},
+        {"workload": "B", "seed": 0, "steps": 16},  # redone below: replaced
+        {"workload": "B", "seed": 1, "steps": 24},  # trained another number of steps: not comparable
+        {"seed": 2, "steps": 16},  # a former version of the benchmark: no workload field
+    ]
+    saved.write_text(json.dumps({"runs": old}))
+    new = [{"workload": "B", "seed": 0, "steps": 16}]
+    assert kept_runs(saved, new, ("workload", "seed")) == old[:1] + old[2:3]
+    assert kept_runs(saved, new, ("workload", "seed"), same=("steps",)) == old[:1]
