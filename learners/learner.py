@@ -83,108 +83,149 @@ class StepTrainer(Protocol):
 def run(config: TandemConfig) -> int:
     """Train `learner.total_steps` steps (see the module docstring); returns the process exit code: 0 done, 1 the
     buffer refused it, 2 its run directory holds another run (`common.run_dir`), 128 + signal when interrupted."""
-    learner = config.learner
-    reused = None if "RANK" in os.environ else reuse_problem(config.run.run_dir, learner.resume, whole_run=False)
+    reused = None if "RANK" in os.environ else reuse_problem(config.run.run_dir, config.learner.resume, whole_run=False)
     if reused:  # a learner started by hand (ranks and Ray members were checked by what started them)
         print(f"tandem learner: {reused}", file=sys.stderr)
         return 2
-    if learner.world_size > 1 and "RANK" not in os.environ and not config.run.simulate:
+    if config.learner.world_size > 1 and "RANK" not in os.environ and not config.run.simulate:
         return launch_ranks(config)
-    run_dir = config.run.run_dir
-    log = setup_logging("learner", int(os.environ.get("RANK", "0")), run_dir, simulation=config.run.simulate)
-    trainer, dist = _start_trainer(config)
-    if dist.rank == 0:
-        write_resolved(config, run_dir)
-    checkpoints = CheckpointManager(run_dir / "checkpoints", dist.rank, KEEP_CHECKPOINTS, _barrier(config))
-    state = resume_state(checkpoints, trainer, learner.resume, log)
-    if dist.rank == 0 and learner.resume:
-        forget_steps_after(run_dir / "metrics.jsonl", state.step, log)
-    security = SocketSecurity.from_run(config.run)
-    publisher = None
-    if dist.rank == 0:
-        publisher = open_weights_publisher(
-            config.weights, learner.weights_host, learner.weights_port, security, lora=learner.lora
-        )
-    stop = Interrupt(log)
-    buffer = BufferLink(
-        learner.buffer_address,
-        security,
-        dist.rank,
-        dist.world_size,
-        learner.groups_per_step,
-        interrupted=stop.requested,
-    )
-    reporter = None
-    watch = _SaidWatch(config, buffer, log) if dist.rank == 0 else None
+    learner = Learner(config)
     try:
-        _publish(trainer, publisher, state.step)
-        if dist.rank == 0:
-            final = state.step >= learner.total_steps  # a finished run resumed: end it again
-            buffer.report_version(state.policy_version, state.step, resync=True, final=final)
-            reporter = _reporter(config, state, log)
-        saves = Saves(
-            checkpoints, trainer, learner.save_every, learner.save_on_interrupt, state.step if learner.resume else -1
-        )
-        while state.step < learner.total_steps:
-            step_start = time.perf_counter()
-            fetched = _fetch_unless_interrupted(buffer, state.step, watch)
-            if any_rank(fetched is None, config.run.simulate):  # every rank stops after the same step
-                break
-            batch, wait_s = fetched
-            train_start = time.perf_counter()
-            stats = trainer.train_step(batch.groups, batch.staleness)
-            train_s = time.perf_counter() - train_start
-            _count_consumed(state, stats)
-            publish_s = 0.0
-            if state.step % learner.sync_every == 0 or state.step == learner.total_steps:
-                publish_s = _publish(trainer, publisher, state.step)
-                state.policy_version = state.step
-                if dist.rank == 0:
-                    _report_version(buffer, state, state.step == learner.total_steps, log)
-            timings = {
-                "perf/wait_s": wait_s,
-                "perf/train_s": train_s,
-                "perf/publish_s": publish_s,
-                "perf/step_s": time.perf_counter() - step_start,
-            }
-            if publisher is not None:  # bytes out of rank 0 for weights so far: k x the model per update by relay
-                timings["weights/publisher_bytes"] = float(getattr(publisher, "counters", {}).get("served_bytes", 0))
-                # weights requests refused so far (malformed, forbidden, or a fault while answering: common.serving)
-                timings["weights/publisher_rejected"] = float(sum(getattr(publisher, "rejected", {}).values()))
-            if reporter is not None:
-                reporter.report(state.step, _record(stats, timings, state, *_buffer_counters(batch)))
-            if watch is not None:
-                watch.stepped(timings["perf/step_s"])
-            saves.after_step(state)
-        interrupted = saves.finish(state, stop, learner.total_steps, log)
-        if interrupted is not None:
-            return interrupted
-        log.info(
-            "done: %d steps, policy_version %d, %d samples trained",
-            state.step,
-            state.policy_version,
-            state.samples_trained,
-        )
-        if dist.rank == 0 and config.eval.enabled and config.eval.at_end:
-            _wait_for_final_eval(buffer, config.eval.final_timeout_s, stop.requested, log)
+        learner.start()
+        while learner.state.step < config.learner.total_steps and learner.step():
+            pass
+        return learner.finish()
     except LinkInterrupted as interruption:  # rank 0's first announcement, while the buffer was away
-        log.warning("%s at step %d: stopping", interruption, state.step)
-        return 128 + stop.signum
+        learner.log.warning("%s at step %d: stopping", interruption, learner.state.step)
+        return 128 + learner.stop.signum
     except BufferRefused as refusal:  # refused for longer than the link's patience, or for good: say why, and stop
-        log.error(
-            "stopping at step %d: %s (last checkpoint: --learner.resume true continues from it)", state.step, refusal
+        learner.log.error(
+            "stopping at step %d: %s (last checkpoint: --learner.resume true continues from it)",
+            learner.state.step,
+            refusal,
         )
         return 1
     finally:
-        stop.restore()
-        buffer.close()
-        if publisher is not None:
-            publisher.close()
-        if reporter is not None:
-            reporter.close()
-        if watch is not None:
-            watch.close()
-    return 0
+        learner.close()
+
+
+class Learner:
+    """One rank of the learner: what it holds (trainer, checkpoints, state, the buffer link, rank 0's publisher,
+    reporter and wait watch) and its phases as methods; `run` above is the loop (the module docstring)."""
+
+    def __init__(self, config: TandemConfig) -> None:
+        self.config = config
+        self.settings = learner = config.learner
+        run_dir = config.run.run_dir
+        self.log = setup_logging("learner", int(os.environ.get("RANK", "0")), run_dir, simulation=config.run.simulate)
+        self.trainer, self.dist = _start_trainer(config)
+        self.rank0 = self.dist.rank == 0
+        if self.rank0:
+            write_resolved(config, run_dir)
+        self.checkpoints = CheckpointManager(
+            run_dir / "checkpoints", self.dist.rank, KEEP_CHECKPOINTS, _barrier(config)
+        )
+        self.state = resume_state(self.checkpoints, self.trainer, learner.resume, self.log)
+        if self.rank0 and learner.resume:
+            forget_steps_after(run_dir / "metrics.jsonl", self.state.step, self.log)
+        security = SocketSecurity.from_run(config.run)
+        self.publisher: WeightsPublisher | None = None
+        if self.rank0:
+            self.publisher = open_weights_publisher(
+                config.weights, learner.weights_host, learner.weights_port, security, lora=learner.lora
+            )
+        self.stop = Interrupt(self.log)
+        self.buffer = BufferLink(
+            learner.buffer_address,
+            security,
+            self.dist.rank,
+            self.dist.world_size,
+            learner.groups_per_step,
+            interrupted=self.stop.requested,
+        )
+        self.reporter: Any = None
+        self.watch = _SaidWatch(config, self.buffer, self.log) if self.rank0 else None
+        self.saves: Saves | None = None
+
+    def start(self) -> None:
+        """Publish the weights the run starts from and announce their version (a finished run resumed ends again)."""
+        _publish(self.trainer, self.publisher, self.state.step)
+        if self.rank0:
+            final = self.state.step >= self.settings.total_steps
+            self.buffer.report_version(self.state.policy_version, self.state.step, resync=True, final=final)
+            self.reporter = _reporter(self.config, self.state, self.log)
+        resumed_at = self.state.step if self.settings.resume else -1
+        self.saves = Saves(
+            self.checkpoints, self.trainer, self.settings.save_every, self.settings.save_on_interrupt, resumed_at
+        )
+
+    def step(self) -> bool:
+        """One step: fetch this rank's share of the batch, train on it, publish when due, record, checkpoint when
+        due. False, having trained nothing, when the ranks stop instead (interrupted, or the buffer is gone)."""
+        step_start = time.perf_counter()
+        fetched = _fetch_unless_interrupted(self.buffer, self.state.step, self.watch)
+        if any_rank(fetched is None, self.config.run.simulate):  # every rank stops after the same step
+            return False
+        batch, wait_s = fetched
+        train_start = time.perf_counter()
+        stats = self.trainer.train_step(batch.groups, batch.staleness)
+        train_s = time.perf_counter() - train_start
+        _count_consumed(self.state, stats)
+        publish_s = self._publish_if_due()
+        timings = {
+            "perf/wait_s": wait_s,
+            "perf/train_s": train_s,
+            "perf/publish_s": publish_s,
+            "perf/step_s": time.perf_counter() - step_start,
+        }
+        self._record(stats, timings, batch)
+        self.saves.after_step(self.state)
+        return True
+
+    def _publish_if_due(self) -> float:
+        """Every sync_every steps and at the last: publish version = step and (rank 0) report it. Seconds spent."""
+        step, total = self.state.step, self.settings.total_steps
+        if step % self.settings.sync_every != 0 and step != total:
+            return 0.0
+        publish_s = _publish(self.trainer, self.publisher, step)
+        self.state.policy_version = step
+        if self.rank0:
+            _report_version(self.buffer, self.state, step == total, self.log)
+        return publish_s
+
+    def _record(self, stats: dict[str, float], timings: dict[str, float], batch: Batch) -> None:
+        """Rank 0: the step's metrics record (and the wait watch's step time)."""
+        if self.publisher is not None:  # bytes out of rank 0 for weights so far: k x the model per update by relay
+            timings["weights/publisher_bytes"] = float(getattr(self.publisher, "counters", {}).get("served_bytes", 0))
+            # weights requests refused so far (malformed, forbidden, or a fault while answering: common.serving)
+            timings["weights/publisher_rejected"] = float(sum(getattr(self.publisher, "rejected", {}).values()))
+        if self.reporter is not None:
+            self.reporter.report(self.state.step, _record(stats, timings, self.state, *_buffer_counters(batch)))
+        if self.watch is not None:
+            self.watch.stepped(timings["perf/step_s"])
+
+    def finish(self) -> int:
+        """After the loop: the final (or interrupt) checkpoint, then rank 0 keeps its weights published until the
+        buffer's final evaluation round is done. The exit code: 0, or 128 + signal when interrupted."""
+        interrupted = self.saves.finish(self.state, self.stop, self.settings.total_steps, self.log)
+        if interrupted is not None:
+            return interrupted
+        self.log.info(
+            "done: %d steps, policy_version %d, %d samples trained",
+            self.state.step,
+            self.state.policy_version,
+            self.state.samples_trained,
+        )
+        if self.rank0 and self.config.eval.enabled and self.config.eval.at_end:
+            _wait_for_final_eval(self.buffer, self.config.eval.final_timeout_s, self.stop.requested, self.log)
+        return 0
+
+    def close(self) -> None:
+        self.stop.restore()
+        self.buffer.close()
+        for part in (self.publisher, self.reporter, self.watch):
+            if part is not None:
+                part.close()
 
 
 class _SaidWatch(WaitWatch):
