@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import re
 import types
 import typing
 
@@ -31,7 +32,7 @@ def _without_validators(annotation: typing.Any) -> typing.Any:
 def _type_name(annotation: typing.Any) -> str:
     annotation = _without_validators(annotation)
     text = getattr(annotation, "__name__", None) if typing.get_origin(annotation) is None else None
-    return text or str(annotation).replace("typing.", "")
+    return text or re.sub(r"common\.config\.(\w+\.)?", "", str(annotation).replace("typing.", ""))
 
 
 def _constraints(field: typing.Any) -> str:
@@ -47,7 +48,7 @@ def render() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `common/config.py` by `python -m launch.config_docs`; do not edit by hand.",
+        "Generated from `common/config/` by `python -m launch.config_docs`; do not edit by hand.",
         "One TOML file describes a run; each role reads its own section. Any key can be overridden on the",
         'command line as `--section.key VALUE` (values parse as TOML: `1e-6`, `true`, `"text"`).',
         "",

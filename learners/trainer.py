@@ -79,7 +79,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.config import AlgoConfig, LearnerConfig, ModelConfig, TandemConfig
+from common.config import AlgoConfig, LearnerConfig, ModelConfig, TandemConfig, batch_split_problems
 from common.model_prep import resolve_model_path
 from common.types import RolloutGroup
 from learners import engine as eng
@@ -138,21 +138,14 @@ class Trainer:
         overlong: tuple[int, int],
         dist: eng.DistInfo,
     ) -> None:
-        if learner.groups_per_step % dist.world_size:
-            raise ValueError(
-                f"learner.groups_per_step ({learner.groups_per_step}) must be a multiple of the "
-                f"world size ({dist.world_size})"
-            )
+        problems = batch_split_problems(learner, algo, dist.world_size)  # the config's rule, on the real ranks
+        if problems:
+            raise ValueError("; ".join(problems))
         self.model_dir, self.algo, self.dist, self.temperature = Path(model_dir), algo, dist, temperature
         self.overlong_budget, self.overlong_window = overlong  # L_max and L_cache of algo.overlong = "penalty"
         self.requested_dtype, self.dtype = model.dtype, training_dtype(model.dtype, eng.device())
         dtype = torch_dtype(self.dtype)
         rank_samples = learner.groups_per_step // dist.world_size * algo.group_size
-        if rank_samples % learner.mini_batches:
-            raise ValueError(
-                f"learner.mini_batches ({learner.mini_batches}) must divide a rank's share of the batch, "
-                f"learner.groups_per_step / world_size x algo.group_size = {rank_samples} samples"
-            )
         self.mini_batches = learner.mini_batches
         self.steps_per_batch = algo.ppo_epochs * learner.mini_batches  # optimizer steps per train_step
         self.micro_steps = math.ceil(rank_samples // learner.mini_batches / learner.micro_batch_size)  # per step
