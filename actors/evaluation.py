@@ -160,6 +160,22 @@ class Evaluator:
         """The eval lease being sampled, for the heartbeat (which renews it at the buffer)."""
         return [] if self.lease is None else [self.lease.grant.lease_id]
 
+    # ---------------------------------------------------------------------- the generator's seam (actors.side_work)
+    def takes(self, reply: Any) -> bool:
+        """Eval grants are this work's (the buffer sends one instead of prompts when an evaluation is due)."""
+        return isinstance(reply, EvalGrant)
+
+    def take(self, reply: EvalGrant) -> int | None:
+        """`accept` the grant; the version it needs when taken (the generator fetches it), else None."""
+        return reply.min_version if self.accept(reply) else None
+
+    def owns(self, request_id: str) -> bool:
+        return is_eval_request(request_id)
+
+    def keeps_running(self, link_up: bool) -> bool:
+        """A lease is held, or a result waits for the buffer while the buffer answers."""
+        return self.lease is not None or (bool(self.unsent) and link_up)
+
     def accept(self, grant: EvalGrant) -> bool:
         """Take a grant (rendering its prompts); False, logged, when it samples nothing. A lease still held is
         dropped first: the buffer grants only to a generator it holds no active eval lease for, so it ended that one

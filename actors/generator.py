@@ -45,6 +45,9 @@ unfinished eval lease is dropped on drain, `RunOver` and exit (the buffer expire
 A multi-turn generator evaluates as a single-turn one does: eval sets are sampled in one turn (prompt, one
 completion) beside its episodes, and finished samples are routed by request id in one place (`advance_engine`).
 A grant to a generator without eval sets is logged and ignored.
+Evaluation is the generator's side work (`actors.side_work`): the loop's phases ask a list of such work the same
+questions (whose lease reply is this, whose finished sample, may weights load, may the generator exit) and name no
+feature; with eval.sets empty the list is empty.
 """
 
 from __future__ import annotations
@@ -56,11 +59,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.engine_api import Engine, open_engine
-from actors.evaluation import Evaluator, is_eval_request
+from actors.evaluation import Evaluator
 from actors.groups import LeaseBook
 from actors.liveness import HEARTBEAT_S, Pulse
 from actors.outbox import BufferLink, Outbox
 from actors.rollouts import Rollouts, rollouts_maker
+from actors.side_work import SideWork
 from actors.weights import (
     WeightsPoller,
     WeightsRejected,
@@ -75,7 +79,6 @@ from common.metrics import MetricsSink
 from common.sockets import SocketSecurity
 from common.types import (
     ErrorReply,
-    EvalGrant,
     LeaseGrant,
     LeaseRefused,
     LeaseRequest,
@@ -114,7 +117,7 @@ def run(config: TandemConfig) -> int:
             WEIGHTS_POLL_S,
             gen.reconnect_max_s,
         ),
-        Evaluator.from_config(config, engine),  # None: no eval sets
+        [work for work in (Evaluator.from_config(config, engine),) if work is not None],  # eval.sets: evaluation
         MetricsSink(config.run.run_dir, f"generator-{gen.index}", simulation=config.run.simulate),
         Pulse(  # its own socket: the loop's link is the loop's
             BufferLink(gen.buffer_address, security, gen.index, gen.reconnect_max_s),
@@ -131,7 +134,7 @@ def run(config: TandemConfig) -> int:
                 actor.begin_drain(now, stop.received)
             actor.heartbeat(now)
             actor.outbox.flush(actor.link)
-            actor.deliver_eval()
+            actor.deliver_side_work()
             actor.update_weights(now)
             actor.lease_prompts(now)
             actor.submit_prompts()
@@ -189,11 +192,12 @@ class Generator:
         rollouts: Rollouts,
         link: BufferLink,
         weights: WeightsPoller,
-        evaluation: Evaluator | None,
+        side: list[SideWork],
         metrics: MetricsSink,
         pulse: Pulse,
     ) -> None:
-        """`pulse`: the heartbeat thread, started by the caller (`run`); a test may drive the loop without it."""
+        """`side`: optional work sharing the engine (`actors.side_work`), empty for none. `pulse`: the
+        heartbeat thread, started by the caller (`run`); a test may drive the loop without it."""
         self.settings = settings
         self.index = settings.index
         self.engine = engine
@@ -202,7 +206,7 @@ class Generator:
         self.outbox = Outbox(settings.max_unsent_groups)
         self.weights = weights
         self.book = LeaseBook()
-        self.evaluation = evaluation
+        self.side = side
         self.metrics = metrics
         self.pulse = pulse
         self.worked = 0  # progress since the last heartbeat phase: engine steps that ran a request, samples finished,
@@ -231,8 +235,8 @@ class Generator:
         )
         self.draining = True
         self.drain_deadline = now + timeout
-        if self.evaluation is not None:
-            self.evaluation.drop(why)
+        for work in self.side:
+            work.drop(why)
 
     def done(self) -> bool:
         """The run is over; exhausted or draining, with nothing left to generate or push; or the drain deadline
@@ -242,17 +246,16 @@ class Generator:
         if self.draining:  # queued prompts will not run: they are returned
             running = self.rollouts.active()
             return time.monotonic() >= self.drain_deadline or (not running and len(self.outbox) == 0)
-        evaluation = self.evaluation  # an unsent result waits for the buffer only while the buffer answers
-        evaluating = evaluation is not None and (evaluation.lease is not None or (evaluation.busy and self.link.up))
-        return self.exhausted and self.book.in_flight() == 0 and len(self.outbox) == 0 and not evaluating
+        side_running = any(work.keeps_running(self.link.up) for work in self.side)
+        return self.exhausted and self.book.in_flight() == 0 and len(self.outbox) == 0 and not side_running
 
     def return_unfinished_leases(self) -> None:
         """Give back what was not delivered, so the buffer re-issues it now rather than at the lease timeout:
         prompts still generating, and groups built but never acknowledged (the drain deadline can pass while the
         outbox still holds some). A group that reaches the buffer after all is de-duplicated there."""
         self.engine.abort(self.rollouts.request_ids())
-        if self.evaluation is not None:
-            self.evaluation.drop("the generator exits")
+        for work in self.side:
+            work.drop("the generator exits")
         self.outbox.flush(self.link)  # a last attempt for what is already built
         unfinished = self.book.unfinished()
         for group in self.outbox.groups:
@@ -286,9 +289,9 @@ class Generator:
     def _note_liveness(self) -> None:
         """What the next heartbeat says; also called as soon as a lease is taken, so that the heartbeats list it
         before the next engine step (which may outlast lease_timeout_s)."""
-        eval_leases = self.evaluation.lease_ids() if self.evaluation is not None else []
+        side_leases = [lease_id for work in self.side for lease_id in work.lease_ids()]
         self.pulse.note(
-            self.engine.policy_version, self.book.lease_ids(), eval_leases, self.worked, self.tokens_sampled
+            self.engine.policy_version, self.book.lease_ids(), side_leases, self.worked, self.tokens_sampled
         )
         self.worked = 0
 
@@ -299,20 +302,20 @@ class Generator:
         if self.pending_update is None:
             self.pending_update = self.weights.poll(now, self.engine.policy_version)
         inflight = self.settings.inflight_weight_update
-        held = self.evaluation is not None and self.evaluation.holds_weights()
+        held = any(work.holds_weights() for work in self.side)
         if self.pending_update is not None and ((inflight and not held) or self.engine.num_unfinished() == 0):
             update, self.pending_update = self.pending_update, None
             self._load(update)
 
     def _load(self, update: WeightsUpdate) -> None:
-        """Load between engine steps. Eval requests still running (inflight mode) are aborted first and their
-        lease sampled again after the load (`Evaluator.before_load`). An update the engine refuses
+        """Load between engine steps, after the side work's `before_load` (which may abort requests that must not
+        mix versions and redo them after the load). An update the engine refuses
         (`WeightsRejected`: the wrong kind, full or adapter, or an adapter vLLM cannot load) is counted and asked
         for again after the poller's back-off; the engine keeps its weights."""
         started = time.monotonic()
         previous = self.engine.policy_version
-        if self.evaluation is not None:
-            self.evaluation.before_load()
+        for work in self.side:
+            work.before_load()
         try:
             self.engine.load_weights(update, inflight=self.settings.inflight_weight_update)
         except WeightsRejected as error:
@@ -338,10 +341,7 @@ class Generator:
         if now < self.next_lease or not self.link.ready(now) or self.outbox.full():
             return
         reply = self.link.call(LeaseRequest(self.index, wanted, self.engine.policy_version))
-        if isinstance(reply, EvalGrant):
-            self._on_eval_grant(now, reply)
-            self._note_liveness()
-        elif isinstance(reply, LeaseGrant) and reply.prompts:
+        if isinstance(reply, LeaseGrant) and reply.prompts:
             self.book.add_grant(reply)
             self._note_liveness()
             self.stats.lease_waits.append(time.monotonic() - self.stats.wanting_since)
@@ -354,26 +354,31 @@ class Generator:
             reason = reply.reason if isinstance(reply, ErrorReply) else "empty grant"
             log.warning("lease request not granted: %s", reason)
             self.next_lease = now + LEASE_RETRY_S
+        elif reply is not None:
+            self._offer_side_work(now, reply)
 
-    def _on_eval_grant(self, now: float, grant: EvalGrant) -> None:
-        """Take the eval lease (its requests are added before the queued prompts, at the next `submit_prompts`) and
-        ask for training prompts again at once: the grant came instead of them."""
+    def _offer_side_work(self, now: float, reply: Any) -> None:
+        """A lease reply for the side work: the piece that takes it does (its requests are
+        added before the queued prompts at the next `submit_prompts`), and training prompts are asked for again at
+        once, since the reply came instead of them."""
         self.next_lease = now
-        if self.evaluation is None:
+        work = next((work for work in self.side if work.takes(reply)), None)
+        if work is None:
             log.warning(
-                "eval grant %d (set %s) ignored: this generator does not evaluate (no eval.sets in its config); "
-                "the buffer expires the lease",
-                grant.lease_id,
-                grant.set_name,
+                "lease reply %s ignored: nothing in this generator takes it (is its side work configured?); the "
+                "buffer expires its lease",
+                _describe(reply),
             )
             return
-        if self.evaluation.accept(grant) and self.engine.policy_version < grant.min_version:
-            self.weights.want(grant.min_version)
+        needed = work.take(reply)
+        self._note_liveness()
+        if needed is not None and self.engine.policy_version < needed:
+            self.weights.want(needed)
 
-    def deliver_eval(self) -> None:
-        """Send the finished eval result (kept while the buffer is away); drop eval work past its deadline."""
-        if self.evaluation is not None:
-            self.evaluation.deliver(self.link)
+    def deliver_side_work(self) -> None:
+        """Send the side work's finished results (kept while the buffer is away)."""
+        for work in self.side:
+            work.deliver(self.link)
 
     def _on_run_over(self, reply: RunOver) -> None:
         if not self.run_over:
@@ -397,12 +402,12 @@ class Generator:
             self.next_lease = now + refusal.retry_after_s
 
     def submit_prompts(self) -> None:
-        """The eval lease's requests, then leased prompts -> rollouts, unless draining or waiting to load weights
-        (default mode)."""
+        """The side work's requests, then leased prompts -> rollouts, unless draining or waiting
+        to load weights (default mode)."""
         if self.draining or self._holding_for_weights():
             return
-        if self.evaluation is not None:
-            self.evaluation.submit()
+        for work in self.side:
+            work.submit()
         while (item := self.book.take_queued()) is not None:
             lease_id, prompt = item
             if not self.rollouts.start(lease_id, prompt):  # it cannot run (too long for the model): given up
@@ -434,11 +439,9 @@ class Generator:
             self.tokens_sampled += self.engine.num_unfinished()  # unfinished samples count: a slow first group shows
             for sample in self.engine.step():
                 self.worked += 1
-                self.stats.tokens += len(sample.completion_tokens)  # eval tokens too: the engine's throughput
-                if self.evaluation is not None and is_eval_request(sample.request_id):
-                    self.evaluation.on_sample(sample)
-                else:
-                    self.rollouts.on_sample(sample)
+                self.stats.tokens += len(sample.completion_tokens)  # side work's too: the engine's throughput
+                owner = next((work for work in self.side if work.owns(sample.request_id)), self.rollouts)
+                owner.on_sample(sample)
         for group in self.rollouts.finished(time.monotonic()):
             self.stats.samples += len(group.rewards)
             self.outbox.add(group)
@@ -461,11 +464,17 @@ class Generator:
                 **self.rollouts.metrics(),
             }
         )
-        if self.evaluation is not None:
-            values.update(self.evaluation.metrics())
+        for work in self.side:
+            values.update(work.metrics())
         values["actor/report"] = self.stats.reports
         self.metrics.log(self.engine.policy_version, values)
         self.stats.reports += 1
+
+
+def _describe(reply: Any) -> str:
+    """`EvalGrant (lease 7, set arithmetic)`: a lease reply's type and what identifies it, for a log line."""
+    parts = [f"{name} {getattr(reply, name)}" for name in ("lease_id", "set_name") if hasattr(reply, name)]
+    return f"{type(reply).__name__} ({', '.join(parts)})" if parts else type(reply).__name__
 
 
 class _Stats:

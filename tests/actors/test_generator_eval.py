@@ -280,10 +280,16 @@ def make_generator(
         rollouts_maker(config, 0)(engine),
         link,  # type: ignore[arg-type]
         FakeWeights(),  # type: ignore[arg-type]
-        Evaluator.from_config(config, engine),
+        [work for work in (Evaluator.from_config(config, engine),) if work is not None],
         MetricsSink(config.run.run_dir, "generator-0", simulation=True),
         Pulse(link, 0),  # type: ignore[arg-type]  # not started: the loop's heartbeat phase only notes its state
     )
+
+
+def evaluator(actor: Generator) -> Evaluator:
+    """The generator's evaluation, one of its side work (`actors.side_work`)."""
+    (work,) = [work for work in actor.side if isinstance(work, Evaluator)]
+    return work
 
 
 def _pass(actor: Generator) -> None:
@@ -291,7 +297,7 @@ def _pass(actor: Generator) -> None:
     now = time.monotonic()
     actor.heartbeat(now)
     actor.outbox.flush(actor.link)
-    actor.deliver_eval()
+    actor.deliver_side_work()
     actor.update_weights(now)
     actor.lease_prompts(now)
     actor.submit_prompts()
@@ -362,7 +368,7 @@ def test_eval_grant_is_sampled_greedy_first_scored_and_sent_as_one_result(tmp_pa
     assert metrics["strict_accuracy"] == 0.0 and metrics["lenient_accuracy"] == pytest.approx(1 / 3)
     assert metrics["prompts"] == 3 and metrics["samples"] == 9
 
-    values = actor.evaluation.metrics()
+    values = evaluator(actor).metrics()
     assert values["actor/eval_leases"] == 1 and values["actor/eval_completions"] == 12
     assert values["actor/eval_delivered"] == 1 and values["actor/eval_unsent"] == 0
     assert values["actor/eval_redone"] == values["actor/eval_rejected"] == values["actor/eval_reward_errors"] == 0
@@ -391,7 +397,7 @@ def test_an_eval_result_carries_one_version_when_an_update_lands_mid_request(tmp
     (result,) = link.of(EvalResult)
     assert result.policy_version == 1 and len(result.rewards) == len(redo)
     assert _per_prompt(result.strict) == [[1, 0, 0, 0]] * 3
-    assert actor.evaluation.metrics()["actor/eval_redone"] == 1
+    assert evaluator(actor).metrics()["actor/eval_redone"] == 1
 
 
 def test_mixed_versions_found_at_the_end_redo_the_whole_lease(tmp_path):
@@ -430,14 +436,14 @@ def test_default_mode_never_loads_weights_while_eval_requests_run(tmp_path, clos
     assert [(load.version, load.running_eval) for load in engine.loads] == [(1, [])]
     assert {a.version for a in engine.eval_adds()} == {1}  # added after the load, with its version
     # a second update while the eval requests run waits for them
-    actor.evaluation.accept(eval_grant(lease_id=8))
+    evaluator(actor).accept(eval_grant(lease_id=8))
     _pass(actor)
     assert engine.running_eval_tokens() or engine.waiting
     actor.weights.offer(2)
     run_until(actor, lambda: len(link.of(EvalResult)) == 2 and engine.loads[-1].version == 2)
     assert all(load.running_eval == [] for load in engine.loads)
     assert [r.policy_version for r in link.of(EvalResult)] == [1, 1]
-    assert actor.evaluation.metrics()["actor/eval_redone"] == 0
+    assert evaluator(actor).metrics()["actor/eval_redone"] == 0
 
 
 @pytest.mark.parametrize("reward_fn", ["explode_on_two", "exit_on_two"])
@@ -455,9 +461,9 @@ def test_a_raising_reward_function_is_counted_and_scored_zero_with_its_verdicts(
     assert _per_prompt(result.strict) == [[1, 0, 0, 0]] * 3  # the text's verdicts are kept
     assert _per_prompt(result.lenient) == [[1, 1, 0, 0]] * 3
     assert _per_prompt(result.reward_components["correct"])[1] == [0, 0, 0, 0]
-    assert actor.evaluation.metrics()["actor/eval_reward_errors"] == 4
+    assert evaluator(actor).metrics()["actor/eval_reward_errors"] == 4
     assert "eval reward exploded on purpose" in caplog.text
-    assert actor.evaluation.metrics()["actor/eval_delivered"] == 1
+    assert evaluator(actor).metrics()["actor/eval_delivered"] == 1
 
 
 RELEASE = threading.Event()  # what `block_on_two` waits for (set at the test's end: no thread lingers)
@@ -478,15 +484,15 @@ def test_a_blocking_eval_reward_function_is_cut_and_scored_zero(tmp_path, closin
     link = FakeLink([eval_grant()])
     actor = make_generator(tmp_path, engine, link)
     closing(actor)
-    actor.evaluation.reward_fn = TimedFunction(block_on_two, 0.1, "env.reward_timeout_s")
+    evaluator(actor).reward_fn = TimedFunction(block_on_two, 0.1, "env.reward_timeout_s")
     try:
         run_until(actor, lambda: link.of(EvalResult))
         (result,) = link.of(EvalResult)
         assert _per_prompt(result.rewards)[1] == [0.0] * 4  # the prompt of answer 2: cut, scored 0
-        assert actor.evaluation.metrics()["actor/eval_reward_errors"] >= 1
+        assert evaluator(actor).metrics()["actor/eval_reward_errors"] >= 1
     finally:
         RELEASE.set()
-        actor.evaluation.reward_fn.close()
+        evaluator(actor).reward_fn.close()
 
 
 def test_buffer_away_keeps_the_result_and_a_rejected_ack_drops_it(tmp_path, closing, caplog):
@@ -496,13 +502,13 @@ def test_buffer_away_keeps_the_result_and_a_rejected_ack_drops_it(tmp_path, clos
     actor = make_generator(tmp_path, engine, link)
     closing(actor)
     run_until(actor, lambda: link.of(EvalResult))
-    assert len(actor.evaluation.unsent) == 1  # the buffer did not answer: kept
+    assert len(evaluator(actor).unsent) == 1  # the buffer did not answer: kept
     with caplog.at_level(logging.WARNING, "tandem.actors.evaluation"):
-        actor.deliver_eval()
+        actor.deliver_side_work()
     assert [type(m) for m in link.sent if isinstance(m, EvalResult)] == [EvalResult] * 2  # the same result again
-    assert not actor.evaluation.unsent and not actor.evaluation.busy
+    assert not evaluator(actor).unsent and not evaluator(actor).busy
     assert "prompt ids differ" in caplog.text
-    values = actor.evaluation.metrics()
+    values = evaluator(actor).metrics()
     assert values["actor/eval_rejected"] == 1 and values["actor/eval_delivered"] == 0
 
 
@@ -540,11 +546,11 @@ def test_a_grant_to_a_generator_that_does_not_evaluate_is_ignored(tmp_path, clos
     link = FakeLink([eval_grant(), training_grant(1, [0])])
     actor = make_generator(tmp_path, engine, link, evaluate=False)
     closing(actor)
-    assert actor.evaluation is None
+    assert actor.side == []
     with caplog.at_level(logging.WARNING, "tandem.actors.generator"):
         _pass(actor)
         _pass(actor)  # asks for training prompts again at once
-    assert "eval grant 7 (set arithmetic) ignored" in caplog.text
+    assert "lease reply EvalGrant (lease_id 7, set_name arithmetic) ignored" in caplog.text
     assert engine.eval_adds() == [] and len(link.of(LeaseRequest)) == 2 and len(engine.adds) == 2
 
 
@@ -555,7 +561,7 @@ def test_a_multi_turn_generator_evaluates_in_one_turn_beside_its_episodes(tmp_pa
     link = FakeLink([eval_grant(), training_grant(1, [0, 1])])
     actor = make_generator(tmp_path, engine, link, env={"environment": "tests.actors.env_fakes:TwoTurnEnv"})
     closing(actor)
-    assert actor.evaluation is not None
+    assert evaluator(actor) is not None
     run_until(actor, lambda: link.of(EvalResult) and len(actor.outbox.acks) and not actor.book.in_flight())
     (result,) = link.of(EvalResult)
     result.validate()
@@ -577,7 +583,7 @@ def test_inflight_loads_wait_for_a_lease_redone_twice(tmp_path, closing):
     run_until(actor, lambda: link.of(EvalResult) and len(engine.loads) == 3)
     (result,) = link.of(EvalResult)
     assert result.policy_version == 2 and all(load.running_eval == [] for load in engine.loads)
-    assert actor.evaluation.metrics()["actor/eval_redone"] == 2
+    assert evaluator(actor).metrics()["actor/eval_redone"] == 2
 
 
 def test_prompts_too_long_get_empty_truncated_completions(tmp_path):
