@@ -53,7 +53,7 @@ STEP_S, START_S = 1.0, 0.05
 # Seconds per token: "fits", a group of MAX_TOKENS takes 0.05 + 1.54 s = 1.6 steps (< η: it can arrive in time);
 # "late", 0.05 + 3.07 s = 3.1 steps (> η: the longest arrive too stale, whatever the draw order).
 REGIMES = {"fits": 0.0015, "late": 0.003}
-RETRY_S = 0.25  # buffers.core.RETRY_FULL_S
+RETRY_S = 0.25  # buffers.staleness.RETRY_FULL_S
 PROMPTS = 512
 
 

@@ -28,6 +28,16 @@ from common.types import (
 )
 
 Problem = tuple[str, str] | None
+
+
+class RequestRejected(Exception):
+    """A well-formed message the buffer refuses; `kind` is counted, `reason` is sent back and logged."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind, self.reason = kind, reason
+
+
 MAX_BATCH_WAIT_S = 600.0  # a held BatchRequest is answered BatchNotReady after at most this long
 _NO_TOKEN = np.iinfo(np.int32).max
 

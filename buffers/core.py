@@ -8,14 +8,11 @@
 Once the learner's final report came (VersionReport.final), lease requests and heartbeats are answered
 `RunOver`, and `run_over(now)` says when every live generator has heard it (`buffers.run_end`).
 
-Evaluation (`state.evaluation`, when eval.sets is set: `buffers.evaluation`): once the run's first training batch
-was drawn (before it, an eval round on a slow machine would delay the learner's first step), a lease request is
-answered with an `EvalGrant` ahead of admission control whenever the scheduler has a round for that generator;
-a heartbeat listing the eval lease renews it, as it renews training leases; an `EvalResult` is
-answered `EvalAck`. Eval leases never count in `_admitted`, are not staleness-checked and never reach the replay
-buffer or the ledger. With eval.at_end, `RunOver` waits for the final round (every set done, or
-eval.final_timeout_s after the final report): meanwhile lease requests get eval grants, or a refusal ('stale'
-with the final version for a generator on older weights, else 'full'), never training prompts.
+A lease request is answered by the first of a chain of grant sources: the run's end (`RunOver`), the extensions
+(`buffers.extensions`: optional work beside training, evaluation today, `buffers.evaluation`), then training
+admission. Extensions also answer messages of their own, hear heartbeats and version reports, run at each tick,
+add counters, and may hold the run's end. Their leases never count in `_admitted`, are not staleness-checked and
+never reach the replay buffer or the ledger.
 
 Dynamic sampling (buffer.filter = "no_signal"): `buffers.no_signal`, asked at admission and at each group's arrival.
 
@@ -36,6 +33,7 @@ from typing import Any
 from buffers.authority import draw_problem, heartbeat_lease_problem, role_problem, version_order_problem
 from buffers.batches import DrawnBatch
 from buffers.checks import (
+    RequestRejected,
     batch_request_problem,
     group_problem,
     heartbeat_problem,
@@ -43,10 +41,11 @@ from buffers.checks import (
     lease_return_problem,
     version_report_problem,
 )
+from buffers.extensions import CoreExtension, default_extensions
 from buffers.lengths import length_metrics
 from buffers.no_signal import NoSignalFilter
 from buffers.run_end import RunEnd
-from buffers.staleness import Admission, admit
+from buffers.staleness import RETRY_FULL_S, RETRY_STALE_S, Admission, admit
 from buffers.state import BufferState
 from buffers.traffic import Traffic
 from common.types import (
@@ -54,7 +53,6 @@ from common.types import (
     BatchNotReady,
     BatchRequest,
     BufferStats,
-    EvalResult,
     GroupAck,
     Heartbeat,
     LeaseGrant,
@@ -70,24 +68,20 @@ from common.types import (
 log = logging.getLogger("tandem.buffer")
 
 Reply = tuple[Any, Any]  # (reply_to, message)
-RETRY_FULL_S = 0.25  # how long a generator refused for admission control waits before asking again
-RETRY_STALE_S = 0.5
 RETRY_EXHAUSTED_S = 5.0
 MAX_HELD = 64  # held batch requests at once (one per step, rank and connection; a learner holds world_size)
-
-
-class RequestRejected(Exception):
-    """A well-formed message the buffer refuses; `kind` is counted, `reason` is sent back and logged."""
-
-    def __init__(self, kind: str, reason: str) -> None:
-        super().__init__(reason)
-        self.kind, self.reason = kind, reason
 
 
 class BufferCore:
     """Message handlers over a `BufferState`; single-threaded (the service's poll loop calls it)."""
 
-    def __init__(self, state: BufferState, wire_rejections: Mapping[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        state: BufferState,
+        wire_rejections: Mapping[str, int] | None = None,
+        extensions: list[CoreExtension] | None = None,
+    ) -> None:
+        """`extensions`: optional work beside training (`buffers.extensions`); default: what `state` was built for."""
         self.state = state
         self.settings = state.settings
         self.wire_rejections = wire_rejections if wire_rejections is not None else {}
@@ -96,6 +90,7 @@ class BufferCore:
         self.traffic = Traffic()  # bytes in and out, staleness of served samples (buffers.traffic)
         self.end = RunEnd()  # the learner's final report: generators are answered RunOver (buffers.run_end)
         self.no_signal = NoSignalFilter(state)  # dynamic sampling (buffer.filter = "no_signal")
+        self.extensions = default_extensions(state, self.end) if extensions is None else extensions
         self._handlers = {
             LeaseRequest: self._lease_request,
             RolloutGroup: self._group,
@@ -104,8 +99,10 @@ class BufferCore:
             BatchRequest: self._batch_request,
             VersionReport: self._version_report,
             StatsRequest: self._stats,
-            EvalResult: self._eval_result,
         }
+        for extension in self.extensions:
+            self._handlers.update(extension.handlers)
+        self._grant_sources = [self._run_end, *(e.lease_reply for e in self.extensions), self._admission]
 
     def handle(self, message: Any, reply_to: Any, sender: str, now: float, role: str | None = None) -> list[Reply]:
         """The replies to send now (to this request and to held ones it made answerable); may raise
@@ -122,37 +119,29 @@ class BufferCore:
 
     # ------------------------------------------------------------------------------------------ generators
     def _lease_request(self, request: LeaseRequest, reply_to: Any, sender: str, now: float) -> list[Reply]:
+        """The first answer of the grant sources: run end, the extensions, training admission (which always answers)."""
         self._check(lease_request_problem(request, self.state.newest_version))
+        self.state.dispenser.seen(request.generator_id, now)
+        reply = next(r for source in self._grant_sources if (r := source(request, sender, now)) is not None)
+        return [(reply_to, reply)]
+
+    def _run_end(self, request: LeaseRequest, sender: str, now: float) -> Any | None:
+        """`RunOver` once the learner's final report came and no extension holds the end."""
+        return self.end.tell(request.generator_id) if self.end.over and not self._end_held(now) else None
+
+    def _admission(self, request: LeaseRequest, sender: str, now: float) -> LeaseGrant | LeaseRefused:
+        """Training prompts as admission control allows (`buffers.staleness`), else the refusal that says why."""
         dispenser = self.state.dispenser
-        dispenser.seen(request.generator_id, now)
-        if self.end.over and not self._final_eval_waiting(now):
-            return [(reply_to, self.end.tell(request.generator_id))]
-        evaluation = self.state.evaluation
-        if evaluation is not None and self._eval_may_run():
-            grant = evaluation.grant(request.generator_id, request.policy_version, now, holder=sender)
-            if grant is not None:
-                self.state.record_eval(now)
-                return [(reply_to, grant)]
-            if self.end.over:  # the final round is still waited for: no more training prompts
-                stale = evaluation.stale_for_final(request.policy_version)
-                if stale is not None:
-                    return [(reply_to, LeaseRefused("stale", stale, RETRY_STALE_S))]
-                return [(reply_to, LeaseRefused("full", request.policy_version, RETRY_FULL_S))]
         if dispenser.finished:
-            return [(reply_to, LeaseRefused("exhausted", 0, RETRY_EXHAUSTED_S))]
+            return LeaseRefused("exhausted", 0, RETRY_EXHAUSTED_S)
         admission = self._admit(request)
         if admission.refusal:
             retry = RETRY_STALE_S if admission.refusal == "stale" else RETRY_FULL_S
-            return [(reply_to, LeaseRefused(admission.refusal, admission.min_version, retry))]
+            return LeaseRefused(admission.refusal, admission.min_version, retry)
         lease = self.state.grant(request.generator_id, request.policy_version, admission.granted, now)
         if lease is None:  # every epoch is issued, but outstanding prompts may still come back for re-issue
-            return [(reply_to, LeaseRefused("full", admission.min_version, RETRY_FULL_S))]
-        return [(reply_to, LeaseGrant(lease.lease_id, lease.deadline, dispenser.items(lease)))]
-
-    def _eval_may_run(self) -> bool:
-        """Eval grants wait for the run's first training batch: on a slow machine an eval round sampled first
-        (hundreds of requests) would delay the learner's first step by as long as it takes. Rounds stay due."""
-        return self.state.drawn_high > 0 or self.end.over
+            return LeaseRefused("full", admission.min_version, RETRY_FULL_S)
+        return LeaseGrant(lease.lease_id, lease.deadline, dispenser.items(lease))
 
     def _admit(self, request: LeaseRequest) -> Admission:
         """`buffers.staleness.admit`, widened while dynamic sampling filters (`NoSignalFilter.admission`)."""
@@ -211,10 +200,11 @@ class BufferCore:
         self._check(heartbeat_lease_problem(heartbeat, owners))
         self.state.dispenser.heartbeat(heartbeat.generator_id, heartbeat.lease_ids, heartbeat.progress, now)
         self.traffic.heard(heartbeat.generator_id, heartbeat.tokens)
-        evaluation = self.state.evaluation
-        if evaluation is not None and self.state.dispenser.making_progress(heartbeat.generator_id, now):
-            evaluation.renew(heartbeat.generator_id, heartbeat.eval_lease_ids, now)
-        if self.end.over and not self._final_eval_waiting(now):
+        if self.extensions:
+            progressing = self.state.dispenser.making_progress(heartbeat.generator_id, now)
+            for extension in self.extensions:
+                extension.heard(heartbeat, progressing, now)
+        if self.end.over and not self._end_held(now):
             return [(reply_to, self.end.tell(heartbeat.generator_id))]
         return [(reply_to, Ok(self.state.learner_version))]
 
@@ -232,26 +222,9 @@ class BufferCore:
             log.info("generator %d returned %d prompts of lease %d", returned.generator_id, len(back), lease.lease_id)
         return [(reply_to, Ok(self.state.learner_version))]
 
-    def _eval_result(self, result: EvalResult, reply_to: Any, sender: str, now: float) -> list[Reply]:
-        """Checked against its eval lease (`buffers.evaluation`): accepted (a row for eval.jsonl), duplicate, or
-        rejected with the reason (counted `rejected_eval_<kind>`; the set is due again)."""
-        evaluation = self.state.evaluation
-        if evaluation is None:
-            raise RequestRejected(
-                "eval_off", "this buffer runs no evaluation (eval.sets is empty): send no eval_result"
-            )
-        lease = evaluation.leases.get(result.lease_id)
-        if lease is not None and lease.generator_id == result.generator_id:
-            self.state.dispenser.seen(result.generator_id, now)
-        ack = evaluation.receive(result, now, self.state.learner_version, self.state.newest_version, sender)
-        self.state.record_eval(now)
-        if ack.status == "rejected":
-            log.warning("rejected eval result of lease %d from %s: %s", result.lease_id, sender, ack.reason)
-        return [(reply_to, ack)]
-
-    def _final_eval_waiting(self, now: float) -> bool:
-        """The run's end waits for the final evaluation round (`buffers.evaluation.EvalScheduler.final_waiting`)."""
-        return self.state.evaluation is not None and self.state.evaluation.final_waiting(now)
+    def _end_held(self, now: float) -> bool:
+        """An extension holds the run's end (its work on the final version is not done)."""
+        return any(extension.holds_end(now) for extension in self.extensions)
 
     # ------------------------------------------------------------------------------------------ learners
     def _batch_request(self, request: BatchRequest, reply_to: Any, sender: str, now: float) -> list[Reply]:
@@ -339,15 +312,12 @@ class BufferCore:
                 "resumed from an older checkpoint" if report.step < state.learner_version else "continuing",
             )
         state.report_version(report.step, report.policy_version, report.resync)
-        evaluation = state.evaluation
-        if evaluation is not None and evaluation.report_version(report.policy_version, report.final, now):
-            state.record_eval(now)
         if report.final:
             self.end.close(report.step)
         elif report.resync:
             self.end.reopen()
-            if evaluation is not None and evaluation.reopen():
-                state.record_eval(now)
+        for extension in self.extensions:
+            extension.version_reported(report, now)
         return [(reply_to, Ok(self.state.learner_version))]
 
     def _stats(self, request: StatsRequest, reply_to: Any, sender: str, now: float) -> list[Reply]:
@@ -359,11 +329,13 @@ class BufferCore:
 
     # ------------------------------------------------------------------------------------------ housekeeping
     def tick(self, now: float) -> list[Reply]:
-        """Expire overdue leases (re-issuing their prompts) and eval leases (their set is due again), give up on a
-        final evaluation past eval.final_timeout_s, answer timed-out batch requests, compact the journal."""
+        """The extensions' tick, then expire overdue leases (re-issuing their prompts), answer timed-out batch
+        requests, compact the journal."""
         dispenser = self.state.dispenser
-        if self.state.evaluation is not None:  # before `forget`, which drops dead generators that hold no lease
-            self._tick_eval(now, [*dispenser.dead_generators(now), *dispenser.stalled_generators(now)])
+        if self.extensions:  # before `forget`, which drops dead generators that hold no lease
+            unresponsive = [*dispenser.dead_generators(now), *dispenser.stalled_generators(now)]
+            for extension in self.extensions:
+                extension.tick(now, unresponsive)
         due = dispenser.due(now)
         if due:
             whys = {lease_id: dispenser.why_due(lease_id, now) for lease_id in due}
@@ -390,18 +362,10 @@ class BufferCore:
             self.state.compact(now)
         return replies
 
-    def _tick_eval(self, now: float, dead: list[int]) -> None:
-        evaluation = self.state.evaluation
-        expired = evaluation.expire(now, dead)
-        gave_up = evaluation.check_final_timeout(now)
-        forgot = evaluation.forget(now)
-        if expired or gave_up or forgot:
-            self.state.record_eval(now)
-
     def run_over(self, now: float) -> bool:
-        """The learner reported its last step, the final evaluation (if any) is done or timed out, and every live
-        generator has been told (`buffers.run_end`)."""
-        return not self._final_eval_waiting(now) and self.end.everyone_told(self.state.dispenser, now)
+        """The learner reported its last step, no extension holds the end (a final round done or timed out), and
+        every live generator has been told (`buffers.run_end`)."""
+        return not self._end_held(now) and self.end.everyone_told(self.state.dispenser, now)
 
     def counters(self) -> dict[str, int]:
         """The ledger (samples and groups), event counts, and rejections by kind (wire-level and semantic)."""
@@ -409,8 +373,9 @@ class BufferCore:
         counts = state.ledger.snapshot(state.replay.samples, len(state.replay), state.dispenser.outstanding)
         for kind, count in self.wire_rejections.items():
             counts[f"rejected_{kind}"] = counts.get(f"rejected_{kind}", 0) + int(count)
-        if state.evaluation is not None:
-            counts.update(state.evaluation.counters())
+        for extension in self.extensions:
+            counts.update(extension.counters())
+        counts["end_pending"] = sum(extension.end_pending() for extension in self.extensions)
         return counts
 
     def metrics(self) -> dict[str, float]:

@@ -35,7 +35,7 @@ from buffers.state import BufferSettings, BufferState
 from common.config import ConfigError, EnvConfig, TandemConfig
 from common.logs import setup_logging
 from common.metrics import MetricsSink
-from common.prompt_sources import env_row_mapping, load_env_prompts
+from common.prompt_sources import load_env_prompts
 from common.serving import answer_safely
 from common.sockets import Server, SocketSecurity
 from common.types import MAX_NAME_CHARS, MAX_REWARD_COMPONENTS, max_group_bytes
@@ -109,18 +109,7 @@ def run(config: TandemConfig) -> int:
     stop = _stop_on_signals()
     prompts = load_prompt_records(config.env, config.run.seed)
     journal = Journal(journal_path(run_dir)) if config.buffer.persist else None
-    evaluation = None
-    if config.eval.enabled:
-        retain_s = max(config.buffer.lease_timeout_s, config.buffer.heartbeat_timeout_s)
-        evaluation = EvalScheduler.load(
-            config.eval,
-            config.eval_max_tokens,
-            config.buffer.lease_timeout_s,
-            retain_s,
-            shots=config.env.shots,
-            mapping=env_row_mapping(config.env),
-        )
-        log.info("evaluation: %s every %d versions", ", ".join(config.eval.sets), config.eval.every)
+    evaluation = EvalScheduler.from_config(config)  # None without eval.sets
     state = BufferState(BufferSettings.from_config(config), prompts, journal, evaluation)
     restored = state.restore(time.time())
     if restored:
@@ -135,9 +124,8 @@ def run(config: TandemConfig) -> int:
     server = Server(config.buffer.host, config.buffer.port, socket_security(config), name="buffer")
     core = BufferCore(state, wire_rejections=server.rejected)
     sink = MetricsSink(run_dir, "buffer", simulation=config.run.simulate)
-    eval_sink = None
-    if evaluation is not None:  # one clock with buffer.jsonl
-        eval_sink = MetricsSink(run_dir, "eval", start_time=sink.start_time, simulation=config.run.simulate)
+    for extension in core.extensions:  # their own rows (eval.jsonl), on the clock of buffer.jsonl
+        extension.open_sink(run_dir, sink.start_time, config.run.simulate)
     log.info(
         "buffer on %s:%d: %d prompts, capacity %d samples, η = %d, B = %d, messages up to %.2f MB",
         config.buffer.host,
@@ -154,7 +142,8 @@ def run(config: TandemConfig) -> int:
             request = server.poll(timeout_ms=POLL_MS)
             if request is not None:  # a fault while answering is a rejected message (common.serving), not the end
                 answer_safely(server, request, lambda request: _answer(server, core, request))
-                _write_eval_rows(evaluation, eval_sink)
+                for extension in core.extensions:
+                    extension.flush()
             if time.monotonic() >= next_housekeeping:
                 for reply_to, message in core.tick(time.time()):
                     server.reply(reply_to, message)
@@ -169,9 +158,8 @@ def run(config: TandemConfig) -> int:
         sink.log(state.learner_version, core.metrics())
         state.save_counters()
         sink.close()
-        if eval_sink is not None:
-            _write_eval_rows(evaluation, eval_sink)
-            eval_sink.close()
+        for extension in core.extensions:
+            extension.close()
         server.close()
         if journal is not None:
             journal.close()
@@ -189,14 +177,6 @@ def _answer(server: Server, core: BufferCore, request: Any) -> None:
         return
     for reply_to, message in replies:
         server.reply(reply_to, message)
-
-
-def _write_eval_rows(evaluation: EvalScheduler | None, eval_sink: MetricsSink | None) -> None:
-    """The rows of the eval results accepted since the last call, each at step = its policy_version."""
-    if evaluation is None or eval_sink is None:
-        return
-    for version, row in evaluation.take_rows():
-        eval_sink.log(version, row)
 
 
 def _stop_on_signals() -> list[str]:

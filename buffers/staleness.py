@@ -31,6 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+RETRY_FULL_S = 0.25  # how long a generator refused for admission control ("full") waits before asking again
+RETRY_STALE_S = 0.5  # ... refused as "stale" (it fetches newer weights meanwhile)
+
 
 @dataclass(frozen=True)
 class Admission:

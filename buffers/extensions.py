@@ -1,0 +1,65 @@
+"""The buffer core's seam for optional work beside training: evaluation today (`buffers.evaluation`).
+
+`buffers.core.BufferCore` answers a lease request from a short chain of grant sources; the first that answers wins:
+    1. run end      the learner's final report came and no extension holds the end: `RunOver`
+    2. extensions   each one's `lease_reply` (evaluation: an `EvalGrant` when a round is due for that generator;
+                    while the final round is waited for, a refusal instead of training prompts), or None to pass
+    3. training     the prompt dispenser and admission control: a `LeaseGrant` or a `LeaseRefused`
+An extension also
+    handlers        answers messages of its own (evaluation: `EvalResult`), merged into the core's table
+    heard           hears every heartbeat (with whether its generator is making progress) to renew its leases
+    version_reported  hears every version report, after the run end has taken it
+    tick            runs at each housekeeping tick, given the generators that are silent or stuck
+    holds_end       holds the run's end (`RunOver`) while its work on the final version is not done
+    end_pending     how many of its pieces the end still waits for (the `end_pending` counter the learner polls
+                    to keep its weights published until then: `learners.learner`)
+    counters        adds its counters to the buffer's
+    open_sink / flush / close   writes rows of its own (evaluation: eval.jsonl), flushed after every request
+`default_extensions` builds what the state was built with; with none, the core is training alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from buffers.run_end import RunEnd
+from buffers.state import BufferState
+from common.types import Heartbeat, LeaseRequest, VersionReport
+
+Handler = Callable[[Any, Any, str, float], list[tuple[Any, Any]]]  # (message, reply_to, sender, now) -> replies
+
+
+class CoreExtension(Protocol):
+    """See the module docstring. Single-threaded: the buffer's poll loop."""
+
+    handlers: Mapping[type, Handler]
+
+    def lease_reply(self, request: LeaseRequest, sender: str, now: float) -> Any | None: ...
+
+    def heard(self, heartbeat: Heartbeat, progressing: bool, now: float) -> None: ...
+
+    def version_reported(self, report: VersionReport, now: float) -> None: ...
+
+    def tick(self, now: float, unresponsive: list[int]) -> None: ...
+
+    def holds_end(self, now: float) -> bool: ...
+
+    def end_pending(self) -> int: ...
+
+    def counters(self) -> dict[str, int]: ...
+
+    def open_sink(self, run_dir: Path, start_time: float, simulation: bool) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def default_extensions(state: BufferState, end: RunEnd) -> list[CoreExtension]:
+    """The extensions `state` was built for: evaluation, on its scheduler when it has one (eval.sets), else the
+    refusal of eval results that a buffer without evaluation gives."""
+    from buffers.evaluation import BufferEvaluation, NoEvaluation
+
+    return [BufferEvaluation(state, end) if state.evaluation is not None else NoEvaluation()]
