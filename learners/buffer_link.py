@@ -8,7 +8,7 @@
     counters = link.stats()                         # the buffer's counters (BufferStats), or None: no answer
     link.report_version(policy_version, step)       # rank 0, after each publish
     link.report_version(policy_version, step, final=True)   # rank 0, the last step: the run is over
-    pending = link.final_eval_pending()             # rank 0, after it: eval sets of the final round not done (None:
+    pending = link.end_pending()                    # rank 0, after it: work on the final version not done (None:
                                                     # no answer)
 
 Interruption: once `interrupted()` is true, `fetch_batch` raises `LinkInterrupted` before its next request, and
@@ -183,12 +183,13 @@ class BufferLink:
         self.announced = (policy_version, step)
         return reply.learner_version
 
-    def final_eval_pending(self, timeout_s: float = 2.0) -> int | None:
-        """The buffer's `eval_final_pending` counter (eval sets of the final round without a result: 0 once done or
-        timed out, and in a buffer that does not evaluate), from one StatsRequest; None when the buffer does not
-        answer within `timeout_s` or refuses (counted `stats_unanswered`): it exited, or is away. Never retries."""
+    def end_pending(self, timeout_s: float = 2.0) -> int | None:
+        """The buffer's `end_pending` counter (pieces of work on the final version the run's end still waits for,
+        such as eval sets of the final round: 0 once done or timed out, and in a buffer with no such work), from
+        one StatsRequest; None when the buffer does not answer within `timeout_s` or refuses (counted
+        `stats_unanswered`): it exited, or is away. Never retries."""
         counters = self.stats(timeout_s)
-        return None if counters is None else int(counters.get("eval_final_pending", 0))
+        return None if counters is None else int(counters.get("end_pending", 0))
 
     def stats(self, timeout_s: float = 2.0) -> dict[str, int] | None:
         """The buffer's counters (`BufferStats`: the ledger, rejections by kind, tokens arrived and sampled,

@@ -16,10 +16,10 @@ algo.ppo_epochs x learner.mini_batches optimizer steps on its batch):
     checkpoint every save_every steps, at the end, and on SIGINT/SIGTERM (learners.checkpoint)
 A wait for a batch longer than learner.wait_report_s (and 3x the median step time) is explained in one line, in the
 log and in waiting.jsonl (`tandem run` prints it), then every few minutes while it lasts (`learners.stall_report`).
-After the last step, with eval.sets and eval.at_end, rank 0 keeps its weights published until the buffer says the
-final evaluation round is done (its counter eval_final_pending is 0, polled every FINAL_EVAL_POLL_S), the buffer
-stops answering, eval.final_timeout_s passed, or a signal came: the generators evaluate the final version with
-them. The training itself never waits for evaluation.
+After the last step, rank 0 keeps its weights published while the buffer's end waits for work on the final
+version (its counter end_pending, polled every END_POLL_S, is 0 once that is done: a final evaluation round, with
+eval.sets and eval.at_end), until the buffer stops answering, config.learner_end_wait_s passed (0: no wait), or a
+signal came. The learner knows nothing of what that work is; the training itself never waits for it.
 
 Interruption: SIGINT or SIGTERM is recorded, not obeyed at once. The loop stops before its next batch (a wait for
 the buffer is cut short: `learners.buffer_link.LinkInterrupted`), every rank at the same step (one all-reduce of a
@@ -62,7 +62,7 @@ from learners.session import Interrupt, Saves, any_rank, forget_steps_after, res
 from learners.stall_report import WAITING_STREAM, BatchNeeds, WaitWatch
 
 KEEP_CHECKPOINTS = 2
-FINAL_EVAL_POLL_S = 1.0
+END_POLL_S = 1.0
 
 
 class StepTrainer(Protocol):
@@ -206,7 +206,8 @@ class Learner:
 
     def finish(self) -> int:
         """After the loop: the final (or interrupt) checkpoint, then rank 0 keeps its weights published until the
-        buffer's final evaluation round is done. The exit code: 0, or 128 + signal when interrupted."""
+        buffer's end no longer waits for work on the final version. The exit code: 0, or 128 + signal when
+        interrupted."""
         interrupted = self.saves.finish(self.state, self.stop, self.settings.total_steps, self.log)
         if interrupted is not None:
             return interrupted
@@ -216,8 +217,8 @@ class Learner:
             self.state.policy_version,
             self.state.samples_trained,
         )
-        if self.rank0 and self.config.eval.enabled and self.config.eval.at_end:
-            _wait_for_final_eval(self.buffer, self.config.eval.final_timeout_s, self.stop.requested, self.log)
+        if self.rank0 and self.config.learner_end_wait_s > 0:
+            _wait_for_run_end(self.buffer, self.config.learner_end_wait_s, self.stop.requested, self.log)
         return 0
 
     def close(self) -> None:
@@ -271,27 +272,27 @@ def _report_version(buffer: BufferLink, state: LearnerState, final: bool, log: l
         log.warning("%s: the version of step %d is not reported", interruption, state.step)
 
 
-def _wait_for_final_eval(
+def _wait_for_run_end(
     buffer: BufferLink, timeout_s: float, interrupted: Callable[[], bool], log: logging.Logger
 ) -> None:
-    """Keep the publisher up (return later) until the buffer's final evaluation round is done, the buffer no
-    longer answers, `timeout_s` passed or the learner is interrupted; logs which of them ended the wait."""
+    """Keep the publisher up (return later) while the buffer's end waits for work on the final version, until that
+    is done, the buffer no longer answers, `timeout_s` passed or the learner is interrupted; logs which ended it."""
     start = time.monotonic()
-    log.info("waiting for the final evaluation (at most %.0fs; the weights stay published)", timeout_s)
+    log.info("waiting for the buffer's end (at most %.0fs; the weights stay published)", timeout_s)
     while True:
-        pending = buffer.final_eval_pending()
+        pending = buffer.end_pending()
         waited = time.monotonic() - start
         if pending == 0:
-            log.info("final evaluation done after %.1fs", waited)
+            log.info("the buffer's end waits for nothing more after %.1fs", waited)
             return
         if pending is None:
-            log.info("the buffer no longer answers (it ended the run): not waiting for the final evaluation")
+            log.info("the buffer no longer answers (it ended the run): not waiting")
             return
         if waited >= timeout_s or interrupted():
-            why = "interrupted" if interrupted() else f"eval.final_timeout_s = {timeout_s:.0f}s passed"
-            log.warning("final evaluation: %d sets still pending, %s: stopping anyway", pending, why)
+            why = "interrupted" if interrupted() else f"{timeout_s:.0f}s passed"
+            log.warning("the buffer's end still waits for %d pieces of work, %s: stopping anyway", pending, why)
             return
-        deadline = time.monotonic() + min(FINAL_EVAL_POLL_S, max(0.0, timeout_s - waited))
+        deadline = time.monotonic() + min(END_POLL_S, max(0.0, timeout_s - waited))
         while time.monotonic() < deadline and not interrupted():
             time.sleep(0.05)
 

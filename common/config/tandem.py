@@ -73,6 +73,13 @@ class TandemConfig(_Section):
         return self.algo.overlong_window or max(1, self.overlong_budget // 4)
 
     @property
+    def learner_end_wait_s(self) -> float:
+        """How long learner rank 0 may keep its weights published after its last step while the buffer's end waits
+        for work on the final version (the final evaluation round): eval.final_timeout_s with eval.sets and
+        eval.at_end, else 0 (the learner exits at once)."""
+        return self.eval.final_timeout_s if self.eval.enabled and self.eval.at_end else 0.0
+
+    @property
     def reward_service(self) -> bool:
         """Whether this run has a reward service to start: env.reward_model is set and not scored in-process."""
         return bool(self.env.reward_model) and not self.reward.in_process

@@ -1,6 +1,6 @@
-"""The learner's wait for the final evaluation (rank 0, after its last step, with eval.at_end): the buffer's
-`eval_final_pending` read over a real socket from a buffer core that evaluates, and the wait's four ends: the round
-is done, the buffer stops answering, eval.final_timeout_s passes, a signal came."""
+"""The learner's wait for the buffer's end (rank 0, after its last step; with eval.at_end the end waits for the
+final evaluation round): the buffer's `end_pending` read over a real socket from a buffer core that evaluates, and
+the wait's four ends: the work is done, the buffer stops answering, the time passes, a signal came."""
 
 from __future__ import annotations
 
@@ -30,10 +30,11 @@ class EvalCoreServer(ServerThread):
 
     name = "eval-core-buffer"
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, evaluate: bool = True) -> None:
         super().__init__(port)
         config = EvalConfig(sets=["arithmetic"], greedy=True, samples=0)
         evaluation = EvalScheduler(config, {"arithmetic": fake_prompts(2)}, max_tokens=8, lease_timeout_s=30.0)
+        evaluation = evaluation if evaluate else None
         self.core = BufferCore(BufferState(make_settings(), fake_prompts(8), None, evaluation))
         self.start()
 
@@ -72,13 +73,13 @@ def test_the_link_reads_the_final_rounds_pending_sets_and_none_once_the_buffer_i
     buffer = EvalCoreServer(port)
     link = BufferLink(f"127.0.0.1:{port}", SocketSecurity(), 0, 1, num_groups=2, hold_s=0.1, reply_margin_s=0.3)
     try:
-        assert link.final_eval_pending() == 0  # no final report yet
+        assert link.end_pending() == 0  # no final report yet
         link.report_version(0, 0, resync=True, final=True)
-        assert link.final_eval_pending() == 1
+        assert link.end_pending() == 1
         buffer.evaluate()
-        assert link.final_eval_pending() == 0
+        assert link.end_pending() == 0
         buffer.stop()
-        assert link.final_eval_pending(timeout_s=0.3) is None
+        assert link.end_pending(timeout_s=0.3) is None
         assert link.counters["stats_unanswered"] == 1
     finally:
         link.close()
@@ -86,52 +87,51 @@ def test_the_link_reads_the_final_rounds_pending_sets_and_none_once_the_buffer_i
 
 
 class FakeLink:
-    """Answers `final_eval_pending` from a script (its last value repeats)."""
+    """Answers `end_pending` from a script (its last value repeats)."""
 
     def __init__(self, *answers: int | None) -> None:
         self.answers, self.calls = list(answers), 0
 
-    def final_eval_pending(self) -> int | None:
+    def end_pending(self) -> int | None:
         self.calls += 1
         return self.answers[min(self.calls, len(self.answers)) - 1]
 
 
 @pytest.fixture(autouse=True)
 def fast_polls(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(learner, "FINAL_EVAL_POLL_S", 0.01)
+    monkeypatch.setattr(learner, "END_POLL_S", 0.01)
 
 
 def test_the_wait_ends_when_the_round_is_done() -> None:
     link = FakeLink(2, 1, 0, 5)
-    learner._wait_for_final_eval(link, 60.0, lambda: False, log)
+    learner._wait_for_run_end(link, 60.0, lambda: False, log)
     assert link.calls == 3
 
 
 def test_the_wait_ends_when_the_buffer_stops_answering() -> None:
     link = FakeLink(1, None, 1)
-    learner._wait_for_final_eval(link, 60.0, lambda: False, log)
+    learner._wait_for_run_end(link, 60.0, lambda: False, log)
     assert link.calls == 2
 
 
 def test_the_wait_ends_after_the_timeout_or_on_a_signal(caplog: pytest.LogCaptureFixture) -> None:
     link = FakeLink(2)
     with caplog.at_level(logging.WARNING):
-        learner._wait_for_final_eval(link, 0.05, lambda: False, log)
-    assert link.calls >= 2 and "2 sets still pending" in caplog.text and "final_timeout_s" in caplog.text
+        learner._wait_for_run_end(link, 0.05, lambda: False, log)
+    assert link.calls >= 2 and "still waits for 2 pieces of work, 0s passed" in caplog.text
     link = FakeLink(2)
-    learner._wait_for_final_eval(link, 60.0, lambda: True, log)
+    learner._wait_for_run_end(link, 60.0, lambda: True, log)
     assert link.calls == 1
 
 
 def test_a_buffer_that_does_not_evaluate_answers_zero() -> None:
-    """A learner whose config evaluates does not wait on a buffer that does not (its counters have no eval keys)."""
+    """A learner whose config evaluates does not wait on a buffer that does not (no extension holds its end)."""
     port = free_port()
-    buffer = EvalCoreServer(port)
-    buffer.core.state.evaluation = None
+    buffer = EvalCoreServer(port, evaluate=False)
     link = BufferLink(f"127.0.0.1:{port}", SocketSecurity(), 0, 1, num_groups=2, hold_s=0.1, reply_margin_s=0.3)
     try:
         link.report_version(0, 0, resync=True, final=True)
-        assert link.final_eval_pending() == 0
+        assert link.end_pending() == 0
         assert buffer.core.run_over(time.time())
     finally:
         link.close()
