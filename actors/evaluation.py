@@ -50,9 +50,9 @@ from typing import Any
 
 import numpy as np
 
-from actors.engine_api import EVAL_PRIORITY, Engine, FinishedSample
+from actors.engine.api import EVAL_PRIORITY, Engine, FinishedSample
 from actors.outbox import BufferLink
-from actors.rewards import TimedFunction
+from actors.rewards.functions import TimedFunction
 from common.config import TandemConfig
 from common.eval_metrics import (
     TRUNCATED,

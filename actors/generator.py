@@ -18,7 +18,7 @@ One loop, one thread, each pass in this order (`run` below):
      let in-flight ones finish under the old version first, eval requests included) or at once between steps
      (`inflight_weight_update`: running eval requests are aborted first and the eval lease redone after the load,
      so an eval result never mixes versions; after a few redos of one lease the load waits for it instead).
-     With learner.lora.sync = "adapter" an update is a LoRA adapter (`adapter_rank`; actors/engine.py): running
+     With learner.lora.sync = "adapter" an update is a LoRA adapter (`adapter_rank`; actors/engine/vllm.py): running
      samples keep the adapter they were added with. An update the engine refuses (`WeightsRejected`: full vs
      adapter, or an adapter that does not fit the model) is counted and fetched again later, never fatal.
   5. lease prompts whenever fewer than `prompts_in_flight` are held (ahead of need), unless the outbox is full.
@@ -58,14 +58,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from actors.engine_api import Engine, open_engine
+from actors.engine.api import Engine, open_engine
 from actors.evaluation import Evaluator
 from actors.groups import LeaseBook
 from actors.liveness import HEARTBEAT_S, Pulse
 from actors.outbox import BufferLink, Outbox
 from actors.rollouts import Rollouts, rollouts_maker
 from actors.side_work import SideWork
-from actors.weights import (
+from actors.weights.updates import (
     WeightsPoller,
     WeightsRejected,
     WeightsUpdate,

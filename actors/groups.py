@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from actors.engine_api import FinishedSample
-from actors.rewards import Score
+from actors.engine.api import FinishedSample
+from actors.rewards.functions import Score
 from common.types import LeaseGrant, PromptItem, RolloutGroup
 
 

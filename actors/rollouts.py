@@ -11,13 +11,13 @@ A single-turn task is a one-step environment: the model's one turn is the whole 
 reward function's (and the reward model's). `SingleTurnRollouts` runs it without the episode machinery (no
 environment object or worker thread per sample, the group scored at once, a learned reward model included), which
 keeps the engine's throughput (`benchmarks/generator_throughput`); `EpisodeRollouts` runs every other environment
-through `actors.episodes`. The generator (`actors.generator`) drives both the same way and keeps no branch of its
+through `actors.environments.episodes`. The generator (`actors.generator`) drives both the same way and keeps no branch of its
 own; evaluation requests (`actors.evaluation`) are the engine's other client.
 
 One rule for a failure, both kinds: a sample whose reward cannot be had (its reward function raised or returned
 garbage, its environment raised, overran or broke the contract) keeps its tokens, gets `env.failure_reward`, is
 counted, and its finish reason says why: `env_error: <where>: ...` (or `env_timeout`, `episode_timeout`). A learned
-reward model that could not score falls back per source instead (`actors.group_rewards`).
+reward model that could not score falls back per source instead (`actors.rewards.groups`).
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from actors.engine_api import Engine, FinishedSample
-from actors.episodes import EpisodeDriver, EpisodeLimits
-from actors.failure_guard import guarded
-from actors.group_rewards import GroupRewards
+from actors.engine.api import Engine, FinishedSample
+from actors.environments.episodes import EpisodeDriver, EpisodeLimits
+from actors.environments.trajectory import build_episode_group
 from actors.groups import PendingGroup, PendingGroups, build_group, sample_request_id
-from actors.trajectory import build_episode_group
+from actors.rewards.failure_guard import guarded
+from actors.rewards.groups import GroupRewards
 from common.config import TandemConfig
 from common.types import PromptItem, RolloutGroup
 
@@ -153,7 +153,7 @@ class SingleTurnRollouts:
 
 
 class EpisodeRollouts:
-    """`n` episodes per prompt on the episode driver (`actors.episodes`), built into a group once all have ended."""
+    """`n` episodes per prompt on the episode driver (`actors.environments.episodes`), built into a group once all have ended."""
 
     def __init__(self, driver: EpisodeDriver, generator_id: int) -> None:
         self.driver, self.generator_id = driver, generator_id
@@ -203,7 +203,7 @@ def rollouts_maker(config: TandemConfig, generator_id: int) -> Callable[[Engine]
     """What builds this generator's rollouts once its engine is up. The reward sources or the environment are
     resolved now, before the engine's slow start, so a misnamed one (or arguments the environment's `prepare`
     refuses) stops the generator at once. A reward that fails on most samples stops it later
-    (`actors.failure_guard`, env.stop_failure_share)."""
+    (`actors.rewards.failure_guard`, env.stop_failure_share)."""
     group_size = config.algo.group_size
     if not config.env.environment:
         rewards = GroupRewards.from_config(config, f"generator-{generator_id}")
@@ -213,7 +213,7 @@ def rollouts_maker(config: TandemConfig, generator_id: int) -> Callable[[Engine]
             return SingleTurnRollouts(engine, rewards, group_size, max_model_len, generator_id)
 
         return guarded(single_turn, config.env.stop_failure_share)
-    from actors.env_runner import EnvRunner
+    from actors.environments.runner import EnvRunner
     from common.envs import environment_factory
 
     environments = environment_factory(config.env)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from actors.engine_api import FinishedSample
+from actors.engine.api import FinishedSample
 from actors.outbox import BufferLink
 
 

@@ -71,8 +71,8 @@ def first_line(error: BaseException) -> str:
 
 def start_engine(model_dir: Path) -> Any:
     """The project's vLLM engine on `model_dir` (float32, greedy, max_model_len 256, 1 GiB of KV cache)."""
-    from actors.engine import VllmEngine, configure_cpu_environment
-    from actors.engine_api import SamplingSettings
+    from actors.engine.api import SamplingSettings
+    from actors.engine.vllm import VllmEngine, configure_cpu_environment
     from common.config import GeneratorConfig, ModelConfig
 
     configure_cpu_environment(GeneratorConfig(kv_cache_gib=1.0))
@@ -189,9 +189,9 @@ def train_and_export(model_dir: Path, zero_stage: int, out: Path, dist: Any) -> 
 def publish_to_engine(trainer: Any, engine: Any, version: int) -> str:
     """The trainer's full weights through the learner's ZeroMQ publisher to the generator's source (star), loaded
     into `engine`; returns the engine's load path: "in_place" (every tiny family on CPU, the fused-MoE experts
-    included: actors/in_place_load.py), or "layerwise" (vLLM's layerwise reload, which `actors.engine.WeightLoader`
+    included: actors/weights/in_place_load.py), or "layerwise" (vLLM's layerwise reload, which `actors.engine.vllm.WeightLoader`
     takes elsewhere, e.g. on a GPU)."""
-    from actors.weights import ZmqWeightsSource
+    from actors.weights.updates import ZmqWeightsSource
     from common.sockets import SocketSecurity
     from launch.testing import free_port
     from learners.publisher import ZmqWeightsPublisher

@@ -68,8 +68,8 @@ def model_weights(mb: int, version: int) -> list[tuple[str, Any]]:
 
 def run_member(doorbell: int, group: int, index: int, out: Path, slow_from: int) -> None:
     """A generator's weights path (see the module docstring): writes out/g{index}.json, {version: time held}."""
-    from actors.broadcast_source import BroadcastRound, BroadcastWeightsSource
-    from actors.weights import WeightsRejected
+    from actors.weights.broadcast_source import BroadcastRound, BroadcastWeightsSource
+    from actors.weights.updates import WeightsRejected
     from common.broadcast import BroadcastGroup, receive_round
     from common.sockets import SocketSecurity
 

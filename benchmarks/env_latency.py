@@ -2,9 +2,9 @@
 
     .venv/bin/python -m benchmarks.env_latency [--seconds 6] [--turns 3]
 
-SIMULATION engine (`actors.sim_engine.SimEngine`: a step costs `--token-s` whatever the batch, `--tokens` tokens a
-turn), the production episode driver (`actors.episodes.EpisodeDriver`) and environment runner
-(`actors.env_runner.EnvRunner`), driven by the generator's loop in miniature: take in finished environment calls,
+SIMULATION engine (`actors.engine.simulated.SimEngine`: a step costs `--token-s` whatever the batch, `--tokens` tokens a
+turn), the production episode driver (`actors.environments.episodes.EpisodeDriver`) and environment runner
+(`actors.environments.runner.EnvRunner`), driven by the generator's loop in miniature: take in finished environment calls,
 add the queued turns, one engine step (or wait for an environment when the engine has nothing to run). Each episode
 takes `--turns` model turns; every step of its environment sleeps the latency (a plain function: a tool call, a
 sandboxed test run, a remote service). Episodes are kept in flight at a fixed count (a finished group is replaced
@@ -27,9 +27,9 @@ import random
 import time
 from typing import Any
 
-from actors.env_runner import CallOutcome, EnvCall, EnvRunner
-from actors.episodes import EpisodeDriver, EpisodeLimits
-from actors.sim_engine import SimEngine
+from actors.engine.simulated import SimEngine
+from actors.environments.episodes import EpisodeDriver, EpisodeLimits
+from actors.environments.runner import CallOutcome, EnvCall, EnvRunner
 from benchmarks.common import save
 from common.envs import StepResult
 from common.types import PromptItem
@@ -180,7 +180,7 @@ def main() -> None:
             f"{r['latency_ms']:>6.0f}ms {r['mode']:>11} {r['in_flight']:>9} {r['samples_per_s']:>10.1f} "
             f"{r['env_steps_per_s']:>11.1f} {r['model_tokens_per_s']:>9.0f} {r['engine_utilisation']:>10.0%}"
         )
-    result = {"engine": "SIMULATION (actors.sim_engine.SimEngine)", "settings": vars(args), "results": rows}
+    result = {"engine": "SIMULATION (actors.engine.simulated.SimEngine)", "settings": vars(args), "results": rows}
     save("env_latency", {"headline": headline(result), **result}, plot(rows))
 
 

@@ -7,7 +7,7 @@ temperature 1, top-p 1, up to `max_tokens` new tokens, stop at end-of-sequence),
   pipeline     `tandem generator` (real vLLM) as its own process, leasing from a fake buffer over loopback, scoring
                with the arithmetic reward and pushing groups; tokens/s = completion tokens of the timed prompts /
                (last group acknowledged - prompts made available).
-  direct       the same engine (`actors.engine.VllmEngine`, same engine arguments) in this process: every request
+  direct       the same engine (`actors.engine.vllm.VllmEngine`, same engine arguments) in this process: every request
                added at once, stepped until done; no leases, scoring or sockets.
   transformers `generate` on the same prompts, one batch, float32 (the faster CPU path for transformers).
 Both vLLM runs discard a first (warm-up) round of as many other prompts. Model: SmolLM2-135M-Instruct if prepared
@@ -88,8 +88,8 @@ def first_groups(buffer: FakeBuffer, prompts: list[PromptItem], timeout_s: float
 
 
 def run_direct(model_dir: Path, warmup: list[PromptItem], timed: list[PromptItem], args: Any) -> dict[str, float]:
-    from actors.engine import VllmEngine, configure_cpu_environment
-    from actors.engine_api import SamplingSettings
+    from actors.engine.api import SamplingSettings
+    from actors.engine.vllm import VllmEngine, configure_cpu_environment
     from common.config import GeneratorConfig, ModelConfig
 
     configure_cpu_environment(GeneratorConfig())

@@ -2,7 +2,7 @@ r"""Issue 31's GPU checks C0-C6 on one lent GPU (an H200), without vLLM, each in
 
     check                            what it runs (benchmarks/gpu_checks/<module>)                    passes when
     c0_environment                   versions, GPU, /dev/shm, host-register attributes (environment)   it ran
-    c1a_tandem_pinned_file           actors.cuda_weights as it is now + a kernel after (host_memory)   no kernel raises
+    c1a_tandem_pinned_file           actors.weights.cuda as it is now + a kernel after (host_memory)   no kernel raises
     c1b..e                           read-only register / COW register / pinned bounce / pageable      bytes arrive
     c2_stream_hazard                 a 1.5 s sleep on another thread's default vs own stream (streams) as predicted
     c3a..d                           Trainer.train_step: padded ZeRO-1 + KL, packed vs padded,         finite, moved,

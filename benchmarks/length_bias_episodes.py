@@ -14,11 +14,11 @@ pushed when the last ends; an episode of the group:
   generates the same episodes for the same prompt.
 - a turn samples lognormal(TURN_TOKENS, σ 0.5) tokens clipped to [1, TURN_MAX_TOKENS] (generator.max_tokens) and
   to the room left under MAX_TOTAL_TOKENS (env.max_total_tokens: model and environment tokens, the episode driver's
-  rule: `actors.episodes`); then the environment takes ENV_S and, if the episode goes on, answers ENV_TOKENS tokens.
+  rule: `actors.environments.episodes`); then the environment takes ENV_S and, if the episode goes on, answers ENV_TOKENS tokens.
 - a turn takes START_S + token_s x its tokens, then ENV_S. Every model token carries the version published when
   its turn began (the generator loads weights between turns), so the episode's version (its oldest token's, which
   staleness judges) is that of its first turn: a long episode arrives as stale as it is long.
-- the group is the real layout (`actors.trajectory.Trajectory` and `build_episode_group`: environment tokens masked
+- the group is the real layout (`actors.environments.trajectory.Trajectory` and `build_episode_group`: environment tokens masked
   out), so the buffer counts its turns from the loss mask as it does in a run.
 Regimes (token_s, env_s): "fits", the longest group (MAX_TURNS turns of TURN_MAX_TOKENS) takes 1.46 learner steps,
 under η = 2; "near", 1.98, just under η; "late", the typical 8-turn episode already takes 2.75 steps, more than η,
@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from actors.engine_api import FinishedSample
-from actors.trajectory import EpisodeResult, Trajectory, build_episode_group
+from actors.engine.api import FinishedSample
+from actors.environments.trajectory import EpisodeResult, Trajectory, build_episode_group
 from benchmarks import length_bias
 from benchmarks.common import save
 from buffers.lengths import bucket_names, length_edges, length_metrics

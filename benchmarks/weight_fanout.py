@@ -10,7 +10,7 @@ at `--rate-mbit` in each direction by `tc` token buckets (addresses in 10.213.0.
 all removed at the end). Host 0 runs the publisher, hosts 1..G one simulated generator each (its own host id, so
 no two share a host copy). Every process is a real role's code over real TCP sockets: the publisher is
 `learners.publisher.open_weights_publisher(config.weights, ...)`, each generator runs
-`actors.weights.open_weights_source(...)` and its `fetch(have_version)` loop, as the generator's poller does, and
+`actors.weights.updates.open_weights_source(...)` and its `fetch(have_version)` loop, as the generator's poller does, and
 nothing else (no vLLM: what is measured is the transport). The sockets bind the namespaces' private addresses
 without keys: `run.insecure = true` (SocketSecurity(insecure=True)), fine on a network nothing else can reach.
 
@@ -152,10 +152,10 @@ def weights_config(args: argparse.Namespace, relay_host: str = "127.0.0.1", host
 
 def stall_timeout_for(rate_mbit: float, fanout: int) -> float:
     """weights.stall_timeout_s that a link of `rate_mbit` needs: the relay times each chunk reply (up to
-    `actors.relay.MAX_REPLY_BYTES`) against it, and the publisher's uplink carries `fanout` such replies at once;
+    `actors.weights.relay.MAX_REPLY_BYTES`) against it, and the publisher's uplink carries `fanout` such replies at once;
     twice that time, and never below the default. Under it, every direct child of the publisher would be judged
     stalled on slow links (at the default 5 s: below ~215 Mbit/s for k = 2) and no update would complete."""
-    from actors.relay import MAX_REPLY_BYTES
+    from actors.weights.relay import MAX_REPLY_BYTES
     from common.config import WeightsConfig
 
     default = WeightsConfig.model_fields["stall_timeout_s"].default
@@ -192,7 +192,7 @@ def run_publisher(args: argparse.Namespace) -> None:
 
 def run_generator(args: argparse.Namespace) -> None:
     """Host i: fetch every newer version as a generator's poller does; `verify V` reports the held bytes' digest."""
-    from actors.weights import open_weights_source
+    from actors.weights.updates import open_weights_source
     from common.sockets import SocketSecurity
 
     config = weights_config(args, relay_host=args.host, host_id=f"weight-fanout-host-{args.index}")
@@ -327,7 +327,7 @@ class Workspace:
 @contextmanager
 def workspace() -> Iterator[Workspace]:
     """Make the directories (after removing those a killed driver left: named with a pid no longer alive)."""
-    from actors.weights import shared_memory_dir
+    from actors.weights.updates import shared_memory_dir
 
     roots = [Path(tempfile.gettempdir()), shared_memory_dir()]
     for root in roots:

@@ -54,7 +54,7 @@ def _number(text: str) -> float | None:
 
 
 def measure(engine: Any, records: list[PromptRecord], samples: int, boxed: bool) -> dict[str, Any]:
-    from actors.offline_sampling import sample_completions
+    from actors.engine.offline_sampling import sample_completions
 
     started = time.monotonic()
     groups = sample_completions(engine, records, samples)
@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--instructions", default="marker", help="comma-separated: marker (INSTRUCTION), boxed")
     args = parser.parse_args()
 
-    from actors.offline_sampling import open_eval_engine
+    from actors.engine.offline_sampling import open_eval_engine
     from common.config import load_config
     from common.model_prep import resolve_model_path
     from launch.cli import DEMO_CONFIG

@@ -43,7 +43,7 @@ halvings of env.max_turns (`max_turns = 8`: le_1, le_2, le_4, le_8): ledger even
 `turns_<kind>/total`, metrics `buffer/turns_<kind>/<bucket>`, `buffer/turns_<kind>_mean` and
 `buffer/turns_drop_rate_shortest|longest`, beside the length ones (none when max_turns = 0: single-turn runs).
 A sample's turns are the runs of model tokens in its loss mask (`sample_turns`): the episode driver
-(`actors.episodes`) appends a turn's sampled tokens (at least one) and, before the next turn, the environment's
+(`actors.environments.episodes`) appends a turn's sampled tokens (at least one) and, before the next turn, the environment's
 rendered observation, whose chat-template delta opens the next assistant turn (at least its generation prompt),
 so consecutive turns are always separated by environment tokens and the count needs nothing new on the wire.
 """

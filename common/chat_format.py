@@ -7,9 +7,9 @@ arguments, from `[model]` chat_template / chat_template_kwargs.
     text = chat.render_text(tokenizer, messages, generation_prompt=False)
 
 Every stage that turns messages into tokens takes them from here, applied to its own tokenizer: RL prompts and
-multi-turn deltas (`actors.chat_turns`, through the engine), evaluation (in-run and `tandem eval`, the same engine),
+multi-turn deltas (`actors.environments.chat_turns`, through the engine), evaluation (in-run and `tandem eval`, the same engine),
 the OpenAI endpoint (its requests become an episode's prompt and turns), the SFT/RM/DPO rows
-(`learners.offline_data` through `common.chat_tokens`) and the reward model scorer (`actors.reward_model`): a
+(`learners.offline.data` through `common.chat_tokens`) and the reward model scorer (`actors.rewards.model`): a
 separate model with its own tokenizer, which renders with this same format (its own tokenizer's template when
 model.chat_template is empty). `tandem rm` trains a reward model on chats rendered so, so it scores what it learned
 from; a reward model of another family with its own format needs model.chat_template empty.

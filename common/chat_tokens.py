@@ -1,5 +1,5 @@
 """A reply's tokens after its prompt, through the chat template: what the offline stages train on
-(`learners.offline_data`) and what the reward model scores (`actors.reward_model`) must be the same tokens, so both
+(`learners.offline.data`) and what the reward model scores (`actors.rewards.model`) must be the same tokens, so both
 take them from here.
 
     prompt_ids = render_prompt(tokenizer, PromptRecord(0, prompt), chat)  # common.tasks: what the generator samples

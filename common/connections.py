@@ -4,7 +4,7 @@
     ...
     disconnect_tcp(connection)                       # later, if the reply is still unsent: ZeroMQ frees it
 
-Used by the weights publisher (learners/publisher.py) and a generator's relay server (actors/relay.py): both send
+Used by the weights publisher (learners/publisher.py) and a generator's relay server (actors/weights/relay.py): both send
 large replies zero-copy, and a reader that never reads would otherwise pin them for as long as it stays connected.
 """
 

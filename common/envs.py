@@ -13,7 +13,7 @@ A user's environment is a few lines; `reset` and `step` may be plain functions o
 
     # config:  [env] environment = "my_pkg.envs:Countdown"   environment_args = {...}
 
-Contract between an environment and the generator's episode driver (`actors.episodes`):
+Contract between an environment and the generator's episode driver (`actors.environments.episodes`):
   * One instance per episode: the factory `env.environment` names is called with `env.environment_args` as keyword
     arguments (keep it cheap: it runs on the generator's loop; slow set-up belongs in `reset`), then `reset(task)`
     once, then `step(text)` once per model turn until a step says `done` or a limit ends the episode, then
@@ -64,7 +64,7 @@ from common.config import EnvConfig
 from common.plugins import resolve_callable
 
 VERIFIERS_PREFIX = "verifiers:"  # env.environment = "verifiers:<taskset id or module>" (docs/environments.md)
-VERIFIERS_LOADER = "actors.verifiers_env:verifiers_factory"
+VERIFIERS_LOADER = "actors.environments.verifiers_env:verifiers_factory"
 
 Message = dict[str, str]  # {"role": "user" | "assistant" | "tool" | "system", "content": str} (+ tool fields)
 TOOL_FIELDS = ("tool_call_id", "name")  # kept on a message when strings: chat templates may render them
@@ -90,7 +90,7 @@ class StepResult:
     done:        the episode is over (the finish reason becomes `done`).
     info:        free-form diagnostics, but for one key the driver reads: `info["components"]`, named parts of
                  the reward of the step that says done (a rubric's, say; finite numbers): they reach the buffer as
-                 reward components, and what they leave of `reward` stays in `terminal` (actors.episodes).
+                 reward components, and what they leave of `reward` stays in `terminal` (actors.environments.episodes).
     """
 
     observation: list[Message]
@@ -206,7 +206,7 @@ def environment_factory(env: EnvConfig) -> EnvironmentFactory:
     `env.environment` is empty, the single-turn adapter around `env.reward_fn`. Resolves the names now (from
     `env.plugin_paths` first, see common.plugins), and calls the environment's `prepare(**environment_args)` if it
     has one, so a misnamed environment or reward function, or arguments the environment refuses, fail at start-up,
-    not at the first episode. `"verifiers:<id>"` loads a verifiers environment (actors.verifiers_env, resolved at
+    not at the first episode. `"verifiers:<id>"` loads a verifiers environment (actors.environments.verifiers_env, resolved at
     run time by name: common/ imports no actors/ module)."""
     if not env.environment:
         from common.reward_routing import reward_fn_for

@@ -1,5 +1,5 @@
 """Right padding of token rows into one batch, for every role that runs a model over rows of different lengths
-(the offline stages' learners, `learners.offline_data`; the reward model's scorer, `actors.reward_model`)."""
+(the offline stages' learners, `learners.offline.data`; the reward model's scorer, `actors.rewards.model`)."""
 
 from __future__ import annotations
 

@@ -41,6 +41,15 @@ def _searched(search_path: Sequence[str]) -> str:
     )
 
 
+# Modules a config may name that moved into sub-packages (December 2026): an old spec is refused with the new one.
+MOVED = {
+    "actors.openai_server": "actors.environments.openai_server",
+    "actors.verifiers_env": "actors.environments.verifiers_env",
+    "actors.sandbox": "actors.environments.sandbox",
+    "actors.rewards": "actors.rewards.functions",
+}
+
+
 def resolve_callable(spec: str, what: str, shape: str, kind: str, search_path: Sequence[str] = ()) -> Any:
     """The callable named by `spec` (`"package.module:name"`; a dotted attribute path after the colon also works).
 
@@ -54,6 +63,8 @@ def resolve_callable(spec: str, what: str, shape: str, kind: str, search_path: S
     module_name, sep, attr_path = spec.partition(":")
     if not sep or not module_name or not attr_path:
         raise ValueError(f"{what} {spec!r}: expected '{shape}'")
+    if module_name in MOVED:
+        raise ImportError(f"{what} {spec!r}: {module_name} moved: write '{MOVED[module_name]}:{attr_path}'")
     search_first(search_path)
     try:
         module = importlib.import_module(module_name)

@@ -7,7 +7,7 @@ import os
 
 def pid_alive(pid: int) -> bool:
     """Whether a process with this pid exists (one of another user counts: signalling it is refused, it exists).
-    A zombie counts as alive here; `launch.ray_local.process_alive` tells it apart where that matters."""
+    A zombie counts as alive here; `launch.ray.local.process_alive` tells it apart where that matters."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

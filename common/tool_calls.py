@@ -24,7 +24,7 @@ decoded turn keeps them.
 
 Tool results: `tool_message` makes `{"role": "tool", "tool_call_id", "name", "content"}`. SmolLM2's chat template is
 generic ChatML: it writes any role verbatim, so a tool message renders as `<|im_start|>tool\\n<content><|im_end|>\\n`
-(`actors.chat_turns.ChatTurnRenderer.render_turn` gives exactly that delta after a model turn) and drops
+(`actors.environments.chat_turns.ChatTurnRenderer.render_turn` gives exactly that delta after a model turn) and drops
 `tool_call_id` and `name` (`common.envs.check_messages` keeps them, for templates that render them). The 135M model was not
 trained on a `tool` role, so put what the model needs to read into `content` itself (`tool_message` does not add the
 tool's name). Qwen2.5's template instead renders tool messages as a user turn wrapped in `<tool_response>` tags.

@@ -437,7 +437,7 @@ class TensorSpec:
 
 
 MAX_ADDRESS_CHARS = 300  # host:port, or "host:<generator id>" for a host copy
-MAX_LORA_RANK = 4096  # an adapter's rank (vLLM 0.32 serves up to 512: actors.engine refuses more at start)
+MAX_LORA_RANK = 4096  # an adapter's rank (vLLM 0.32 serves up to 512: actors.engine.vllm refuses more at start)
 MAX_LORA_ALPHA = 1e6  # the adapter's scale is lora_alpha / lora_rank
 MAX_LORA_MODULES = 64  # target module names of an adapter (Llama has 7 projections)
 MAX_MODULE_NAME_CHARS = 100
@@ -582,7 +582,7 @@ MAX_REWARD_TEXT_CHARS = 1 << 20  # one message's content or one completion (comm
 @message("reward_request")
 class RewardRequest:
     """Generator (or `tandem eval`) -> reward service: score the n completions of one prompt, a whole group.
-    Each completion is appended to `prompt` as an assistant turn and the chat scored (actors/reward_model.py)."""
+    Each completion is appended to `prompt` as an assistant turn and the chat scored (actors/rewards/model.py)."""
 
     request_id: int = count()  # the sender's own id, echoed in the reply (a late reply to an abandoned one is dropped)
     prompt: list[dict[str, str]]  # the prompt's messages: [{"role": "user", "content": "..."}, ...]

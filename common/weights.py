@@ -2,7 +2,7 @@
 
 The learner's publisher and the generator's receiver both follow this layout, and nothing else:
 
-    publisher (learner, learners/publisher.py)              receiver (generator, actors/weights.py)
+    publisher (learner, learners/publisher.py)              receiver (generator, actors/weights/updates.py)
     specs, sizes = plan_buckets(layout, bucket_bytes)       reply, payload = client.request(WeightsRequest(...))
     # copy each tensor into bucket spec.bucket at spec.offset   views = check_frames(reply, payload)
     server.reply(request, header, payload=buckets)          # tensor = views[spec.bucket][spec.offset:...]
@@ -23,7 +23,7 @@ Layout (one update = one `WeightsHeader` + `len(bucket_sizes)` raw frames):
 Adapter-only updates (learner.lora.sync = "adapter"): the same layout, with the tensors the LoRA A/B matrices
 only and the header's `lora_rank` > 0, `lora_alpha`, `lora_target_modules`; `check_layout` then also checks the
 names and shapes (`check_adapter`). The transports carry the bytes unchanged; the generator's engine writes them
-as a peft adapter directory that vLLM loads as a LoRA adapter (actors/adapters.py).
+as a peft adapter directory that vLLM loads as a LoRA adapter (actors/engine/adapters.py).
 
 Request/reply (what the generator's receiver expects of the publisher): `WeightsRequest(generator_id, have_version)`
 is answered with `WeightsHeader` (transport "zmq") + the buckets as payload frames when the publisher's version is
@@ -304,7 +304,7 @@ def shared_memory_dir(need_bytes: int = 0) -> Path:
 
 
 def weights_store_dir(run_dir: Path, need_bytes: int = 0) -> Path:
-    """Where the generators of one run on this machine keep their host copies of the weights (actors/relay.py):
+    """Where the generators of one run on this machine keep their host copies of the weights (actors/weights/relay.py):
     in shared_memory_dir(need_bytes); the launcher removes it when the run ends (weights_store_dirs)."""
     key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
     return shared_memory_dir(need_bytes) / f"tandem-weights-{key}"

@@ -44,11 +44,11 @@ ROLES = {
     "buffer": "buffers.service:run",
     "generator": "actors.generator:run",
     "learner": "learners.learner:run",
-    "reward": "actors.reward_service:run",
-    "ray": "launch.ray_launch:run",
-    "sft": "learners.offline:run_sft",
-    "rm": "learners.offline:run_rm",
-    "dpo": "learners.offline:run_dpo",
+    "reward": "actors.rewards.service:run",
+    "ray": "launch.ray.launcher:run",
+    "sft": "learners.offline.loop:run_sft",
+    "rm": "learners.offline.loop:run_rm",
+    "dpo": "learners.offline.loop:run_dpo",
 }
 # Commands that stop on a GPU install whose torch sees no GPU (common.devices.require_gpu_if_expected), instead of
 # training or sampling on the CPU; not in SIMULATION mode, which uses no engine.
@@ -62,7 +62,7 @@ FLAGS = {
     },
 }
 TAKES_OVERRIDES = ("demo", *ROLES, "config")  # `keys` and `prepare-model` take none: any other argument is refused
-RAY_ACTIONS = ("scale", "status", "stop")  # `tandem ray ACTION RUN ...` (launch.ray_control), not a config
+RAY_ACTIONS = ("scale", "status", "stop")  # `tandem ray ACTION RUN ...` (launch.ray.control), not a config
 # Package data (pyproject: [tool.setuptools.package-data]); examples/demo.toml and examples/gpu_cluster.toml in the
 # repository are symbolic links to these files.
 PACKAGED_CONFIGS = Path(__file__).resolve().parent / "configs"
@@ -203,7 +203,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["ray"] and argv[1:2] and argv[1] in RAY_ACTIONS:
-        from launch.ray_control import main as ray_control
+        from launch.ray.control import main as ray_control
 
         return ray_control(argv[1:])
     if argv[:1] == ["eval"]:

@@ -96,7 +96,7 @@ def _rewards_problem(config: TandemConfig, role: str) -> str | None:
     """A reward function that raises on every one of the first SCORED_ROWS rows of a source, each scored with the
     row's own label (metadata `answer`, or "") as the completion: a function that cannot score a row whatever the
     model writes (GSM8K's `#### 72` answers under a reward that wants a number) would train the run on
-    env.failure_reward, which the generators' guard (actors/failure_guard.py) stops only after 64 samples. One
+    env.failure_reward, which the generators' guard (actors/rewards/failure_guard.py) stops only after 64 samples. One
     row that scores is enough to pass: a function may raise on a few rows. kind = file only (the embedded tasks
     are scored by their own tests); not an endpoint (env.reward_url: not called before the run); a problem in the
     rows themselves is the prompts check's line."""

@@ -260,7 +260,7 @@ def _model_settings(plan: EvalPlan, model_dir: Path) -> ModelConfig:
 def _generate(plan: EvalPlan, model_dir: Path) -> dict[str, list[list[Any]]]:
     """Every set's completions by one model: set name -> [prompt][sample] Completions. The engine is shut down
     before this returns, whatever happens."""
-    from actors.offline_sampling import open_eval_engine, sample_completions
+    from actors.engine.offline_sampling import open_eval_engine, sample_completions
 
     engine = open_eval_engine(
         model_dir,
@@ -300,7 +300,7 @@ def _score(plan: EvalPlan, completions: dict[str, list[list[Any]]]) -> dict[str,
 def _add_rm_scores(plan: EvalPlan, scored: dict[str, dict[str, list[list[ScoredCompletion]]]]) -> None:
     """`rm_score` of every completion of every model, by `plan.reward_model` (loaded once; the prompt and each
     completion as one chat, scored by the model's single logit, unnormalized), in place."""
-    from actors.reward_model import RewardModelScorer
+    from actors.rewards.model import RewardModelScorer
     from common.chat_format import chat_format
 
     reward = plan.config.reward

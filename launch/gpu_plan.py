@@ -6,7 +6,7 @@ this machine shows, so they are tested without a GPU:
     plan = plan_gpus(config, gpus)         # None without GPUs: the CPU path, no role's environment changes
     plan.env("generator-1")                # {"CUDA_VISIBLE_DEVICES": "2"}
 
-The order is what `tandem ray` reserves (launch/ray_plan.py, resource_demand): `learner.world_size` GPUs to the
+The order is what `tandem ray` reserves (launch/ray/plan.py, resource_demand): `learner.world_size` GPUs to the
 learner (torchrun's ranks take cuda:LOCAL_RANK among them), `generator.tensor_parallel_size` to each generator in
 index order, one to the reward service when the run has one (`config.reward_service`). The buffer, and any role
 not named in the plan, sees none (CUDA_VISIBLE_DEVICES=""). Without a plan every role would see every GPU: each

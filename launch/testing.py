@@ -57,7 +57,7 @@ from common.weights import DEFAULT_BUCKET_MB, check_frames, plan_buckets, storag
 from launch.local import Role
 
 if TYPE_CHECKING:
-    from actors.episodes import EpisodeDriver, EpisodeGroup
+    from actors.environments.episodes import EpisodeDriver, EpisodeGroup
 
 __all__ = [
     "FakeBuffer",

@@ -4,7 +4,7 @@
     seconds = publisher.publish(version, trainer.weight_layout(), trainer.full_weights())
     publisher.close()
 
-Two channels (the generator's side is `actors/broadcast_source.py`, its vLLM workers `actors/weight_transfer.py`):
+Two channels (the generator's side is `actors/weights/broadcast_source.py`, its vLLM workers `actors/weights/transfer.py`):
   * the doorbell, a ZeroMQ ROUTER on the publisher's usual host:port (CURVE and roles as in
     `learners/publisher.py`): every `WeightsRequest` says which generator asks, how many workers it has and which
     round it is ready for; the answer is the header of the round in flight (no payload) when it is newer than the

@@ -419,7 +419,7 @@ def sft_token_nll(logprobs: Tensor, mask: Tensor) -> Tensor:
     """Per-row SUM [B] of -log p over the loss tokens: nll_b = -sum_t mask[b, t] * logprobs[b, t].
 
     logprobs: [B, T] log-probs of the target tokens (`learners.logprobs.logprobs_from_logits`); mask: [B, T] bool
-    or 0/1, True on the assistant tokens (`learners.offline_data.tokenize_chat`), False on prompt, user turns and
+    or 0/1, True on the assistant tokens (`learners.offline.data.tokenize_chat`), False on prompt, user turns and
     padding (those positions may hold anything, even inf/NaN, and get no gradient). A sum, not a mean: the caller
     divides by the loss tokens of the whole global batch, so micro-batches and ranks add up to one token mean. A
     row with no loss token gives 0.

@@ -80,7 +80,7 @@ DEFAULT_READER_DEADLINE_S = 60.0  # one reply: ~270 MB take < 1 s on loopback, 1
 DEFAULT_MAX_READERS = 64  # replies in flight at once (generators fetching together)
 DEFAULT_MAX_SNAPSHOTS = 3  # the latest, the retired one (reused), one older that a reader may finish
 DEFAULT_HOLD_S = 30.0  # a request with nothing newer waits this long for a publish (a long poll); 0 = answer at once
-MAX_REPLY_BYTES = 16 << 20  # chunks in one relay reply, at most (at least one chunk; see actors.relay)
+MAX_REPLY_BYTES = 16 << 20  # chunks in one relay reply, at most (at least one chunk; see actors.weights.relay)
 KEEP_BYTE_COUNTS = 16  # versions whose bytes out are kept in `bytes_by_version`
 
 

@@ -8,7 +8,7 @@ The record of a step holds what `train_step` returned plus what the loop measure
 `perf/publish_s`, `perf/step_s`, `perf/train_tokens_per_s`, `buffer/dropped_stale`, `policy_version`), the
 end-to-end rates over wall clock that the reporter adds (`WallClockRates`: `perf/interval_s`, `throughput/…`),
 and `step` and `time` (`MetricsSink`). The bar (rich) shows step, reward, staleness and the rates (an offline
-stage, `learners.offline`, passes its own `info`: its loss and rates); it only animates on a terminal, and the
+stage, `learners.offline.loop`, passes its own `info`: its loss and rates); it only animates on a terminal, and the
 same numbers go to the log every step either way.
 
 Two kinds of rate, and why both: `perf/train_tokens_per_s` is the trainer's compute speed (tokens over the

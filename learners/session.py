@@ -1,5 +1,5 @@
 """What every training session does around its steps, for the RL learner (`learners.learner`) and the offline
-stages (`learners.offline`): stop at a step boundary on a signal, resume from a checkpoint, keep each step once.
+stages (`learners.offline.loop`): stop at a step boundary on a signal, resume from a checkpoint, keep each step once.
 
     stop = Interrupt(log)                                   # SIGINT/SIGTERM recorded, not obeyed at once
     state = resume_state(checkpoints, trainer, resume, log) # LearnerState() or the newest complete checkpoint's

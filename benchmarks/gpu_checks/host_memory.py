@@ -4,7 +4,7 @@ Each variant runs in a process of its own (the runner's), on a staged file of `s
 seeded random 64 MiB block repeated, in the staging directory (/dev/shm when it has room), read as 128 MiB uint8
 tensors. The variants copy it to the device:
 
-  (a) Tandem's `actors.cuda_weights` as it is in the tree at run time, through its public entry points: a
+  (a) Tandem's `actors.weights.cuda` as it is in the tree at run time, through its public entry points: a
       `PinnedFile` opened and closed (its path, "pinned" | "bounce" | "pageable", and public state recorded),
       `load_staged_pinned` into a stand-in model runner (the path it reports taking), then `staged_to_device`
       twice; one native kernel after each of the first two;
@@ -50,7 +50,7 @@ PASSES = 3
 # ---------------------------------------------------------------------------------------------------- the checks
 def check_tandem_pinned_file(device: str, size_mib: int) -> dict[str, Any]:
     """(a) Tandem's own code, as it is now: which path it takes, and whether CUDA is still usable after it."""
-    from actors.cuda_weights import PinnedFile, load_staged_pinned, staged_to_device
+    from actors.weights.cuda import PinnedFile, load_staged_pinned, staged_to_device
 
     nbytes = size_mib << 20
     with staged_file(nbytes) as (path, pattern):
@@ -219,7 +219,7 @@ def staged_file(nbytes: int) -> Iterator[tuple[str, Any]]:
 
 
 def file_tensors(nbytes: int) -> list[tuple[str, str, list[int], int, int]]:
-    """The staged file as `actors.cuda_weights.StagedTensor`s: uint8 chunks of `CHUNK_BYTES`."""
+    """The staged file as `actors.weights.cuda.StagedTensor`s: uint8 chunks of `CHUNK_BYTES`."""
     sizes = [(start, min(CHUNK_BYTES, nbytes - start)) for start in range(0, nbytes, CHUNK_BYTES)]
     return [(f"chunk.{i}", "uint8", [size], start, size) for i, (start, size) in enumerate(sizes)]
 

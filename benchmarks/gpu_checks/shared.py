@@ -208,7 +208,7 @@ def public_state(obj: Any) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------------- the engine
 class StubModelRunner:
-    """What `actors.cuda_weights.load_staged_pinned` / `load_ipc` use of vLLM's model runner: `device`,
+    """What `actors.weights.cuda.load_staged_pinned` / `load_ipc` use of vLLM's model runner: `device`,
     `model_config.hf_config` and `reload_weights(weights_iterator=)`, which copies each tensor into the
     transformers model's state-dict entry of that name (a tied output layer shares the embedding's storage).
     `names` records what the last reload received, in order."""

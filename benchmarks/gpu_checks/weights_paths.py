@@ -4,10 +4,10 @@ device-to-device copy they are measured against.
 The engine is stood in for by `shared.StubModelRunner` around a transformers model built from the config on the
 device (tied, as Qwen2.5-1.5B is); each update is fresh random weights, and is checked bit-exact by a checksum of
 every byte the receiver holds, plus, for a tied model, that the output layer equals the embedding just sent and
-that the loader shipped it as `lm_head.weight` (`actors.cuda_weights.with_tied_head`).
+that the loader shipped it as `lm_head.weight` (`actors.weights.cuda.with_tied_head`).
 
-  C5(a) host-staged: `learners.snapshot.copy_into_snapshot` (device -> host buckets) -> `actors.weights.
-        SharedMemoryStaging.write` (the generator's staging file) -> `actors.cuda_weights.load_staged_pinned`;
+  C5(a) host-staged: `learners.snapshot.copy_into_snapshot` (device -> host buckets) -> `actors.weights.updates.
+        SharedMemoryStaging.write` (the generator's staging file) -> `actors.weights.cuda.load_staged_pinned`;
   C5(b) CUDA IPC: `common.broadcast.copy_into_buckets` into one set of device buckets, reused for every update as
         the generator does, exported once (`export_buckets`); a child process on the same GPU builds its model and
         runs `load_ipc` per update. This process's memory must stay flat (after `torch.cuda.ipc_collect()`);
@@ -53,7 +53,7 @@ FLAT_GIB = 0.25  # memory may move this much across the IPC updates and stay "fl
 
 # ---------------------------------------------------------------------------------------------------- C5(a)
 def check_staged_load(device: str, shape: str, updates: int = 3) -> dict[str, Any]:
-    from actors.weights import SharedMemoryStaging
+    from actors.weights.updates import SharedMemoryStaging
 
     receiver = build_model(shape, device, seed=1)
     runner = StubModelRunner(receiver)
@@ -86,8 +86,8 @@ def check_staged_load(device: str, shape: str, updates: int = 3) -> dict[str, An
 
 def staged_update(staging: Any, runner: StubModelRunner, layout: list, version: int, buckets: Any) -> dict[str, Any]:
     """One host-staged update of fresh weights: snapshot (into `buckets` when given), staging file, load."""
-    from actors.cuda_weights import load_staged_pinned
-    from actors.weights import WeightsUpdate
+    from actors.weights.cuda import load_staged_pinned
+    from actors.weights.updates import WeightsUpdate
     from learners.snapshot import copy_into_snapshot
 
     device = str(runner.device)
@@ -131,7 +131,7 @@ def host_view(bucket: Any) -> memoryview:
 def check_ipc_load(device: str, shape: str, updates: int = 5) -> dict[str, Any]:
     import torch
 
-    from actors.cuda_weights import export_buckets
+    from actors.weights.cuda import export_buckets
     from common.broadcast import allocate_buckets
     from common.weights import plan_buckets
 
@@ -207,7 +207,7 @@ def ipc_update(child: subprocess.Popen, specs: list, layout: list, buckets: list
 def ipc_child() -> None:
     """C5(b)'s receiver: builds its model, then per message loads the parent's buckets by `load_ipc` and answers
     with checksums. Messages travel on stdin / the original stdout; anything printed goes to stderr."""
-    from actors.cuda_weights import load_ipc
+    from actors.weights.cuda import load_ipc
 
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)

@@ -59,7 +59,9 @@ PORT_OFFSETS = (
     ("weights", "broadcast_port", 2),
     ("reward", "port", 4),
 )
-OPENAI_ENDPOINT = "actors.openai_server:AgentEnvironment"  # the built-in environment that binds a port of its own
+OPENAI_ENDPOINT = (
+    "actors.environments.openai_server:AgentEnvironment"  # the built-in environment that binds a port of its own
+)
 OPENAI_PORT_OFFSET = 3  # ... its env.environment_args.port, when not written, is run.port_base + 3
 OFFLINE_STAGES = ("sft", "rm", "dpo")  # the sections of `tandem sft`, `tandem rm` and `tandem dpo`
 MAX_PORT_OFFSET = max(OPENAI_PORT_OFFSET, *(offset for _, _, offset in PORT_OFFSETS))

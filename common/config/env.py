@@ -216,7 +216,7 @@ class EnvConfig(_Section):
         description="A generator stops (and `tandem run` with it) when more than this share of its last 512 samples "
         "(once 64 are scored) failed to get a reward (`env_error`: the reward function or endpoint raised, timed "
         "out or returned garbage; the environment raised), naming the first error and its prompt, instead of "
-        "training on env.failure_reward. 1.0 = never stop. The reasons for the numbers: actors/failure_guard.py.",
+        "training on env.failure_reward. 1.0 = never stop. The reasons for the numbers: actors/rewards/failure_guard.py.",
         ge=0,
         le=1,
     )

@@ -13,7 +13,7 @@ from common.config.base import MAX_ARITHMETIC_PROMPTS, _Section
 
 
 class _OfflineStage(_Section):
-    """Data and schedule of an offline stage (`tandem sft`, `tandem rm`, `tandem dpo`, learners/offline.py).
+    """Data and schedule of an offline stage (`tandem sft`, `tandem rm`, `tandem dpo`, learners/offline/loop.py).
     The stages train with [learner]'s engine settings (lr, zero_stage, world_size, micro_batch_size, grad_clip,
     warmup_steps, weight_decay, gradient_checkpointing, save_every, resume, cpu_cores); learner.total_steps is
     not used: `epochs` and `max_steps` decide."""

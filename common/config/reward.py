@@ -12,7 +12,7 @@ from common.config.base import MAX_TIMEOUT_S, Address, CoreList, Host, _Section
 
 
 class RewardConfig(_Section):
-    """The reward service (`tandem reward`, actors/reward_service.py): env.reward_model scored for the generators,
+    """The reward service (`tandem reward`, actors/rewards/service.py): env.reward_model scored for the generators,
     a whole group per request, batched. Used only when env.reward_model is set."""
 
     host: Host = Field(

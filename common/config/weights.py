@@ -12,7 +12,7 @@ from common.config.base import MAX_TIMEOUT_S, Host, _Section
 
 
 class WeightsConfig(_Section):
-    """How new weights travel from learner rank 0 to the generators (learners/publisher.py, actors/weights.py)."""
+    """How new weights travel from learner rank 0 to the generators (learners/publisher.py, actors/weights/updates.py)."""
 
     transport: Literal["relay", "star", "broadcast"] = Field(
         "relay",

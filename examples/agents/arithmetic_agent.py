@@ -1,4 +1,4 @@
-"""An agent program that trains a model through Tandem's OpenAI-compatible endpoint (actors/openai_server.py).
+"""An agent program that trains a model through Tandem's OpenAI-compatible endpoint (actors/environments/openai_server.py).
 
     tandem run examples/openai_agent.toml &                  # the run: its generator serves 127.0.0.1:8000
     python examples/agents/arithmetic_agent.py               # this agent: runs episodes until the run ends

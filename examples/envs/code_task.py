@@ -7,7 +7,7 @@
 
 Each prompt asks for one function (metadata: `function`, `cases`: a JSON list of [arguments, expected result]).
 The model answers with a ```python block (or bare code with a `def`). The environment runs it in the sandbox
-(`actors.sandbox`: its own namespaces and private root, nobody with no capabilities, no network, time, memory,
+(`actors.environments.sandbox`: its own namespaces and private root, nobody with no capabilities, no network, time, memory,
 disk and output limits, standard library only). Nothing that judges is in there: the sandboxed process gets only
 the cases' ARGUMENTS, calls the function on each and prints what it returned (or raised) after a random marker;
 the expected results, the count of cases and the comparison stay here, in the environment's process, where the
@@ -29,7 +29,7 @@ The report is parsed bounded (`MAX_REPORT_CHARS`, values nested at most `MAX_DEP
 is malformed and scores 0 with that reason, never a `RecursionError` in `step`.
 A turn without code is asked for code (and counts as an attempt). The whole run of one attempt is bounded by
 `time_limit_s` and `memory_mb`. Where the kernel grants the sandbox no namespaces, a step raises
-`actors.sandbox.SandboxUnavailable` unless `allow_audit_hook_only = true` is among the environment's arguments.
+`actors.environments.sandbox.SandboxUnavailable` unless `allow_audit_hook_only = true` is among the environment's arguments.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from actors.sandbox import SandboxLimits, SandboxResult, run_python
+from actors.environments.sandbox import SandboxLimits, SandboxResult, run_python
 from common.envs import StepResult
 from common.tasks import PromptRecord
 

@@ -10,7 +10,7 @@ drives the multi-turn protocol through the agent's interaction (`turn(message)` 
     plugin_paths = ["verifiers_env"]
     kind = "file"
     source = "verifiers_env/data/arith_feedback.jsonl"
-    # python -m actors.verifiers_env --export arith-feedback examples/verifiers_env/data/arith_feedback.jsonl \
+    # python -m actors.environments.verifiers_env --export arith-feedback examples/verifiers_env/data/arith_feedback.jsonl \
     #     --path examples/verifiers_env
 
 Rewards (the episode's reward is their weighted sum; Tandem reports each as a component):

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from actors.chat_turns import TokenizerTexts
-from actors.engine_api import FinishedSample
-from actors.weights import WeightsUpdate
+from actors.engine.api import FinishedSample
+from actors.environments.chat_turns import TokenizerTexts
+from actors.weights.updates import WeightsUpdate
 from common.envs import StepResult
 
 FIRST_ORDINARY_TOKEN = 100  # SmolLM2's special tokens are ids 0..16

@@ -21,8 +21,8 @@ MAX_TOKENS = 8
 
 
 def engine(model_dir: Path, dtype: str = "auto"):
-    from actors.engine import VllmEngine, configure_cpu_environment
-    from actors.engine_api import SamplingSettings
+    from actors.engine.api import SamplingSettings
+    from actors.engine.vllm import VllmEngine, configure_cpu_environment
     from common.config import GeneratorConfig, ModelConfig
 
     configure_cpu_environment(GeneratorConfig(kv_cache_gib=1.0))

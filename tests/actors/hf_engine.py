@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from actors.chat_turns import TokenizerTexts
-from actors.engine_api import FinishedSample
-from actors.weights import WeightsUpdate
+from actors.engine.api import FinishedSample
+from actors.environments.chat_turns import TokenizerTexts
+from actors.weights.updates import WeightsUpdate
 
 
 class HfEngine(TokenizerTexts):

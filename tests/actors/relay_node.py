@@ -17,8 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-from actors import host_copy
-from actors.weights import open_weights_source
+from actors.weights import host_copy
+from actors.weights.updates import open_weights_source
 from common.config import WeightsConfig
 from common.sockets import SocketSecurity
 

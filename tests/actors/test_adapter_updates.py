@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from actors.sim_engine import SimEngine
-from actors.weights import WeightsPoller, WeightsRejected, WeightsUpdate, ZmqWeightsSource, check_update_kind
+from actors.engine.simulated import SimEngine
+from actors.weights.updates import WeightsPoller, WeightsRejected, WeightsUpdate, ZmqWeightsSource, check_update_kind
 from common.sockets import SocketSecurity
 from common.types import MAX_LORA_RANK, WeightsHeader
 from common.weights import WeightsLayoutError, check_frames

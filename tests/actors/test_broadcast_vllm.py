@@ -1,4 +1,4 @@
-"""The broadcast transport inside vLLM's workers, through vLLM 0.32's weight-transfer API (actors/weight_transfer.py):
+"""The broadcast transport inside vLLM's workers, through vLLM 0.32's weight-transfer API (actors/weights/transfer.py):
 a real CPU engine started with `weight_transfer_config` (Tandem's registered backend), a real publisher (gloo) in
 this process, and rounds taken by `VllmEngine.load_weights`: the worker joins the group as its own rank
 (`init_weight_transfer_engine`), receives each bucket and loads it by vLLM's layerwise reload (`start_weight_update`,
@@ -31,9 +31,9 @@ def _checkpoint(model_dir: Path) -> list[tuple[str, object]]:
 def test_a_broadcast_round_loads_in_the_workers_as_a_fresh_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
     import json
 
-    from actors.broadcast_source import BroadcastRound, open_broadcast_source
-    from actors.engine import VllmEngine, configure_cpu_environment
-    from actors.engine_api import SamplingSettings
+    from actors.engine.api import SamplingSettings
+    from actors.engine.vllm import VllmEngine, configure_cpu_environment
+    from actors.weights.broadcast_source import BroadcastRound, open_broadcast_source
     from common.config import GeneratorConfig, ModelConfig, WeightsConfig
     from common.model_prep import make_tiny_model
     from common.sockets import SocketSecurity

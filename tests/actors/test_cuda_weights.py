@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from actors.cuda_weights import load_staged_pinned
-from actors.weights import SharedMemoryStaging, WeightsUpdate
+from actors.weights.cuda import load_staged_pinned
+from actors.weights.updates import SharedMemoryStaging, WeightsUpdate
 from launch.testing import pack_weights
 
 

@@ -10,8 +10,8 @@ import itertools
 import numpy as np
 import torch
 
-from actors.cuda_weights import BounceCopier, PinnedFile, device_copies
-from actors.weights import SharedMemoryStaging, WeightsUpdate
+from actors.weights.cuda import BounceCopier, PinnedFile, device_copies
+from actors.weights.updates import SharedMemoryStaging, WeightsUpdate
 from launch.testing import pack_weights
 
 

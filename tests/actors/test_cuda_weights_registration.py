@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from actors import cuda_weights
-from actors.cuda_weights import PinnedFile
+from actors.weights import cuda as cuda_weights
+from actors.weights.cuda import PinnedFile
 
 CUDA_ERROR_NOT_SUPPORTED = 801  # what a B300 x86 host answered to a read-only registration (vllm-omni#6240)
 CUDA_ERROR_INVALID_VALUE = 1

@@ -1,4 +1,4 @@
-"""actors/engine.py: what VllmEngine asks vLLM for (no engine is started: LLMEngine.from_engine_args is stopped)."""
+"""actors/engine/vllm.py: what VllmEngine asks vLLM for (no engine is started: LLMEngine.from_engine_args is stopped)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.engine_api import SamplingSettings
+from actors.engine.api import SamplingSettings
 from common.config import ModelConfig
 
 
@@ -21,7 +21,7 @@ def test_the_memory_fraction_and_the_platform_s_eager_mode_reach_vllm(
     import vllm
     from vllm.platforms import current_platform
 
-    from actors.engine import VllmEngine
+    from actors.engine.vllm import VllmEngine
 
     asked = {}
 

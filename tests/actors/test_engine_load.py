@@ -1,5 +1,5 @@
 """VllmEngine.load_weights on the CPU backend: after in-place loads the engine samples exactly as a fresh engine
-started on the new weights (actors/engine.py, `WeightLoader`).
+started on the new weights (actors/engine/vllm.py, `WeightLoader`).
 
 The tiny model has tied input/output embeddings, so this also covers the output layer following the new embedding.
 Greedy decoding (temperature 0) of a few prompts, compared token for token and log-prob for log-prob: both engines
@@ -45,7 +45,7 @@ def _update(model_dir: Path, version: int, float32: bool = False):
     import torch
     from safetensors.torch import load_file
 
-    from actors.weights import WeightsUpdate
+    from actors.weights.updates import WeightsUpdate
     from common.weights import check_frames
     from launch.testing import pack_weights
 
@@ -104,7 +104,7 @@ def test_in_place_loads_sample_exactly_as_a_fresh_engine_on_the_new_weights(tiny
 def test_moe_in_place_loads_sample_exactly_as_a_fresh_engine_on_the_new_weights(tmp_path: Path) -> None:
     """A mixture-of-experts model (the tiny Mixtral: 4 experts, top-2, checkpoint names `block_sparse_moe.experts.E.
     w1/w2/w3`): its experts load through vLLM's expert weight loader into scratch weights and are prepacked again
-    for the CPU kernel (actors/in_place_load.py), so the engine samples bit for bit as a fresh one on the new
+    for the CPU kernel (actors/weights/in_place_load.py), so the engine samples bit for bit as a fresh one on the new
     weights, three loads in a row. vLLM's layerwise reload, taken before, left the experts unpacked: log-probs
     ~100x the float32 bound off (docs/models.md)."""
     from common.model_prep import resolve_model_path
@@ -123,7 +123,7 @@ def test_moe_in_place_loads_sample_exactly_as_a_fresh_engine_on_the_new_weights(
 def test_updates_in_another_dtype_are_cast_into_the_engines(tiny_model_dir: Path, tmp_path: Path) -> None:
     """model.dtype = "auto" chooses per machine: a float32 engine (a generator where bf16 is emulated) is sent the
     learner's bfloat16 weights, then the same weights in float32. vLLM's weight loaders cast both into the engine's
-    dtype, so it samples exactly as a fresh float32 engine started on those weights (actors/engine.py, Dtypes)."""
+    dtype, so it samples exactly as a fresh float32 engine started on those weights (actors/engine/vllm.py, Dtypes)."""
     from common.model_prep import make_tiny_model
 
     new_dir = make_tiny_model(tmp_path / "seed1", seed=1)

@@ -1,4 +1,4 @@
-"""The generator samples with the adapter it was sent (learner.lora.sync = "adapter", actors/adapters.py): a vLLM engine
+"""The generator samples with the adapter it was sent (learner.lora.sync = "adapter", actors/engine/adapters.py): a vLLM engine
 started with LoRA takes adapter-only updates, the header and frames the learner's publisher sends, and samples
 greedily exactly as transformers does with that peft adapter merged into the model.
 
@@ -80,7 +80,7 @@ def _peft_adapter(model_dir: Path, seed: int):
 
 
 def _update(arrays: dict[str, np.ndarray], version: int, lora: bool = True):
-    from actors.weights import WeightsUpdate
+    from actors.weights.updates import WeightsUpdate
     from common.weights import check_frames
     from launch.testing import pack_weights
 
@@ -112,9 +112,9 @@ def _greedy(engine, tag: str) -> list:
 
 
 def test_the_engine_samples_with_the_adapter_it_was_sent(tiny_model_dir: Path) -> None:
-    from actors.engine import VllmEngine, configure_cpu_environment
-    from actors.engine_api import SamplingSettings
-    from actors.weights import WeightsRejected
+    from actors.engine.api import SamplingSettings
+    from actors.engine.vllm import VllmEngine, configure_cpu_environment
+    from actors.weights.updates import WeightsRejected
     from common.config import GeneratorConfig, ModelConfig
 
     v1_arrays, v1_reference, v1_gap = _peft_adapter(tiny_model_dir, seed=6)

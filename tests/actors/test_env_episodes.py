@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from actors.env_runner import EnvRunner
-from actors.episodes import EpisodeDriver, EpisodeLimits
-from actors.trajectory import build_episode_group
+from actors.environments.episodes import EpisodeDriver, EpisodeLimits
+from actors.environments.runner import EnvRunner
+from actors.environments.trajectory import build_episode_group
 from common.types import PromptItem, RolloutGroup
 from launch.testing import drive_until_done
 from tests.actors.env_fakes import ScriptedEngine, ScriptedEnv, ScriptedFactory, Turn

@@ -12,9 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from actors.env_runner import EnvRunner
-from actors.episodes import EpisodeDriver, EpisodeLimits
-from actors.trajectory import build_episode_group
+from actors.environments.episodes import EpisodeDriver, EpisodeLimits
+from actors.environments.runner import EnvRunner
+from actors.environments.trajectory import build_episode_group
 from common.types import PromptItem
 from launch.testing import drive_until_done
 from tests.actors.env_fakes import AsyncScriptedEnv, ScriptedEngine, ScriptedEnv, ScriptedFactory, Turn

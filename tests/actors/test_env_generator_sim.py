@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from actors.sim_engine import SIM_END_OF_TURN
+from actors.engine.simulated import SIM_END_OF_TURN
 from common.metrics import read_metrics
 from common.types import PromptItem
 from launch.testing import FakeBuffer, FakePublisher, RoleUnderTest, run_config

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from actors.env_runner import EnvRunner
-from actors.episodes import EpisodeDriver, EpisodeLimits
-from actors.trajectory import build_episode_group
+from actors.environments.episodes import EpisodeDriver, EpisodeLimits
+from actors.environments.runner import EnvRunner
+from actors.environments.trajectory import build_episode_group
 from common.config import AlgoConfig
 from common.types import PromptItem, RolloutGroup
 from launch.testing import drive_until_done

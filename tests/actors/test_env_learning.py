@@ -1,6 +1,6 @@
 """Learning through a two-turn environment: the reward depends only on the model's SECOND turn, and it rises.
 
-Samples come from the production episode driver (`actors.episodes`) on the tiny model, sampled with transformers
+Samples come from the production episode driver (`actors.environments.episodes`) on the tiny model, sampled with transformers
 from the trainer's current weights (`tests.actors.hf_engine`, as tests/learners/test_learning.py samples), and
 `Trainer.train_step` (GRPO) trains on the groups the driver built: prompt, model turn 1, the environment's
 observation (environment tokens, loss_mask 0), model turn 2.
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from actors.env_runner import EnvRunner
-from actors.episodes import EpisodeDriver, EpisodeLimits
-from actors.trajectory import build_episode_group
+from actors.environments.episodes import EpisodeDriver, EpisodeLimits
+from actors.environments.runner import EnvRunner
+from actors.environments.trajectory import build_episode_group
 from common.envs import StepResult
 from common.types import PromptItem, RolloutGroup
 from launch.testing import drive_until_done

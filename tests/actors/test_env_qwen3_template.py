@@ -3,7 +3,7 @@
 The template (tests/fixtures/thinking_chat_template.jinja, the project's own, imitating Qwen3's documented
 behaviour) renders an assistant turn after the last user message with a `<think>...</think>` block and strips the
 reasoning of earlier ones, so rendering [user, assistant] and [user, assistant, user] differ in the assistant's part:
-the prefix-stable delta of actors.chat_turns cannot be used, and the delta is found in the text after the anchor's
+the prefix-stable delta of actors.environments.chat_turns cannot be used, and the delta is found in the text after the anchor's
 closer. Here SmolLM2's tokenizer (ChatML tokens, which the template writes too) carries that template, and a policy
 engine answers with think blocks through the real episode driver. Checked: the template does rewrite earlier turns;
 the trajectory is the prompt, then each turn's sampled tokens exactly as sampled, then the rendered delta; each delta
@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors.chat_turns import ChatTurnRenderer
-from actors.env_runner import EnvRunner
-from actors.episodes import EpisodeDriver, EpisodeLimits
-from actors.trajectory import build_episode_group
+from actors.environments.chat_turns import ChatTurnRenderer
+from actors.environments.episodes import EpisodeDriver, EpisodeLimits
+from actors.environments.runner import EnvRunner
+from actors.environments.trajectory import build_episode_group
 from common.chat_format import ChatFormat
 from common.envs import StepResult
 from common.types import PromptItem

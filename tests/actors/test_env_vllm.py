@@ -54,7 +54,7 @@ def test_two_turn_episodes_with_vllm_are_token_exact(tiny_model_dir: Path, tmp_p
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from actors.chat_turns import ChatTurnRenderer
+    from actors.environments.chat_turns import ChatTurnRenderer
 
     model_dir = sharpened_model(tiny_model_dir, tmp_path / "sharp")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -1,4 +1,4 @@
-"""The guard that stops a generator whose reward fails on most samples (actors/failure_guard.py): its line by hand,
+"""The guard that stops a generator whose reward fails on most samples (actors/rewards/failure_guard.py): its line by hand,
 and through the rollout seam with a reward function that always raises."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from actors.failure_guard import MIN_SAMPLES, WINDOW_SAMPLES, FailureGuard, GuardedRollouts, RewardsFailing
+from actors.engine.simulated import SimEngine
+from actors.rewards.failure_guard import MIN_SAMPLES, WINDOW_SAMPLES, FailureGuard, GuardedRollouts, RewardsFailing
 from actors.rollouts import rollouts_maker
-from actors.sim_engine import SimEngine
 from launch.testing import arithmetic_items, run_config
 
 FAILED, OK = "env_error: reward: ValueError: metadata['answer'] = '#### 72' is not a number", "stop"

@@ -22,14 +22,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from actors.engine_api import EVAL_PRIORITY, TRAINING_PRIORITY, FinishedSample
+from actors.engine.api import EVAL_PRIORITY, TRAINING_PRIORITY, FinishedSample
+from actors.engine.simulated import SimEngine
 from actors.evaluation import Evaluator, is_eval_request
 from actors.generator import Generator, GeneratorSettings
 from actors.liveness import Pulse
-from actors.rewards import TimedFunction
+from actors.rewards.functions import TimedFunction
 from actors.rollouts import rollouts_maker
-from actors.sim_engine import SimEngine
-from actors.weights import WeightsUpdate
+from actors.weights.updates import WeightsUpdate
 from common.eval_metrics import result_metrics
 from common.metrics import MetricsSink
 from common.types import (
@@ -477,7 +477,7 @@ def block_on_two(completion: str, metadata: Mapping[str, Any]) -> dict[str, floa
 
 
 def test_a_blocking_eval_reward_function_is_cut_and_scored_zero(tmp_path, closing):
-    """Evaluation's reward function runs as training's does (actors.rewards.TimedFunction): past the timeout its
+    """Evaluation's reward function runs as training's does (actors.rewards.functions.TimedFunction): past the timeout its
     completion is scored 0 and counted, and the result is delivered; the generator's loop is never held."""
     RELEASE.clear()
     engine = TextEngine()

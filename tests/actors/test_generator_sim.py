@@ -96,7 +96,7 @@ def test_serves_all_prompts_survives_a_raising_reward_and_exits_when_exhausted(t
 
 def test_a_reward_that_fails_on_every_sample_stops_the_generator_with_the_error(tmp_path, ports):
     """GSM8K's `#### 72` answers under a reward that wants a number: every sample fails. The generator exits
-    non-zero after MIN_SAMPLES (actors/failure_guard.py) with the error and a prompt, not training on the fallback."""
+    non-zero after MIN_SAMPLES (actors/rewards/failure_guard.py) with the error and a prompt, not training on the fallback."""
     buffer = FakeBuffer(_config(tmp_path, ports), arithmetic_items(40, explode_every=1), lease_size=2)
     with buffer, FakePublisher(ports[1]):
         code, err = _finish(_start(_config(tmp_path, ports)), timeout_s=60)

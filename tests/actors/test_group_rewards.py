@@ -1,4 +1,4 @@
-"""A group's rewards (actors/group_rewards.py): weighted sources, raw components, fallbacks per source."""
+"""A group's rewards (actors/rewards/groups.py): weighted sources, raw components, fallbacks per source."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.group_rewards import REWARD_MODEL, GroupRewards, combine
-from actors.rewards import Score
+from actors.rewards.functions import Score
+from actors.rewards.groups import REWARD_MODEL, GroupRewards, combine
 from launch.testing import free_port, run_config
 from tests.actors.reward_models import make_tiny_reward_model
 

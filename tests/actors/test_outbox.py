@@ -7,10 +7,10 @@ import time
 import numpy as np
 import pytest
 
-from actors.engine_api import FinishedSample
+from actors.engine.api import FinishedSample
 from actors.groups import PendingGroups, build_group
 from actors.outbox import BufferLink, Outbox
-from actors.rewards import Score
+from actors.rewards.functions import Score
 from common.sockets import SocketSecurity
 from common.types import LeaseGrant, LeaseRequest, RolloutGroup
 from launch.testing import FakeBuffer, arithmetic_items, free_port, run_config

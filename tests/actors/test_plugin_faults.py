@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from actors.env_runner import EnvRunner
-from actors.episodes import EpisodeDriver, EpisodeLimits
-from actors.rewards import RewardScorer
-from actors.trajectory import build_episode_group
+from actors.environments.episodes import EpisodeDriver, EpisodeLimits
+from actors.environments.runner import EnvRunner
+from actors.environments.trajectory import build_episode_group
+from actors.rewards.functions import RewardScorer
 from common.config import EnvConfig
 from common.types import PromptItem
 from launch.testing import drive_until_done

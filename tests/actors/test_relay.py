@@ -1,4 +1,4 @@
-"""The relay transport end to end (learners/publisher.py + learners/fanout.py -> actors/relay.py): every generator
+"""The relay transport end to end (learners/publisher.py + learners/fanout.py -> actors/weights/relay.py): every generator
 gets the publisher's exact bytes, the publisher sends each update k times whatever the fleet, a bad relay is caught
 and dropped, a killed relay's children still reach the version, and a generator that joins is current within one
 update."""
@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors.host_copy import HostCopy
-from actors.relay import NoRelay, RelayWeightsSource, open_relay_server
-from actors.weights import WeightsUpdate, open_weights_source
+from actors.weights.host_copy import HostCopy
+from actors.weights.relay import NoRelay, RelayWeightsSource, open_relay_server
+from actors.weights.updates import WeightsUpdate, open_weights_source
 from common.config import WeightsConfig
 from common.sockets import SocketSecurity, free_port
 from launch.testing import wait_until

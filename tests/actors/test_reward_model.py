@@ -1,4 +1,4 @@
-"""The learned reward model's scorer (actors/reward_model.py): pooling, batching, normalisation, truncation."""
+"""The learned reward model's scorer (actors/rewards/model.py): pooling, batching, normalisation, truncation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.reward_model import RewardModelScorer, RunningNorm
+from actors.rewards.model import RewardModelScorer, RunningNorm
 from tests.actors.reward_models import make_tiny_reward_model
 
 PROMPT = [{"role": "user", "content": "What is 3 + 4? End with '#### <answer>'."}]
@@ -35,7 +35,7 @@ def test_batched_scores_equal_one_by_one_scores(rm_dir: Path):
 
 
 def test_the_scored_tokens_are_the_ones_tandem_rm_trains_on(rm_dir: Path):
-    from learners.offline_data import tokenize_pair
+    from learners.offline.data import tokenize_pair
 
     scorer = RewardModelScorer(rm_dir, "float32", batch_size=8, max_len=512, normalize=False)
     chosen, rejected = ({"role": "assistant", "content": text} for text in COMPLETIONS[:2])

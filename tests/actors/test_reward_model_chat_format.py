@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from actors.reward_model import RewardModelScorer
+from actors.rewards.model import RewardModelScorer
 from common.chat_format import ChatFormat
-from learners.offline_data import tokenize_pair
+from learners.offline.data import tokenize_pair
 from tests.actors.reward_models import make_tiny_reward_model
 
 THINKING = Path(__file__).parent.parent / "fixtures" / "thinking_chat_template.jinja"

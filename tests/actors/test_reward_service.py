@@ -1,4 +1,4 @@
-"""The reward service (actors/reward_service.py) and its client (actors/reward_client.py): whole groups scored in
+"""The reward service (actors/rewards/service.py) and its client (actors/rewards/client.py): whole groups scored in
 shared batches, bad messages refused while the service stays up, and a dead or slow service survived and counted."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import msgpack
 import pytest
 import zmq
 
-from actors.reward_client import RewardClient
-from actors.reward_model import RewardModelScorer
-from actors.reward_service import RewardService, open_reward_server
+from actors.rewards.client import RewardClient
+from actors.rewards.model import RewardModelScorer
+from actors.rewards.service import RewardService, open_reward_server
 from common.sockets import Client, Request, Server, SocketSecurity, free_port
 from common.types import ErrorReply, Heartbeat, RewardReply, RewardRequest
 from common.wire import decode, encode

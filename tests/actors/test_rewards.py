@@ -1,4 +1,4 @@
-"""Scoring (actors/rewards.py): the reward function, an HTTP endpoint, and the faults both survive."""
+"""Scoring (actors/rewards/functions.py): the reward function, an HTTP endpoint, and the faults both survive."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from actors.rewards import RewardScorer
+from actors.rewards.functions import RewardScorer
 from common.config import EnvConfig
 
 
@@ -46,7 +46,7 @@ def test_a_blocking_function_is_cut_at_the_timeout_and_the_next_call_runs():
     """A reward function that blocks ends its own sample (failure_reward, TimeoutError) within env.reward_timeout_s,
     never the generator's loop; the next call gets a fresh worker; past MAX_ABANDONED blocked calls still running,
     calls are refused at once with the reason."""
-    from actors import rewards
+    from actors.rewards import functions as rewards
 
     RELEASE.clear()
     scorer = RewardScorer(EnvConfig(reward_fn=f"{__name__}:blocking_reward", reward_timeout_s=0.2, failure_reward=-1.0))

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from actors.engine.simulated import SimEngine
 from actors.rollouts import EpisodeRollouts, Rollouts, SingleTurnRollouts, rollouts_maker
-from actors.sim_engine import SimEngine
 from common.config import EnvConfig
 from common.types import RolloutGroup
 from launch.testing import arithmetic_items, run_config

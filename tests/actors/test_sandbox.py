@@ -1,4 +1,4 @@
-"""The sandbox (actors/sandbox.py): no network, no writes outside its directory, time, memory and output limits,
+"""The sandbox (actors/environments/sandbox.py): no network, no writes outside its directory, time, memory and output limits,
 no secrets, and a clear refusal where the kernel grants no isolation.
 
 Each check runs real untrusted-looking code in a real subprocess. The kernel layers (namespaces, private root,
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.sandbox import BOOT, SandboxLimits, run_python
+from actors.environments.sandbox import BOOT, SandboxLimits, run_python
 
 pytestmark = pytest.mark.integration  # every check runs code in a real subprocess
 
@@ -224,7 +224,7 @@ def test_without_namespaces_it_refuses_unless_opted_in() -> None:
         pytest.skip("unshare --user is not permitted here")
     code = """
 import json, sys
-from actors.sandbox import SandboxLimits, SandboxUnavailable, run_python
+from actors.environments.sandbox import SandboxLimits, SandboxUnavailable, run_python
 try:
     run_python("print(1)")
     refused = None
@@ -246,7 +246,7 @@ def test_audit_hook_only_mode_as_root_still_drops_to_nobody() -> None:
     even load the standard library (an interpreter under /root), a refusal that says so."""
     if os.geteuid() != 0:
         pytest.skip("the drop to nobody is what root does in that mode")
-    from actors.sandbox import _run_boot, _write_files
+    from actors.environments.sandbox import _run_boot, _write_files
 
     prefix = Path(sys.base_prefix).resolve()
     closed = any(not parent.stat().st_mode & 0o001 for parent in prefix.parents)
@@ -270,7 +270,7 @@ def test_in_a_user_namespace_it_confines_without_root() -> None:
     command = ["unshare", "--user", "--map-user=1000", "--map-group=1000"]
     if subprocess.run([*command, "true"], check=False, capture_output=True).returncode != 0:
         pytest.skip("unshare --user --map-user is not permitted here")
-    code = "import json\nfrom actors.sandbox import run_python\nr = run_python('print(1)')\n"
+    code = "import json\nfrom actors.environments.sandbox import run_python\nr = run_python('print(1)')\n"
     code += "print(json.dumps([r.stdout, r.isolation]))"
     stdout, granted = python_under(command, code)
     assert stdout == "1\n" and granted["mode"] == "namespaces" and granted["namespaces"].endswith(",user")

@@ -1,4 +1,4 @@
-"""The SIMULATION engine (actors/sim_engine.py): continuous batching at a fixed cost per step."""
+"""The SIMULATION engine (actors/engine/simulated.py): continuous batching at a fixed cost per step."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from actors.engine_api import EVAL_PRIORITY, TRAINING_PRIORITY
-from actors.sim_engine import SimEngine
-from actors.weights import WeightsUpdate
+from actors.engine.api import EVAL_PRIORITY, TRAINING_PRIORITY
+from actors.engine.simulated import SimEngine
+from actors.weights.updates import WeightsUpdate
 from launch.testing import pack_weights
 
 

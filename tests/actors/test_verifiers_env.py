@@ -1,4 +1,4 @@
-"""verifiers environments through Tandem's episode driver (actors/verifiers_env.py), on a scripted engine with a
+"""verifiers environments through Tandem's episode driver (actors/environments/verifiers_env.py), on a scripted engine with a
 real chat template: the example env (examples/verifiers_env/arith_feedback.py) runs multi-turn with exact tokens
 and masks, its rubric's components reach the reward, and a raising env ends its episode as env_error.
 
@@ -16,9 +16,9 @@ import pytest
 
 pytest.importorskip("verifiers.v1", reason="verifiers is not installed (the verifiers extra; scripts/setup.sh)")
 
-from actors.env_runner import EnvRunner
-from actors.episodes import EpisodeDriver, EpisodeLimits
-from actors.trajectory import build_episode_group
+from actors.environments.episodes import EpisodeDriver, EpisodeLimits
+from actors.environments.runner import EnvRunner
+from actors.environments.trajectory import build_episode_group
 from common.config import EnvConfig
 from common.envs import environment_factory
 from common.types import PromptItem, RolloutGroup
@@ -67,7 +67,7 @@ class TextEngine(ScriptedEngine):
 
     @staticmethod
     def _finished(request):
-        from actors.engine_api import FinishedSample
+        from actors.engine.api import FinishedSample
 
         return FinishedSample(
             request.request_id,
@@ -104,7 +104,7 @@ def example_factory():
     env = EnvConfig(
         environment="verifiers:arith-feedback", environment_args={"num_tasks": 4}, plugin_paths=[str(EXAMPLE)]
     )
-    return environment_factory(env)  # the `verifiers:` prefix resolves actors.verifiers_env at run time
+    return environment_factory(env)  # the `verifiers:` prefix resolves actors.environments.verifiers_env at run time
 
 
 def test_a_verifiers_env_runs_multi_turn_token_exact_and_its_rubric_is_the_reward(tokenizer, runner) -> None:
@@ -223,7 +223,7 @@ def test_prompts_name_their_task_and_a_bad_index_is_refused(tmp_path) -> None:
     """The exporter writes one prompt per task with its `vf_idx`; a prompt naming no task is a clear error."""
     import json
 
-    from actors.verifiers_env import export_prompts, load_verifiers_env
+    from actors.environments.verifiers_env import export_prompts, load_verifiers_env
     from common.plugins import search_first
 
     search_first([str(EXAMPLE)])

@@ -1,4 +1,4 @@
-"""The generator's side of a broadcast round (actors/weight_transfer.py `BroadcastLoad`): which worker RPCs run, in
+"""The generator's side of a broadcast round (actors/weights/transfer.py `BroadcastLoad`): which worker RPCs run, in
 which order, when a group must be (re)joined, and whether a failure may have left the model on two versions. The
 RPCs are recorded (vLLM's side runs in tests/actors/test_broadcast_vllm.py)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.weight_transfer import BroadcastLoad, GroupTicket
+from actors.weights.transfer import BroadcastLoad, GroupTicket
 from common.types import TensorSpec, WeightsHeader
 
 HEADER = WeightsHeader(

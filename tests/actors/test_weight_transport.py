@@ -1,4 +1,4 @@
-"""Receiving weights (actors/weights.py): the ZeroMQ source, the background poller, shared-memory staging."""
+"""Receiving weights (actors/weights/updates.py): the ZeroMQ source, the background poller, shared-memory staging."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from actors.weights import (
+from actors.weights.updates import (
     SharedMemoryStaging,
     WeightsPoller,
     WeightsTransportError,

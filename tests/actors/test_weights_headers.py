@@ -1,5 +1,5 @@
 """What a generator refuses in a weights header before it indexes a byte with it (common.weights.check_frames, used
-by actors.weights.ZmqWeightsSource): each malformed header is a `WeightsLayoutError`, never another exception."""
+by actors.weights.updates.ZmqWeightsSource): each malformed header is a `WeightsLayoutError`, never another exception."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from actors.weights import WeightsTransportError, ZmqWeightsSource
+from actors.weights.updates import WeightsTransportError, ZmqWeightsSource
 from common.sockets import SocketSecurity
 from common.types import TensorSpec, WeightsHeader
 from common.weights import MAX_POLICY_VERSION, WeightsLayoutError, check_frames
@@ -99,7 +99,7 @@ def test_an_update_that_changes_the_model_layout_is_refused() -> None:
 
 def test_the_same_model_in_another_float_dtype_is_accepted_another_kind_is_not() -> None:
     """model.dtype = "auto" chooses per machine: a learner restarted elsewhere publishes the same model in another
-    float dtype, which the engine casts into its own (actors/engine.py); an integer tensor is another layout."""
+    float dtype, which the engine casts into its own (actors/engine/vllm.py); an integer tensor is another layout."""
     publisher = FakePublisher(free_port()).start()
     source = ZmqWeightsSource(f"127.0.0.1:{publisher.port}", SocketSecurity(), generator_id=0, timeout_s=5)
     as_float32 = {**ARRAYS, "model.embed_tokens.weight": ARRAYS["model.embed_tokens.weight"].astype(np.float32)}

@@ -6,7 +6,7 @@
     AutoModelForCausalLM giving the trainer's logits bit for bit (benchmarks.architectures.train_and_export);
   * two families through the whole loop (one vLLM engine each): qwen3 (dense, untied head) and qwen3_moe (experts
     fused in transformers 5, split per expert for vLLM): sample, ZeRO-1, ZeRO-3, the ZeRO-3 weights published to
-    the engine, loaded in place (the fused-MoE experts too: actors/in_place_load.py), and its log-probs against
+    the engine, loaded in place (the fused-MoE experts too: actors/weights/in_place_load.py), and its log-probs against
     transformers' within the derived float32 bound (benchmarks.architectures.logprob_tolerance).
 The whole matrix (every family through the whole loop) is benchmarks/architectures.py.
 """

@@ -124,7 +124,7 @@ def test_the_headline_is_made_from_the_records() -> None:
 def test_the_staged_load_delivers_every_byte_on_cpu_and_a_lost_tensor_is_caught(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import actors.cuda_weights
+    import actors.weights.cuda
     from benchmarks.gpu_checks import weights_paths
 
     result = weights_paths.check_staged_load("cpu", "tiny-qwen2", updates=2)
@@ -134,9 +134,9 @@ def test_the_staged_load_delivers_every_byte_on_cpu_and_a_lost_tensor_is_caught(
         True,
     ]
 
-    load = actors.cuda_weights.load_staged_pinned
+    load = actors.weights.cuda.load_staged_pinned
     monkeypatch.setattr(
-        actors.cuda_weights, "load_staged_pinned", lambda runner, path, tensors: load(runner, path, tensors[:-1])
+        actors.weights.cuda, "load_staged_pinned", lambda runner, path, tensors: load(runner, path, tensors[:-1])
     )
     lossy = weights_paths.check_staged_load("cpu", "tiny-qwen2", updates=1)
     assert not lossy["ok"] and not lossy["updates"][0]["equal"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import benchmarks.common
-from actors.weights import WeightsUpdate, shared_memory_dir
+from actors.weights.updates import WeightsUpdate, shared_memory_dir
 from benchmarks import netns, weight_fanout
 from launch.testing import pack_weights
 

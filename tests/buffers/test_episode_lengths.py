@@ -23,7 +23,7 @@ MAX_TOTAL_TOKENS, MAX_TURNS = 64, 4  # length edges 2, 4, ..., 64; turn edges 1,
 
 def episode_group(lease_id: int, prompt: PromptItem, turns: int, version: int) -> RolloutGroup:
     """GROUP episodes of `turns` turns of TURN_TOKENS model tokens, ENV_TOKENS environment tokens between turns
-    (the layout `actors.trajectory.build_episode_group` makes), every model token sampled by `version`."""
+    (the layout `actors.environments.trajectory.build_episode_group` makes), every model token sampled by `version`."""
     mask = np.concatenate(
         [np.ones(TURN_TOKENS, np.uint8)] + [np.r_[np.zeros(ENV_TOKENS), np.ones(TURN_TOKENS)]] * (turns - 1)
     ).astype(np.uint8)

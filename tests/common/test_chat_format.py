@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from actors.chat_turns import TokenizerTexts
+from actors.environments.chat_turns import TokenizerTexts
 from common.chat_format import TOKENIZER_OWN, ChatFormat, chat_format, check_template_text
 from common.chat_tokens import reply_ids
 from common.config import load_config
 from common.tasks import PromptRecord, render_prompt
 from common.types import PromptItem
 from launch.config_checks import missing_paths
-from learners.offline_data import tokenize_chat, tokenize_pair
+from learners.offline.data import tokenize_chat, tokenize_pair
 
 THINKING = Path(__file__).parent.parent / "fixtures" / "thinking_chat_template.jinja"
 # A prefix-stable override unlike ChatML: every stage must render with it once it is configured.

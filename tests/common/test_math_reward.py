@@ -279,7 +279,7 @@ def test_sympy_comparisons_cost_milliseconds() -> None:
 
 @pytest.mark.integration
 def test_the_math_alias_through_the_reward_scorer() -> None:
-    from actors.rewards import RewardScorer
+    from actors.rewards.functions import RewardScorer
 
     scorer = RewardScorer(EnvConfig(reward_fn="math", reward_fn_args={"format_weight": 0.2}))
     try:

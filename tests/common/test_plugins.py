@@ -13,6 +13,7 @@ import pytest
 
 from common.config import load_config, plugin_search_path, write_resolved
 from common.envs import environment_factory, resolve_environment
+from common.plugins import resolve_callable
 from common.tasks import resolve_reward_fn
 
 REWARDS = "def exact_match(completion, metadata):\n    return float(completion == metadata['answer'])\n"
@@ -112,3 +113,11 @@ def test_the_search_path_goes_first_once(clean_imports: None, tmp_path: Path) ->
     search_first(folders)
     search_first(folders)
     assert sys.path[:2] == folders and sys.path.count(folders[1]) == 1
+
+
+def test_a_spec_of_a_module_that_moved_names_its_new_place() -> None:
+    with pytest.raises(
+        ImportError, match=r"actors.openai_server moved: write 'actors.environments.openai_server:Agent"
+    ):
+        resolve_callable("actors.openai_server:AgentEnvironment", "env.environment", "module:Class", "a class")
+    assert resolve_callable("actors.environments.openai_server:AgentEnvironment", "env.environment", "m:C", "a class")

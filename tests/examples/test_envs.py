@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.env_runner import EnvRunner
-from actors.episodes import EpisodeDriver, EpisodeLimits
+from actors.environments.episodes import EpisodeDriver, EpisodeLimits
+from actors.environments.runner import EnvRunner
 from common.config import load_config
 from common.envs import check_step_result, environment_factory
 from common.tasks import load_prompts

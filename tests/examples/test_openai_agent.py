@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from actors.env_runner import EnvRunner
-from actors.episodes import EpisodeDriver, EpisodeLimits
-from actors.openai_server import AgentServer
+from actors.environments.episodes import EpisodeDriver, EpisodeLimits
+from actors.environments.openai_server import AgentServer
+from actors.environments.runner import EnvRunner
 from common.config import load_config
 from common.envs import environment_factory
 from common.tasks import arithmetic_prompts
@@ -33,7 +33,7 @@ QUESTION = re.compile(r"What is ([^?]+)\?")
 
 def test_tandem_config_accepts_the_example_and_the_agents_defaults_fit_it(capsys) -> None:
     assert tandem(["config", str(CONFIG)]) == 0
-    assert '"environment": "actors.openai_server:AgentEnvironment"' in capsys.readouterr().out
+    assert '"environment": "actors.environments.openai_server:AgentEnvironment"' in capsys.readouterr().out
     config = load_config(CONFIG)
     args = config.env.environment_args
     parsed = arithmetic_agent.parser().parse_args([])

@@ -106,7 +106,7 @@ def samples_per_s(records: list[dict[str, Any]], first_step: int, last_step: int
 def member_pid(run_name: str, member: str) -> int:
     """The pid of a fleet member's role process ("generator-1", "learner-0"), from the controller's status (what
     `tandem ray status` shows); StopIteration if the fleet has no such member now."""
-    from launch.ray_control import fleet_status
+    from launch.ray.control import fleet_status
 
     status = fleet_status(run_name)
     members = [status["buffer"], *status["learners"], *status["generators"]]

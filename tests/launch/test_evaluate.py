@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors.engine_api import FinishedSample
+from actors.engine.api import FinishedSample
 from launch import evaluate
 from launch.evaluate import EvalUsageError, plan, render_table, resolve_eval_model, write_json
 
@@ -193,7 +193,7 @@ def test_metrics_table_and_json_from_scripted_completions(tmp_path: Path, monkey
         engines.append(ScriptedEngine(scripts[str(model_dir)]))
         return engines[-1]
 
-    monkeypatch.setattr("actors.offline_sampling.open_eval_engine", fake_engine)
+    monkeypatch.setattr("actors.engine.offline_sampling.open_eval_engine", fake_engine)
     result = evaluate.evaluate(checked)
     assert [e.shut for e in engines] == [True, True]  # each engine shut down before the next model
     base_m, tuned_m = (result["models"][m]["sets"]["arithmetic"] for m in (base, tuned))
@@ -221,7 +221,7 @@ def test_metrics_table_and_json_from_scripted_completions(tmp_path: Path, monkey
 def test_reward_model_scores_join_the_figures(
     tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from actors.reward_model import RewardModelScorer
+    from actors.rewards.model import RewardModelScorer
     from tests.actors.reward_models import make_tiny_reward_model
 
     rm_dir = make_tiny_reward_model(tiny_model_dir, tmp_path / "rm", seed=1)
@@ -229,7 +229,7 @@ def test_reward_model_scores_join_the_figures(
     checked = plan([policy, "--sets", "arithmetic", "--prompts", "3", "--reward-model", str(rm_dir)])
     records = checked.sets[0].records
     script = {r.messages[0]["content"]: f"#### {r.metadata['answer']}" for r in records}
-    monkeypatch.setattr("actors.offline_sampling.open_eval_engine", lambda *a, **k: ScriptedEngine(script))
+    monkeypatch.setattr("actors.engine.offline_sampling.open_eval_engine", lambda *a, **k: ScriptedEngine(script))
     figures = evaluate.evaluate(checked)["models"][policy]["sets"]["arithmetic"]
     reward = checked.config.reward
     scorer = RewardModelScorer(rm_dir, reward.dtype, reward.batch_size, checked.config.model.max_model_len, False)

@@ -65,7 +65,7 @@ def test_a_ray_members_failure_is_told_the_same_way(tmp_path: Path, monkeypatch)
     tail) and where its log is; an actor that is gone gives only where the log is."""
     from ray.exceptions import RayActorError
 
-    from launch import ray_members
+    from launch.ray import members as ray_members
 
     class Tail:
         def __init__(self, result: object) -> None:

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from common.config import ConfigError
-from launch import local, ray_launch
+from launch import local
+from launch.ray import launcher as ray_launch
 from launch.testing import run_config
 
 FOUR = {0, 1, 2, 3}

@@ -56,8 +56,8 @@ def saved_steps(run_dir: Path) -> list[int]:
 def test_scale_up_and_replace_dead_generators(tmp_path: Path, ray_cluster: str, curve_keys: Path) -> None:
     import ray
 
-    from launch.ray_control import fleet_status, stop_fleet
-    from launch.ray_plan import NAMESPACE, actor_name
+    from launch.ray.control import fleet_status, stop_fleet
+    from launch.ray.plan import NAMESPACE, actor_name
 
     launch = RayLaunch(
         tmp_path,
@@ -130,8 +130,8 @@ def test_scale_up_and_replace_dead_generators(tmp_path: Path, ray_cluster: str, 
 def refuse_scaling_past_capacity(name: str, address: str) -> None:
     """20 generators on 3 nodes x 2 CPUs that hold 2.5 CPUs of this fleet: 17 more x 0.5 CPU > 3.5 free. Refused
     at once, in one line that says what is free and what was asked; the fleet is left as it was."""
-    from launch.ray_control import fleet_status, scale_generators
-    from launch.ray_placement import PlacementError
+    from launch.ray.control import fleet_status, scale_generators
+    from launch.ray.placement import PlacementError
 
     began = time.monotonic()
     with pytest.raises(PlacementError, match=r"has 3 generator\(s\), 20 asked: 17 more generator\(s\) reserve 8.5 CPU"):

@@ -1,4 +1,4 @@
-"""`tandem ray` with no cluster named: the local Ray it starts is a head of its own (launch.ray_local), so that
+"""`tandem ray` with no cluster named: the local Ray it starts is a head of its own (launch.ray.local), so that
 
 - a SIGKILLed driver leaves the cluster and the run going: `tandem ray status RUN` answers, `tandem ray stop RUN`
   stops the fleet and the local cluster, and afterwards `status` says in one line how the run ended;
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.ray_local import LocalCluster
+from launch.ray.local import LocalCluster
 from tests.launch.ray_runs import SIM_CONFIG, RayLaunch, control, processes_of, session_processes, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]

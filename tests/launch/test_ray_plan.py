@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from common.config import ConfigError, load_config
-from launch.ray_plan import (
+from launch.ray.plan import (
     Endpoints,
     actor_name,
     bind_problem,
@@ -112,7 +112,7 @@ def test_distinct_port_skips_the_other_services_ports() -> None:
 def test_a_port_with_a_listener_is_taken_until_it_closes() -> None:
     import socket
 
-    from launch.ray_roles import port_taken
+    from launch.ray.roles import port_taken
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -124,7 +124,7 @@ def test_a_port_with_a_listener_is_taken_until_it_closes() -> None:
 
 
 def test_status_lists_the_reward_service() -> None:
-    from launch.ray_control import _describe
+    from launch.ray.control import _describe
 
     def member(name: str) -> dict:
         return {"name": name, "index": 0, "node": "10.0.0.9", "node_id": "n", "pid": 7, "retiring": False}
@@ -207,15 +207,16 @@ def test_ray_control_commands_answer_help_at_once() -> None:
 def test_status_of_a_run_that_is_over_is_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A local run whose cluster has shut down is answered from its record (launch.ray_local), without Ray."""
+    """A local run whose cluster has shut down is answered from its record (launch.ray.local), without Ray."""
     import ray
 
-    from launch import ray_control, ray_local
+    from launch.ray import control as ray_control
+    from launch.ray import local as ray_local
 
     monkeypatch.setattr(ray_local, "RECORDS", tmp_path)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh `tandem ray status` process
     monkeypatch.setattr(ray, "init", lambda **_: pytest.fail("a run that is over needs no Ray"))
-    not_a_head = os.getpid()  # alive, but not a `launch.ray_local` head: the cluster is gone
+    not_a_head = os.getpid()  # alive, but not a `launch.ray.local` head: the cluster is gone
     finished = {"outcome": "finished", "code": 0}
     ray_local.LocalCluster(
         "done", str(tmp_path / "done"), not_a_head, not_a_head, "10.0.0.5:6379", "token", finished
@@ -232,7 +233,7 @@ def test_a_cluster_that_is_not_there_is_one_line(
 ) -> None:
     import ray
 
-    from launch import ray_control
+    from launch.ray import control as ray_control
     from launch.testing import free_port
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
@@ -254,7 +255,7 @@ def test_a_cluster_that_is_not_there_is_one_line(
 def test_scale_room_says_what_is_free_and_what_was_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     import ray
 
-    from launch.ray_placement import BundlePool, Slot
+    from launch.ray.placement import BundlePool, Slot
 
     monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 0.5, "CPU_group_ab12": 1.0, "memory": 1e9})
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
@@ -272,7 +273,7 @@ def test_scale_room_says_what_is_free_and_what_was_asked(monkeypatch: pytest.Mon
 def test_a_role_given_no_gpu_sees_none() -> None:
     """Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone for an actor given no GPU (review finding 11): the role's own
     environment blanks it; a role given GPUs keeps what Ray set."""
-    from launch.ray_roles import gpu_isolated
+    from launch.ray.roles import gpu_isolated
 
     assert gpu_isolated({"A": "1"}, []) == {"A": "1", "CUDA_VISIBLE_DEVICES": ""}
     assert gpu_isolated({"A": "1"}, ["3"]) == {"A": "1"}

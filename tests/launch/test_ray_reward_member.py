@@ -1,4 +1,4 @@
-"""The reward service as a `tandem ray` member, without a cluster: the controller (launch.ray_fleet) driven with fake
+"""The reward service as a `tandem ray` member, without a cluster: the controller (launch.ray.fleet) driven with fake
 actors, slots and member operations, to check which members it places with which resources, which addresses it
 writes for the generators, and how it restarts a dead reward service (same slot, same port, within its budget).
 The real placement and processes are covered by the Ray tests (tests/launch/test_ray_fleet.py) and, for the
@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from common.config import load_config
-from launch import ray_fleet
-from launch.ray_fleet import FleetController, RunEnded
-from launch.ray_members import Member
+from launch.ray import fleet as ray_fleet
+from launch.ray.fleet import FleetController, RunEnded
+from launch.ray.members import Member
 
 
 class Method:
@@ -56,7 +56,7 @@ class RecordingSink:
 
 
 class FakeMembers:
-    """Stands in for launch.ray_members: records what the controller spawns, starts and stops."""
+    """Stands in for launch.ray.members: records what the controller spawns, starts and stops."""
 
     def __init__(self, ips: dict[str, str], ports: list[int]) -> None:
         self.ips = ips  # role -> node IP its actor lands on

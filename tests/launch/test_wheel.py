@@ -128,7 +128,7 @@ def test_the_wheel_holds_every_module_and_the_packaged_configs(installed: Instal
         for path in (REPO / package).rglob("*")
         if path.suffix in (".py", ".toml") and "__pycache__" not in path.parts
     }
-    assert "launch/configs/demo.toml" in expected and "actors/sandbox_boot.py" in expected
+    assert "launch/configs/demo.toml" in expected and "actors/environments/sandbox_boot.py" in expected
     assert not expected - names, f"missing from the wheel: {sorted(expected - names)}"
 
 

@@ -6,7 +6,7 @@
 The publisher publishes versions 1..VERSIONS (`member_weights`), each once the previous round ended (sent or
 failed) and PAUSE_S passed, then writes OUT_DIR/publisher.json (counters, bytes per version, epoch forming times).
 A receiver plays a generator with WORKERS vLLM workers: it fetches, seals the round (`BroadcastWeightsSource`) and
-receives it in one thread per worker, each its own group rank, as `actors.weight_transfer` does inside vLLM;
+receives it in one thread per worker, each its own group rank, as `actors.weights.transfer` does inside vLLM;
 worker 0 writes every bucket to OUT_DIR/r{INDEX}-v{version}-b{bucket}.bin, the others check they got the same bytes.
 It stops once it holds WANT (or gives up after a while), writing OUT_DIR/r{INDEX}.json. DIE_IN = v: it joins round
 v's group and exits without receiving (a member that dies mid-round).
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from actors.broadcast_source import BroadcastRound, BroadcastWeightsSource
-from actors.weight_transfer import GroupTicket
-from actors.weights import WeightsRejected, WeightsTransportError
+from actors.weights.broadcast_source import BroadcastRound, BroadcastWeightsSource
+from actors.weights.transfer import GroupTicket
+from actors.weights.updates import WeightsRejected, WeightsTransportError
 from common.broadcast import BroadcastError, BroadcastGroup, receive_round
 from common.config import WeightsConfig
 from common.sockets import PeerUnavailable, SocketSecurity

@@ -1,4 +1,4 @@
-"""The broadcast transport (learners/broadcast_publisher.py, actors/broadcast_source.py, common/broadcast.py) in its
+"""The broadcast transport (learners/broadcast_publisher.py, actors/weights/broadcast_source.py, common/broadcast.py) in its
 gloo form, with real processes: what every worker of every generator gets equals, byte for byte, what the ZeroMQ
 path delivers; a member that dies mid-round costs that round only; a generator that joins later takes the next
 round. And the configurations that cannot work are refused up front. Inside vLLM's workers:
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.broadcast_source import open_broadcast_source
-from actors.weights import ZmqWeightsSource
+from actors.weights.broadcast_source import open_broadcast_source
+from actors.weights.updates import ZmqWeightsSource
 from common.config import ConfigError, WeightsConfig, load_config
 from common.sockets import SocketSecurity
 from launch.testing import free_port

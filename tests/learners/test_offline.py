@@ -1,4 +1,4 @@
-"""The offline stages (`tandem sft|rm|dpo`, learners/offline.py) on the tiny model: each trains end to end and
+"""The offline stages (`tandem sft|rm|dpo`, learners/offline/loop.py) on the tiny model: each trains end to end and
 writes its records, checkpoint, model and summary; a resume continues at the saved step with the batches of an
 uninterrupted run; micro-batches add up to one step on the whole batch; an exported reward model loads in
 transformers (and in the reward service's scorer) and scores as the learner did; `tandem sft` as a process stops
@@ -22,7 +22,7 @@ import torch
 
 from common.config import TandemConfig, load_config
 from common.metrics import read_metrics
-from learners.offline import Schedule, run_stage
+from learners.offline.loop import Schedule, run_stage
 
 EPS_F32 = torch.finfo(torch.float32).eps
 
@@ -63,8 +63,8 @@ def test_the_schedule_is_a_function_of_the_step_and_covers_each_epoch_once() -> 
 
 
 def test_a_file_source_keeps_its_last_held_out_share_for_evaluation(tmp_path: Path) -> None:
-    from learners.offline_data import chat_rows
-    from learners.offline_stages import _split_file_rows
+    from learners.offline.data import chat_rows
+    from learners.offline.stages import _split_file_rows
 
     source = tmp_path / "chats.jsonl"
     rows = [{"prompt": f"What is {i} + 1?", "completion": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(10)]
@@ -154,7 +154,7 @@ def test_a_run_dir_that_holds_a_run_is_refused_without_resume(tmp_path: Path, mo
 def synthetic_examples(name: str, count: int, seed: int) -> list:
     """`count` random chats (SFT) or pairs (RM, DPO) of varied lengths: ids 3..49151, loss on each chat's last
     3-7 tokens."""
-    from learners.offline_data import ChatExample, PairExample
+    from learners.offline.data import ChatExample, PairExample
 
     rng = np.random.default_rng(seed)
 
@@ -179,7 +179,7 @@ def one_update(name: str, examples: list, **overrides: object) -> tuple[dict, di
     from deepspeed.utils import safe_get_full_grad
 
     from learners.engine import init_distributed
-    from learners.offline import OfflineTrainer
+    from learners.offline.loop import OfflineTrainer
 
     values = {f"{name}__batch_size": len(examples), "learner__zero_stage": 0, **overrides}
     config = stage_config(Path("/nonexistent"), name, **values)
@@ -235,10 +235,10 @@ def test_an_exported_reward_model_loads_in_transformers_and_scores_as_the_learne
     not the learner's (a fresh head, the score read at a pad position) moves scores by ~0.1."""
     from transformers import AutoModelForSequenceClassification
 
-    from actors.reward_model import RewardModelScorer
+    from actors.rewards.model import RewardModelScorer
     from learners.engine import init_distributed
-    from learners.offline import OfflineTrainer
-    from learners.offline_stages import _pair_sequences
+    from learners.offline.loop import OfflineTrainer
+    from learners.offline.stages import _pair_sequences
 
     config = stage_config(tmp_path, "rm", rm__batch_size=4, learner__zero_stage=0)
     torch.manual_seed(config.run.seed)

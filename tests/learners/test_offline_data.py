@@ -1,4 +1,4 @@
-"""Unit tests for learners.offline_data: the SFT loss mask against the chat template, token by token; preference
+"""Unit tests for learners.offline.data: the SFT loss mask against the chat template, token by token; preference
 pairs rendered as the generator renders prompts; every accepted row shape; malformed rows named by file and line.
 They use SmolLM2's real tokenizer (ChatML, with a default system prompt), the one the `tiny` model shares."""
 
@@ -12,7 +12,7 @@ import torch
 
 from common.config import RmConfig, SftConfig
 from common.tasks import PromptRecord, arithmetic_prompts, render_prompt
-from learners.offline_data import (
+from learners.offline.data import (
     ChatExample,
     PairExample,
     PreferenceRow,

@@ -18,11 +18,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from actors import openai_http
-from actors.env_runner import EnvRunner
-from actors.episodes import EpisodeDriver, EpisodeGroup, EpisodeLimits
-from actors.openai_server import EPISODE_HEADER, AgentEnvironment, AgentServer
-from actors.trajectory import build_episode_group
+from actors.environments import openai_http
+from actors.environments.episodes import EpisodeDriver, EpisodeGroup, EpisodeLimits
+from actors.environments.openai_server import EPISODE_HEADER, AgentEnvironment, AgentServer
+from actors.environments.runner import EnvRunner
+from actors.environments.trajectory import build_episode_group
 from common.config import EnvConfig
 from common.envs import environment_factory
 from common.types import PromptItem
@@ -261,7 +261,9 @@ def test_remote_bind_is_refused_without_opt_in_or_token(monkeypatch) -> None:
     with pytest.raises(ValueError, match="'TANDEM_TEST_AGENT_TOKEN': that environment variable is not set"):
         AgentServer.shared("0.0.0.0", port, allow_remote=True, auth_token_env="TANDEM_TEST_AGENT_TOKEN")
     # The generator's start-up path refuses it too (before any episode), and nothing was left listening.
-    env = EnvConfig(environment="actors.openai_server:AgentEnvironment", environment_args={"host": "::", "port": port})
+    env = EnvConfig(
+        environment="actors.environments.openai_server:AgentEnvironment", environment_args={"host": "::", "port": port}
+    )
     with pytest.raises(ValueError, match="is not a loopback address"):
         environment_factory(env)
     with pytest.raises(ConnectionRefusedError):

@@ -10,7 +10,7 @@ import json
 import threading
 import time
 
-from actors.openai_server import EPISODE_HEADER, AgentEnvironment, AgentServer
+from actors.environments.openai_server import EPISODE_HEADER, AgentEnvironment, AgentServer
 from common.tool_calls import MAX_TOOLS, MAX_TOOLS_CHARS, check_tools
 from launch.testing import free_port
 from tests.security.test_endpoint_attacks import error_message, request, serving

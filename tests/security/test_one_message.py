@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import zmq
 
-from actors.relay import open_relay_server
-from actors.reward_service import RewardService
+from actors.rewards.service import RewardService
+from actors.weights.relay import open_relay_server
 from buffers.journal import Journal
 from buffers.state import BufferState
 from common import serving

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import zmq
 
-from actors.host_copy import HostCopy, StoreDirError, private_store_dir
-from actors.relay import RelayServer, RelayWeightsSource
-from actors.weights import WeightsPoller, open_weights_source
+from actors.weights.host_copy import HostCopy, StoreDirError, private_store_dir
+from actors.weights.relay import RelayServer, RelayWeightsSource
+from actors.weights.updates import WeightsPoller, open_weights_source
 from common.config import WeightsConfig
 from common.sockets import Client, SocketSecurity, free_port
 from common.types import ChunkReply, ChunkRequest, WeightsHeader, WeightsRequest

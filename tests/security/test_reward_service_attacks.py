@@ -10,7 +10,7 @@ import struct
 
 import zmq
 
-from actors.reward_service import MAX_REQUEST_MB, RewardService, open_reward_server
+from actors.rewards.service import MAX_REQUEST_MB, RewardService, open_reward_server
 from common import sockets
 from common.sockets import SocketSecurity, free_port
 from common.types import RewardRequest

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.sandbox import SandboxLimits, run_python
+from actors.environments.sandbox import SandboxLimits, run_python
 from common.types import PromptItem
 from examples.envs.code_task import CodeEnv
 
@@ -180,7 +180,7 @@ print("OUTCOME " + json.dumps(outcome))
 
 KILL_CALLER = """
 import json, os, sys
-from actors.sandbox import SandboxLimits, run_python
+from actors.environments.sandbox import SandboxLimits, run_python
 attack = '''
 import errno, json, os, signal
 outcome = {}
@@ -217,7 +217,7 @@ def test_os_kill_of_the_parent_and_of_an_unrelated_process_fails() -> None:
 # ------------------------------------------------------------------------------------------------- floods
 FLOOD_CALLER = """
 import json, resource
-from actors.sandbox import SandboxLimits, run_python
+from actors.environments.sandbox import SandboxLimits, run_python
 run_python("pass")  # imports and first allocations done before the baseline
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB, peak so far
 flood = "import os\\nchunk = b'x' * (1 << 20)\\nfor _ in range(1536):\\n    os.write(1, chunk)\\n"  # 1.5 GB

@@ -7,7 +7,7 @@ buffer: its ZeroMQ takes in one reply and then stops reading the socket, so its 
 (16 MiB, over the 4 MiB the kernel buffers at most: tcp_wmem). What it pins there is read from
 `live_bucket_bytes()` (weak references to every bucket: what ZeroMQ still holds counts too), not from RSS.
 
-Generator (actors/weights.py): an unknown dtype in a header crashed it, and a forged version 10^9 stalled it for
+Generator (actors/weights/updates.py): an unknown dtype in a header crashed it, and a forged version 10^9 stalled it for
 good. A scripted fake publisher serves those replies; the poller must count each, ask again, and still load the
 next good update.
 """
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import zmq
 
-from actors.weights import WeightsPoller, WeightsUpdate, ZmqWeightsSource
+from actors.weights.updates import WeightsPoller, WeightsUpdate, ZmqWeightsSource
 from common.sockets import Client, SocketSecurity
 from common.types import ErrorReply, TensorSpec, WeightsHeader, WeightsNotNewer, WeightsRequest
 from common.wire import encode

@@ -1,0 +1,1 @@
+"""Multi-turn episodes and what they call: the episode driver, environment calls off the loop, token-exact trajectories, the Python sandbox, verifiers environments, the OpenAI-compatible agent endpoint."""
