@@ -32,6 +32,7 @@ def test_every_saved_result_has_a_headline(path: Path) -> None:
         "demo_wall",
         "env_latency",
         "generator_throughput",
+        "house_counts",
         "learner_lora",
         "learner_throughput",
         "ray_overhead",
