@@ -39,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=8, help="completions per prompt")
     parser.add_argument("--max-tokens", type=int, default=48, help="longest completion")
     parser.add_argument("--difficulty", type=int, default=1, help="arithmetic level, 1..5 (common.tasks)")
+    parser.add_argument("--shots", type=int, default=1, help="worked examples before each question (the format)")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--ppo-epochs", type=int, default=2, help="passes over each batch (the clip acts from the 2nd)")
     parser.add_argument("--eval-prompts", type=int, default=32, help="held-out questions, answered greedily")
@@ -83,9 +84,11 @@ def completion_logprobs(model: Any, batch: dict) -> torch.Tensor:
     tokens = torch.cat([batch["prompt_ids"], batch["completions"]], dim=1)  # [B, P + T]
     attention = torch.cat([batch["prompt_mask"], batch["action_mask"].long()], dim=1)  # [B, P + T]
     positions = (attention.cumsum(dim=1) - 1).clamp(min=0)  # left padding: positions start at the first real token
-    logits = model(input_ids=tokens, attention_mask=attention, position_ids=positions).logits  # [B, P + T, V]
-    width = batch["prompt_ids"].shape[1]
-    return logprobs_from_logits(logits[:, width - 1 : -1].float(), batch["completions"])  # [B, T]
+    completion_len = batch["completions"].shape[1]
+    # only the positions that predict completion tokens: [B, T + 1, V] logits, not [B, P + T, V] (the vocabulary is
+    # 49k: the whole sequence's logits of a batch of 32 would take GBs)
+    out = model(input_ids=tokens, attention_mask=attention, position_ids=positions, logits_to_keep=completion_len + 1)
+    return logprobs_from_logits(out.logits[:, :-1].float(), batch["completions"])  # [B, T]
 
 
 def score(tokenizer: Any, batch: dict, records: list[Any], n: int) -> torch.Tensor:
@@ -128,9 +131,11 @@ def train(model: Any, tokenizer: Any, args: argparse.Namespace, score_fn: Any = 
     algo = AlgoConfig(estimator="grpo")  # the learner's own defaults: clip [0.8, 1.28], token-mean aggregation
 
     questions = arithmetic_prompts(
-        args.steps * args.prompts_per_step, seed=args.seed, difficulty=args.difficulty, split="train"
+        args.steps * args.prompts_per_step, seed=args.seed, difficulty=args.difficulty, split="train", shots=args.shots
     )
-    held_out = arithmetic_prompts(args.eval_prompts, seed=args.seed, difficulty=args.difficulty, split="held_out")
+    held_out = arithmetic_prompts(
+        args.eval_prompts, seed=args.seed, difficulty=args.difficulty, split="held_out", shots=args.shots
+    )
     history = {"accuracy_before": held_out_accuracy(model, tokenizer, held_out, args.max_tokens), "steps": []}
     print(f"held-out greedy strict accuracy before training: {history['accuracy_before']:.3f}")
 
