@@ -9,7 +9,7 @@ Once the learner's final report came (VersionReport.final), lease requests and h
 `RunOver`, and `run_over(now)` says when every live generator has heard it (`buffers.run_end`).
 
 A lease request is answered by the first of a chain of grant sources: the run's end (`RunOver`), the extensions
-(`buffers.extensions`: optional work beside training, evaluation today, `buffers.evaluation`), then training
+(`buffers.extensions`: optional work beside training, evaluation today, `buffers.eval_extension`), then training
 admission. Extensions also answer messages of their own, hear heartbeats and version reports, run at each tick,
 add counters, and may hold the run's end. Their leases never count in `_admitted`, are not staleness-checked and
 never reach the replay buffer or the ledger.

@@ -1,4 +1,4 @@
-"""The buffer core's seam for optional work beside training: evaluation today (`buffers.evaluation`).
+"""The buffer core's seam for optional work beside training: evaluation today (`buffers.eval_extension`, on the scheduler of `buffers.evaluation`).
 
 `buffers.core.BufferCore` answers a lease request from a short chain of grant sources; the first that answers wins:
     1. run end      the learner's final report came and no extension holds the end: `RunOver`
@@ -22,44 +22,58 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
-from buffers.run_end import RunEnd
-from buffers.state import BufferState
 from common.types import Heartbeat, LeaseRequest, VersionReport
+
+if TYPE_CHECKING:
+    from buffers.run_end import RunEnd
+    from buffers.state import BufferState
 
 Handler = Callable[[Any, Any, str, float], list[tuple[Any, Any]]]  # (message, reply_to, sender, now) -> replies
 
 
-class CoreExtension(Protocol):
-    """See the module docstring. Single-threaded: the buffer's poll loop."""
+class CoreExtension:
+    """See the module docstring; each hook does nothing here, so an extension defines only the ones it uses.
+    Single-threaded: the buffer's poll loop."""
 
-    handlers: Mapping[type, Handler]
+    handlers: Mapping[type, Handler] = MappingProxyType({})
 
-    def lease_reply(self, request: LeaseRequest, sender: str, now: float) -> Any | None: ...
+    def lease_reply(self, request: LeaseRequest, sender: str, now: float) -> Any | None:
+        return None
 
-    def heard(self, heartbeat: Heartbeat, progressing: bool, now: float) -> None: ...
+    def heard(self, heartbeat: Heartbeat, progressing: bool, now: float) -> None:
+        pass
 
-    def version_reported(self, report: VersionReport, now: float) -> None: ...
+    def version_reported(self, report: VersionReport, now: float) -> None:
+        pass
 
-    def tick(self, now: float, unresponsive: list[int]) -> None: ...
+    def tick(self, now: float, unresponsive: list[int]) -> None:
+        pass
 
-    def holds_end(self, now: float) -> bool: ...
+    def holds_end(self, now: float) -> bool:
+        return False
 
-    def end_pending(self) -> int: ...
+    def end_pending(self) -> int:
+        return 0
 
-    def counters(self) -> dict[str, int]: ...
+    def counters(self) -> dict[str, int]:
+        return {}
 
-    def open_sink(self, run_dir: Path, start_time: float, simulation: bool) -> None: ...
+    def open_sink(self, run_dir: Path, start_time: float, simulation: bool) -> None:
+        pass
 
-    def flush(self) -> None: ...
+    def flush(self) -> None:
+        pass
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        pass
 
 
 def default_extensions(state: BufferState, end: RunEnd) -> list[CoreExtension]:
     """The extensions `state` was built for: evaluation, on its scheduler when it has one (eval.sets), else the
     refusal of eval results that a buffer without evaluation gives."""
-    from buffers.evaluation import BufferEvaluation, NoEvaluation
+    from buffers.eval_extension import BufferEvaluation, NoEvaluation
 
     return [BufferEvaluation(state, end) if state.evaluation is not None else NoEvaluation()]

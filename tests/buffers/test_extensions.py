@@ -5,10 +5,10 @@ heartbeats, version reports and ticks it hears, its hold on the run's end and th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from buffers.core import BufferCore
+from buffers.extensions import CoreExtension
 from buffers.state import BufferState
 from common.types import Heartbeat, LeaseGrant, LeaseRequest, Ok, RunOver, VersionReport
 from tests.buffers.fakes import ask, fake_prompts, make_settings
@@ -21,7 +21,7 @@ class Redeem:
     token: int
 
 
-class Tokens:
+class Tokens(CoreExtension):
     """Hands generator 1 a token instead of prompts while it has some; the run's end waits until all are out."""
 
     def __init__(self, count: int) -> None:
@@ -57,15 +57,6 @@ class Tokens:
 
     def counters(self) -> dict[str, int]:
         return {"tokens_left": self.left}
-
-    def open_sink(self, run_dir: Path, start_time: float, simulation: bool) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def test_an_extension_takes_its_place_in_the_chain_and_holds_the_end() -> None:
