@@ -14,8 +14,13 @@ lint: setup
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 
+# Two pytest-xdist workers: the suite waits on processes and engines more than it computes (one worker kept a
+# 2-core machine 77% busy), so two overlap those waits. A module's tests, and all of Ray's, share a worker
+# (tests/conftest.py, worker_scope).
+TEST_WORKERS ?= 2
+
 test: lint
-	.venv/bin/python -m pytest tests -q -ra --durations=15
+	.venv/bin/python -m pytest tests -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadscope
 
 test-fast: setup
 	.venv/bin/python -m pytest tests -q -ra -m "not integration"

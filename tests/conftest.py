@@ -31,6 +31,34 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if any(item.get_closest_marker(name) for name in ENGINE_MARKERS):
             item.add_marker(pytest.mark.integration)
+        if item.get_closest_marker("ray") and not item.path.name.startswith(RAY_MODULES):
+            raise pytest.UsageError(
+                f"{item.nodeid} starts Ray: name its module {RAY_MODULES}*.py, so that `make test` runs it on the "
+                "worker that runs the other Ray tests (tests/conftest.py, worker_scope)"
+            )
+
+
+RAY_MODULES = "test_ray_"  # the Ray tests' modules: one pytest-xdist worker runs them all
+
+
+def worker_scope(nodeid: str) -> str:
+    """What one pytest-xdist worker runs as a unit (`make test` runs two). A module's tests stay together, so a
+    module-scoped fixture (two runs started at once, a shared engine) starts once, not once per worker; every Ray
+    module shares one worker, so the session's cluster (tests/launch/conftest.py) starts once and no two clusters
+    share the machine."""
+    module = nodeid.split("::", 1)[0]
+    return "ray" if Path(module).name.startswith(RAY_MODULES) else module
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a plain `pytest` may run without
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_scope(nodeid)
+
+    return ByModule(config, log)
 
 
 @pytest.fixture(autouse=True)

@@ -36,6 +36,7 @@ pytestmark = pytest.mark.vllm
 GROUP_SIZE = 4
 MAX_TOKENS = 48
 TEMPERATURE = 0.7
+DOWN = "does not answer; reconnecting"  # the generator's log line when the buffer goes away (actors/outbox.py)
 SHARPEN = 30.0  # final-norm scale of the published models: peaked distributions make log-prob checks sharp
 ATOL, MEDIAN_TOL = 0.25, 0.05
 
@@ -255,8 +256,10 @@ def _phase_d_buffer_restart_loses_no_group(rig):
     leases_before = len(buffer.leases)
     buffer.add_prompts(prompts)
     _wait(lambda: len(buffer.leases) > leases_before, 30, "a lease of the new prompts")
+    noticed = rig["process"].output().count(DOWN)
     buffer.stop()
-    time.sleep(5.0)  # longer than the generator's request timeout: it must notice, keep its groups and reconnect
+    # the buffer stays away until the generator has noticed (a request timed out): it must keep its groups and reconnect
+    _wait(lambda: rig["process"].output().count(DOWN) > noticed, 60, "the generator to notice the buffer is away")
     buffer.start()
     groups = _groups_of(buffer, prompts, timeout_s=60)
     assert len(groups) == 4

@@ -130,7 +130,7 @@ def test_children_that_never_read_pin_bounded_memory_and_are_dropped(tmp_path) -
         for _ in range(20):
             for child in children:
                 child.ask(1)
-        time.sleep(0.5)
+        wait_until(lambda: relay.counters["requests_superseded"] > 0, 10, "the relay to supersede queued requests")
         assert relay.in_flight_bytes() <= 3 * 16 * MIB
         assert rss_mb() - before < 150  # 3 replies in flight at most, not 60
         assert relay.counters["requests_superseded"] > 0
