@@ -77,6 +77,7 @@ from common.config import TandemConfig
 from common.logs import setup_logging
 from common.metrics import MetricsSink
 from common.sockets import SocketSecurity
+from common.trackers import Trackers
 from common.types import (
     ErrorReply,
     LeaseGrant,
@@ -118,7 +119,12 @@ def run(config: TandemConfig) -> int:
             gen.reconnect_max_s,
         ),
         [work for work in (Evaluator.from_config(config, engine),) if work is not None],  # eval.sets: evaluation
-        MetricsSink(config.run.run_dir, f"generator-{gen.index}", simulation=config.run.simulate),
+        MetricsSink(
+            config.run.run_dir,
+            f"generator-{gen.index}",
+            simulation=config.run.simulate,
+            trackers=Trackers.from_config(config),
+        ),
         Pulse(  # its own socket: the loop's link is the loop's
             BufferLink(gen.buffer_address, security, gen.index, gen.reconnect_max_s),
             gen.index,

@@ -17,6 +17,7 @@ from common.types import EvalResult, Heartbeat, LeaseRefused, LeaseRequest, Vers
 if TYPE_CHECKING:
     from buffers.run_end import RunEnd
     from buffers.state import BufferState
+    from common.trackers import Trackers
 
 log = logging.getLogger("tandem.buffer.eval")
 
@@ -94,9 +95,9 @@ class BufferEvaluation(CoreExtension):
     def counters(self) -> dict[str, int]:
         return self.scheduler.counters()
 
-    def open_sink(self, run_dir: Path, start_time: float, simulation: bool) -> None:
-        """eval.jsonl and TensorBoard's tb/eval, on the clock of buffer.jsonl (`start_time`)."""
-        self.sink = MetricsSink(run_dir, "eval", start_time=start_time, simulation=simulation)
+    def open_sink(self, run_dir: Path, start_time: float, simulation: bool, trackers: Trackers) -> None:
+        """eval.jsonl and the run's trackers (TensorBoard's tb/eval), on the clock of buffer.jsonl (`start_time`)."""
+        self.sink = MetricsSink(run_dir, "eval", start_time=start_time, simulation=simulation, trackers=trackers)
 
     def flush(self) -> None:
         """The rows of the results accepted since the last call, each at step = its policy_version."""

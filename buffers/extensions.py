@@ -30,6 +30,7 @@ from common.types import Heartbeat, LeaseRequest, VersionReport
 if TYPE_CHECKING:
     from buffers.run_end import RunEnd
     from buffers.state import BufferState
+    from common.trackers import Trackers
 
 Handler = Callable[[Any, Any, str, float], list[tuple[Any, Any]]]  # (message, reply_to, sender, now) -> replies
 
@@ -61,7 +62,7 @@ class CoreExtension:
     def counters(self) -> dict[str, int]:
         return {}
 
-    def open_sink(self, run_dir: Path, start_time: float, simulation: bool) -> None:
+    def open_sink(self, run_dir: Path, start_time: float, simulation: bool, trackers: Trackers) -> None:
         pass
 
     def flush(self) -> None:

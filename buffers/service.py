@@ -38,6 +38,7 @@ from common.metrics import MetricsSink
 from common.prompt_sources import load_env_prompts
 from common.serving import answer_safely
 from common.sockets import Server, SocketSecurity
+from common.trackers import Trackers
 from common.types import MAX_NAME_CHARS, MAX_REWARD_COMPONENTS, max_group_bytes
 
 POLL_MS = 20
@@ -123,9 +124,10 @@ def run(config: TandemConfig) -> int:
         )
     server = Server(config.buffer.host, config.buffer.port, socket_security(config), name="buffer")
     core = BufferCore(state, wire_rejections=server.rejected)
-    sink = MetricsSink(run_dir, "buffer", simulation=config.run.simulate)
+    trackers = Trackers.from_config(config)
+    sink = MetricsSink(run_dir, "buffer", simulation=config.run.simulate, trackers=trackers)
     for extension in core.extensions:  # their own rows (eval.jsonl), on the clock of buffer.jsonl
-        extension.open_sink(run_dir, sink.start_time, config.run.simulate)
+        extension.open_sink(run_dir, sink.start_time, config.run.simulate, trackers)
     log.info(
         "buffer on %s:%d: %d prompts, capacity %d samples, η = %d, B = %d, messages up to %.2f MB",
         config.buffer.host,

@@ -1,7 +1,8 @@
-"""The one metrics sink: TensorBoard (`<run_dir>/tb/<stream>`) and JSON lines (`<run_dir>/<stream>.jsonl`).
+"""The one metrics sink: JSON lines (`<run_dir>/<stream>.jsonl`) and the run's trackers (common.trackers:
+TensorBoard in `<run_dir>/tb/<stream>` by default; Weights & Biases and MLflow when `run.trackers` names them).
 
-    sink = MetricsSink(run_dir, stream="metrics")          # the learner: one object per step in metrics.jsonl
-    sink.log(step, {"loss/policy": 0.12, "reward/mean": 0.4})
+    sink = MetricsSink(run_dir, stream="metrics", trackers=Trackers.from_config(config))  # the learner
+    sink.log(step, {"loss/policy": 0.12, "reward/mean": 0.4})   # one object per step in metrics.jsonl
     sink.close()
 
 Keys are namespaced by what they measure: `loss/…`, `policy/…`, `reward/…`, `staleness/…`, `buffer/…`,
@@ -13,7 +14,8 @@ knows (buffer) and the policy version a generator samples with (generator-<i>), 
 so the curves of every role line up on one axis (TensorBoard's "wall" axis lines them up by time as well).
 
 A sink of a SIMULATION run (`simulation=True`, from `run.simulate`) says so in every record: `"simulation": true`
-in JSON, and the description of every TensorBoard series starts with "SIMULATION".
+in JSON, the description of every TensorBoard series starts with "SIMULATION", W&B tags the run SIMULATION and
+MLflow `tandem.simulation`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-SIMULATION_DESCRIPTION = "SIMULATION (run.simulate = true): stand-ins of configured cost replaced vLLM and DeepSpeed"
+from common.trackers import SIMULATION_DESCRIPTION, Tracker, Trackers
+
+__all__ = ["SIMULATION_DESCRIPTION", "MetricsSink", "read_metrics"]
 
 
 class MetricsSink:
@@ -37,51 +41,47 @@ class MetricsSink:
         tensorboard: bool = True,
         start_time: float | None = None,
         simulation: bool = False,
+        trackers: Trackers | None = None,
     ) -> None:
+        """`trackers` (the run's, `Trackers.from_config`) wins over `tensorboard`, which alone means TensorBoard
+        or nothing besides the JSON lines."""
         self.run_dir = Path(run_dir)
         self.simulation = simulation
-        self._described: set[str] = set()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.start_time = time.time() if start_time is None else start_time
         self.jsonl_path = self.run_dir / f"{stream}.jsonl"
         self._file = self.jsonl_path.open("a", buffering=1)
-        self._writer = None
-        if tensorboard:
-            from tensorboard.summary import Writer
-
-            self._writer = Writer(str(self.run_dir / "tb" / stream))
+        spec = trackers if trackers is not None else Trackers(names=("tensorboard",) if tensorboard else ())
+        self.trackers: list[Tracker] = spec.open(self.run_dir, stream, simulation)
 
     def log(self, step: int, values: dict[str, Any]) -> dict[str, Any]:
-        """Write one record; non-finite floats are written as null in JSON (and skipped in TensorBoard)."""
+        """Write one record; non-finite floats are written as null in JSON (and left out for the trackers, which
+        get every number but `step`, as TensorBoard always had)."""
         record: dict[str, Any] = {"step": int(step), "time": round(time.time() - self.start_time, 3)}
         if self.simulation:
             record["simulation"] = True
         for key, value in values.items():
             record[key] = _plain(value)
         self._file.write(json.dumps(record, allow_nan=False, default=str) + "\n")
-        if self._writer is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._writer.add_scalar(key, float(value), step=int(step), description=self._describe(key))
+        scalars = {
+            key: float(value)
+            for key, value in record.items()
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
+        }
+        for tracker in self.trackers:
+            tracker.log(int(step), scalars)
         return record
-
-    def _describe(self, key: str) -> str | None:
-        """The series' description, on its first point only (TensorBoard keeps the first one it reads)."""
-        if not self.simulation or key in self._described:
-            return None
-        self._described.add(key)
-        return SIMULATION_DESCRIPTION
 
     def flush(self) -> None:
         self._file.flush()
-        if self._writer is not None:
-            self._writer.flush()
+        for tracker in self.trackers:
+            tracker.flush()
 
     def close(self) -> None:
-        self.flush()
+        self._file.flush()
         self._file.close()
-        if self._writer is not None:
-            self._writer.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def _plain(value: Any) -> Any:

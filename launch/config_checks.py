@@ -1,4 +1,5 @@
-"""The paths a role needs on the machine it runs on, checked by `tandem ROLE` before the role starts.
+"""The paths (and tracker packages) a role needs on the machine it runs on, checked by `tandem ROLE` before the role
+starts.
 
     problems = missing_paths(config, "buffer")   # [] or ["env.source: '/data/p.jsonl' does not exist on this machine"]
 
@@ -34,14 +35,14 @@ EMBEDDED = " or ".join(BUILT_IN_MEANING.values())
 
 # role -> the checks it needs; `run` starts every role on this machine
 NEEDS = {
-    "run": ("prompts", "rewards", "eval_sets", "model", "chat_template", "reward_model", "keys"),
-    "buffer": ("prompts", "eval_sets", "keys"),
-    "generator": ("model", "chat_template", "reward_model", "keys"),
-    "learner": ("model", "keys"),
-    "sft": ("model", "chat_template", "stage_data"),
-    "rm": ("model", "chat_template", "stage_data"),
-    "dpo": ("model", "chat_template", "stage_data", "reference"),
-    "reward": ("reward_model", "chat_template", "keys"),
+    "run": ("prompts", "rewards", "eval_sets", "model", "chat_template", "reward_model", "keys", "trackers"),
+    "buffer": ("prompts", "eval_sets", "keys", "trackers"),
+    "generator": ("model", "chat_template", "reward_model", "keys", "trackers"),
+    "learner": ("model", "keys", "trackers"),
+    "sft": ("model", "chat_template", "stage_data", "trackers"),
+    "rm": ("model", "chat_template", "stage_data", "trackers"),
+    "dpo": ("model", "chat_template", "stage_data", "reference", "trackers"),
+    "reward": ("reward_model", "chat_template", "keys", "trackers"),
 }
 # role -> (the client roles it connects as, whether it serves): which key files it loads (common.keys.check_keys).
 # A learner serves the weights on rank 0 only, so its server key is checked when that socket opens.
@@ -239,6 +240,24 @@ def _keys_problem(config: TandemConfig, role: str) -> str | None:
     return None
 
 
+def _trackers_problem(config: TandemConfig, role: str) -> str | None:
+    missing = [name for name in config.run.trackers if TRACKER_PACKAGES.get(name) and not _installed(name)]
+    if not missing:
+        return None
+    return (
+        f"run.trackers: {', '.join(missing)} not installed on this machine: `pip install 'tandem-rl[trackers]'` "
+        f"(scripts/setup.sh does), or leave {'them' if len(missing) > 1 else 'it'} out of run.trackers"
+    )
+
+
+def _installed(tracker: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(TRACKER_PACKAGES[tracker]) is not None
+
+
+TRACKER_PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}  # run.trackers -> the module it imports (tensorboard: core)
+
 CHECKS = {
     "prompts": _prompts_problem,
     "rewards": _rewards_problem,
@@ -249,6 +268,7 @@ CHECKS = {
     "keys": _keys_problem,
     "stage_data": _stage_data_problem,
     "reference": _reference_problem,
+    "trackers": _trackers_problem,
 }
 
 

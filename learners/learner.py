@@ -53,6 +53,7 @@ from common.config import TandemConfig, write_resolved
 from common.logs import setup_logging
 from common.run_dir import reuse_problem
 from common.sockets import SocketSecurity
+from common.trackers import Trackers
 from common.types import Batch, RolloutGroup
 from learners.buffer_link import BufferLink, BufferRefused, LinkInterrupted
 from learners.checkpoint import CheckpointManager, LearnerState
@@ -341,7 +342,14 @@ def _publish(trainer: StepTrainer, publisher: WeightsPublisher | None, version: 
 def _reporter(config: TandemConfig, state: LearnerState, log: logging.Logger) -> Any:
     from learners.reporting import StepReporter
 
-    return StepReporter(config.run.run_dir, config.learner.total_steps, state.step, log, simulation=config.run.simulate)
+    return StepReporter(
+        config.run.run_dir,
+        config.learner.total_steps,
+        state.step,
+        log,
+        simulation=config.run.simulate,
+        trackers=Trackers.from_config(config),
+    )
 
 
 def _count_consumed(state: LearnerState, stats: dict[str, float]) -> None:

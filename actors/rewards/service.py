@@ -42,6 +42,7 @@ from common.logs import setup_logging
 from common.metrics import MetricsSink
 from common.signals import caught_signals
 from common.sockets import Request, Server, SocketSecurity
+from common.trackers import Trackers
 from common.types import RewardReply, RewardRequest
 
 POLL_S = 0.1  # longest wait for a first request: the stop signal is seen within it
@@ -76,7 +77,9 @@ def run(config: TandemConfig) -> int:
         )
         log.info("reward model loaded in %.1fs: %s", time.monotonic() - started, scorer.describe())
         server = open_reward_server(reward.host, reward.port, SocketSecurity.from_run(config.run))
-        metrics = MetricsSink(config.run.run_dir, "reward-0", simulation=config.run.simulate)
+        metrics = MetricsSink(
+            config.run.run_dir, "reward-0", simulation=config.run.simulate, trackers=Trackers.from_config(config)
+        )
         service = RewardService(scorer, server)
         log.info(
             "reward service on %s:%d (%d threads on cores %s)",

@@ -19,6 +19,7 @@ from common.config.base import (
     _not_empty_path,
     _Section,
 )
+from common.config.tracking import TRACKERS
 
 
 class RunConfig(_Section):
@@ -77,6 +78,20 @@ class RunConfig(_Section):
         ge=1,
         le=65535 - MAX_PORT_OFFSET,
     )
+
+    trackers: list[Literal[TRACKERS]] = Field(  # type: ignore[valid-type]
+        ["tensorboard"],
+        description="Where every role's metrics go besides `<run_dir>/<stream>.jsonl`: any of `tensorboard` "
+        "(`<run_dir>/tb/<stream>`), `wandb` and `mlflow` (settings in `[tracking]`; `pip install "
+        "'tandem-rl[trackers]'`). Empty: the JSON lines only.",
+    )
+
+    @field_validator("trackers")
+    @classmethod
+    def _trackers_once(cls, trackers: list[str]) -> list[str]:
+        if len(set(trackers)) != len(trackers):
+            raise ValueError(f"names a tracker twice: {trackers}")
+        return trackers
 
     @field_validator("name")
     @classmethod

@@ -27,6 +27,7 @@ from common.config.offline import DpoConfig, RmConfig, SftConfig
 from common.config.ray_cluster import RayConfig
 from common.config.reward import RewardConfig
 from common.config.run import RunConfig
+from common.config.tracking import TrackingConfig
 from common.config.weights import WeightsConfig
 
 
@@ -47,6 +48,7 @@ class TandemConfig(_Section):
     rm: RmConfig = RmConfig()
     dpo: DpoConfig = DpoConfig()
     eval: EvalConfig = EvalConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     @property
     def eval_max_tokens(self) -> int:
@@ -188,6 +190,7 @@ class TandemConfig(_Section):
                 'run.placement = "split" (the default) to train asynchronously'
             )
         problems += batch_split_problems(self.learner, self.algo, self.learner.world_size)
+        problems += nodes_problems(self.learner)
         if self.run.simulate and self.weights.transport == "broadcast":
             problems.append(
                 'weights.transport: "broadcast" rounds are received inside vLLM\'s workers, and run.simulate has '
@@ -259,5 +262,24 @@ def batch_split_problems(learner: LearnerConfig, algo: AlgoConfig, world_size: i
         problems.append(
             f"learner.mini_batches: must divide a rank's share of the batch, learner.groups_per_step / "
             f"learner.world_size x algo.group_size = {rank_samples} samples (got {learner.mini_batches})"
+        )
+    return problems
+
+
+def nodes_problems(learner: LearnerConfig) -> list[str]:
+    """Learner ranks across hosts started by hand (learner.nnodes): the same number on each, a place for this one,
+    and a rendezvous every host names alike."""
+    problems = []
+    if learner.world_size % learner.nnodes:
+        problems.append(
+            f"learner.world_size: must be a multiple of learner.nnodes = {learner.nnodes}, the same ranks on each host "
+            f"(got {learner.world_size})"
+        )
+    if learner.node_rank >= learner.nnodes:
+        problems.append(f"learner.node_rank: must be below learner.nnodes = {learner.nnodes} (got {learner.node_rank})")
+    if learner.nnodes > 1 and learner.master_port is None:
+        problems.append(
+            f"learner.master_port: required with learner.nnodes = {learner.nnodes}: the rendezvous port on "
+            "learner.master_addr, the same on every host"
         )
     return problems

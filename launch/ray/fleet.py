@@ -58,6 +58,7 @@ from typing import Any
 from common.config import TandemConfig, build_config, write_resolved
 from common.logs import setup_logging
 from common.metrics import MetricsSink
+from common.trackers import Trackers
 from launch.local import stop_grace_s
 from launch.ray import members
 from launch.ray.members import Member, call, describe_code
@@ -87,7 +88,9 @@ class FleetController:
         self.run_dir = self.base.run.run_dir
         self.local_cluster = local_cluster
         self.log = setup_logging("controller", 0, self.run_dir, simulation=self.base.run.simulate)
-        self.metrics = MetricsSink(self.run_dir, "ray", simulation=self.base.run.simulate)
+        self.metrics = MetricsSink(
+            self.run_dir, "ray", simulation=self.base.run.simulate, trackers=Trackers.from_config(self.base)
+        )
         self.lock = threading.RLock()
         self.ended = threading.Event()
         self.outcome: dict[str, Any] | None = None

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import TandemConfig
+from common.trackers import Trackers
 
 SUMMARY_FILE = "summary.json"
 MODEL_DIR = "model"  # <run_dir>/model: the stage's final Hugging Face export
@@ -30,7 +31,9 @@ def make_reporter(config: TandemConfig, name: str, total_steps: int, first_step:
             text += f" | held-out {eval_line(name, values)}"
         return f"{text} {values['perf/train_tokens_per_s']:,.0f} tok/s"
 
-    return StepReporter(config.run.run_dir, total_steps, first_step, log, label=name, info=info)
+    return StepReporter(
+        config.run.run_dir, total_steps, first_step, log, label=name, info=info, trackers=Trackers.from_config(config)
+    )
 
 
 def write_summary(run_dir: Path, name: str, steps: int) -> dict[str, Any]:

@@ -6,17 +6,23 @@ version, at versions 0, EVERY, 2 EVERY, ... and the final one (a round is opened
 generator leased before a newer round of its set opened is superseded and counted, never silently missing), with
 the documented keys; the buffer's eval accounting identity holds at the end with nothing outstanding; the training
 ledger identity still holds; metrics.jsonl carries no eval keys; the end summary shows the eval figures.
+
+The same run writes to every tracker (run.trackers: TensorBoard, W&B offline, MLflow's file store), so that the
+suite starts one run for both: each stream's tracker runs hold what its JSON lines hold (issue 35).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from common.eval_metrics import METRIC_KEYS
 from common.metrics import read_metrics
+from common.trackers import mlflow_name
 from launch.testing import RoleUnderTest, run_config
+from tests.common.tracker_reads import by_key, mlflow_history, mlflow_run, scalars_of, wandb_history, wandb_records
 from tests.launch.ray_runs import buffer_counters
 
 pytestmark = pytest.mark.integration  # starts role processes
@@ -32,10 +38,12 @@ RUN_TIMEOUT_S = 120
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """The run's directory and its launcher's output, after it exited 0."""
+    root = tmp_path_factory.mktemp("eval-sim")
     config = run_config(
-        tmp_path_factory.mktemp("eval-sim"),
+        root,
         "eval-sim",
-        run={"simulate": True},
+        run={"simulate": True, "trackers": ["tensorboard", "wandb", "mlflow"]},
+        tracking={"wandb_mode": "offline", "mlflow_uri": (root / "mlruns").as_uri()},
         algo={"group_size": 4, "max_staleness": 1},
         env={"num_prompts": 64},
         # a step of 4 x 4 samples x 0.03 s = 0.48 s: the generator (a round of 8 tokens x 5 ms) has headroom
@@ -96,3 +104,21 @@ def test_eval_stays_out_of_metrics_jsonl_and_shows_in_the_summary(run: tuple[Pat
     for label in SETS.values():
         assert f"    {label} " in output and f"v{STEPS}" in output
     assert (run_dir / "tb" / "eval").is_dir()
+
+
+def test_every_stream_reaches_wandb_and_mlflow_as_its_json_lines(run: tuple[Path, str]) -> None:
+    """The learner's steps, the generator, the buffer and the evaluation rows: each stream's W&B run (offline) and
+    MLflow run hold its records' numbers at its steps, in order (tests/common/test_trackers.py checks the sink)."""
+    run_dir, _ = run
+    uri = (run_dir.parent / "mlruns").as_uri()
+    streams = {path.stem: json.loads(path.read_text()) for path in (run_dir / "trackers").glob("*.json")}
+    assert set(streams) == {"metrics", "buffer", "eval", "generator-0"}, sorted(streams)
+    for stream, ids in streams.items():
+        expected = scalars_of(run_dir / f"{stream}.jsonl")
+        assert expected, stream
+        assert wandb_history(run_dir, ids["wandb"]) == expected, stream
+        assert mlflow_history(uri, ids["mlflow"]) == by_key(expected, mlflow_name), stream
+        tags = mlflow_run(uri, ids["mlflow"]).data.tags
+        assert tags["tandem.stream"] == stream and tags["tandem.simulation"] == "true"
+        header = next(r["run"] for r in wandb_records(run_dir, ids["wandb"]) if r.get("type") == "run")
+        assert header["run_group"] == "eval-sim" and header["config"]["update"]["eval"]["every"] == EVERY
