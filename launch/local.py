@@ -314,12 +314,26 @@ def build_roles(config: TandemConfig, config_path: Path, gpus: GpuPlan | None = 
     return roles
 
 
+def nodes_refused(config: TandemConfig, launcher: str) -> str | None:
+    """learner.nnodes > 1 is for ranks started by hand on each host: a launcher that places the learner refuses it."""
+    if config.learner.nnodes == 1:
+        return None
+    return (
+        f"learner.nnodes = {config.learner.nnodes}: {launcher}; leave learner.nnodes out, or start `tandem learner "
+        "CONFIG --learner.node_rank R` on each host (docs/clusters.md)"
+    )
+
+
 def run(config: TandemConfig) -> int:
     """Start every role, supervise them, stop them (see the module docstring); returns the exit code (2: the run
     directory holds another run, refused before anything starts: `common.run_dir`)."""
     run_dir = config.run.run_dir
     gpus = [] if config.run.simulate else visible_gpus()
-    refused = reuse_problem(run_dir, config.learner.resume, whole_run=True) or gpu_problem(config, gpus)
+    refused = (
+        nodes_refused(config, "tandem run starts every role on this machine")
+        or reuse_problem(run_dir, config.learner.resume, whole_run=True)
+        or gpu_problem(config, gpus)
+    )
     if refused:
         print(f"tandem run: {refused}", file=sys.stderr)
         return 2

@@ -180,15 +180,26 @@ class RoleUnderTest:
     """
 
     def __init__(
-        self, config: TandemConfig, command: str, *args: str, index: int = 0, cores: set[int] | None = None
+        self,
+        config: TandemConfig,
+        command: str,
+        *args: str,
+        index: int = 0,
+        cores: set[int] | None = None,
+        netns: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
+        """`netns`: run it inside that network namespace (`ip netns exec`), a host of a test's own network; `env`:
+        variables set for it besides this process's."""
         self.run_dir = config.run.run_dir
         self.config_path = write_resolved(config, self.run_dir)
         argv = [sys.executable, "-m", "launch.cli", command, str(self.config_path)]
+        if netns is not None:
+            argv = ["ip", "netns", "exec", netns, *argv]
         if command == "generator":
             argv += ["--generator.index", str(index)]
         pythonpath = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))
-        self.role = Role(f"{command}-{index}", [*argv, *args], cores, env={"PYTHONPATH": pythonpath})
+        self.role = Role(f"{command}-{index}", [*argv, *args], cores, env={"PYTHONPATH": pythonpath, **(env or {})})
 
     @property
     def name(self) -> str:
@@ -263,6 +274,8 @@ class ServerThread(ABC):
     name = "fake"
     poll_ms = 5
 
+    host = "127.0.0.1"  # a subclass (or instance) set to another address binds it insecurely (a test network)
+
     def __init__(self, port: int) -> None:
         self.port = port
         self.lock = threading.Lock()  # held while a request is answered: take it to read the records
@@ -270,7 +283,7 @@ class ServerThread(ABC):
         self._stop = threading.Event()
 
     def start(self) -> Self:
-        server = _bind(self.port, self.name)
+        server = _bind(self.port, self.name, self.host)
         self._stop.clear()
         self._thread = threading.Thread(target=self._serve, args=(server,), daemon=True, name=self.name)
         self._thread.start()
@@ -309,12 +322,14 @@ class ServerThread(ABC):
         self.stop()
 
 
-def _bind(port: int, name: str) -> Server:
-    """Bind, retrying for 10 s while the port is still held by the socket this fake closed a moment ago."""
+def _bind(port: int, name: str, host: str = "127.0.0.1") -> Server:
+    """Bind, retrying for 10 s while the port is still held by the socket this fake closed a moment ago. Another
+    host than loopback is bound insecurely: a test's own network (namespaces it built)."""
     deadline = time.monotonic() + 10
+    security = SocketSecurity(insecure=host != "127.0.0.1")
     while True:
         try:
-            return Server("127.0.0.1", port, SocketSecurity(), name=name)
+            return Server(host, port, security, name=name)
         except OSError:
             if time.monotonic() > deadline:
                 raise

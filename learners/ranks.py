@@ -2,6 +2,7 @@
 
     if config.learner.world_size > 1 and "RANK" not in os.environ:
         return launch_ranks(config)          # torchrun --nproc_per_node N -m launch.cli learner <resolved config>
+        # with learner.nnodes > 1, on each host: torchrun --nnodes M --node_rank R --master_addr A --master_port P
         # launch_ranks(config, "sft"): the same for an offline stage (-m launch.cli sft ...; rm, dpo)
     pin_cores(config.learner.cpu_cores, rank, world_size)
 
@@ -21,26 +22,30 @@ import sys
 import time
 from pathlib import Path
 
-from common.config import TandemConfig, parse_cores, write_resolved
+from common.config import LearnerConfig, TandemConfig, parse_cores, write_resolved
 from common.signals import caught_signals
 from common.sockets import free_port
 
 log = logging.getLogger("tandem.learner.ranks")
 
 
-def torchrun_command(config_path: Path, world_size: int, master_port: int, command: str = "learner") -> list[str]:
-    """torchrun running `tandem COMMAND CONFIG` (`learner`, or an offline stage: `sft`, `rm`, `dpo`) as
-    `world_size` local ranks."""
+def torchrun_command(
+    config_path: Path, learner: LearnerConfig, master_port: int, command: str = "learner"
+) -> list[str]:
+    """torchrun running `tandem COMMAND CONFIG` (`learner`, or an offline stage: `sft`, `rm`, `dpo`) as this host's
+    share of `learner.world_size` ranks: all of them on one host, world_size / nnodes on host `node_rank`."""
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nnodes",
-        "1",
+        str(learner.nnodes),
+        "--node_rank",
+        str(learner.node_rank),
         "--nproc_per_node",
-        str(world_size),
+        str(learner.world_size // learner.nnodes),
         "--master_addr",
-        "127.0.0.1",
+        learner.master_addr,
         "--master_port",
         str(master_port),
         "-m",
@@ -60,11 +65,15 @@ def launch_ranks(config: TandemConfig, command: str = "learner") -> int:
     own 30 s. This process does not die first (a launcher waiting on it would kill the ranks mid-save): it waits for
     torchrun up to learner.stop_timeout_s, then terminates it.
     """
-    path = write_resolved(config, config.run.run_dir)
-    argv = torchrun_command(path, config.learner.world_size, free_port(), command)
-    log.info("starting %d %s ranks: %s", config.learner.world_size, command, " ".join(argv))
+    learner = config.learner
+    # every host writes its own copy (a shared run directory): host 0's is the run's config.json
+    name = "config.json" if learner.node_rank == 0 else f"config-node{learner.node_rank}.json"
+    path = write_resolved(config, config.run.run_dir, name)
+    argv = torchrun_command(path, learner, learner.master_port or free_port(), command)
+    here = learner.world_size // learner.nnodes
+    log.info("starting %d of %d %s ranks: %s", here, learner.world_size, command, " ".join(argv))
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // config.learner.world_size)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // here)))
     process = subprocess.Popen(argv, env=env)
     with caught_signals() as signalled:
         deadline: float | None = None  # once signalled: when to stop waiting for the ranks

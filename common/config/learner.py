@@ -56,7 +56,34 @@ class LoraConfig(_Section):
 class LearnerConfig(_Section):
     """The learner: DeepSpeed rank(s) that train on batches and publish weights."""
 
-    world_size: int = Field(1, description="Data-parallel ranks.", ge=1, le=1024)
+    world_size: int = Field(
+        1, description="Data-parallel ranks in all (learner.nnodes hosts x the ranks on each).", ge=1, le=1024
+    )
+    nnodes: int = Field(
+        1,
+        description="Hosts the ranks span when started by hand (`tandem learner` on each, as with torchrun): "
+        "world_size / nnodes ranks on each. Each host is given its learner.node_rank; all reach "
+        "learner.master_addr:learner.master_port, and the buffer. The run directory must be one shared path "
+        "(checkpoints are written by every host). `tandem ray` places multi-node ranks itself (docs/clusters.md).",
+        ge=1,
+        le=1024,
+    )
+    node_rank: int = Field(
+        0, description="This host's place among learner.nnodes (0: the one whose rank 0 publishes weights).", ge=0
+    )
+    master_addr: Host = Field(
+        "127.0.0.1",
+        description="With learner.nnodes > 1: the address of the host with node_rank 0, where the ranks meet "
+        "(torch.distributed's rendezvous); every host must reach it. Gloo picks the interface that routes to "
+        "it; set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME on GPUs) when a host has several.",
+    )
+    master_port: int | None = Field(
+        None,
+        description="The rendezvous port on learner.master_addr. Required with learner.nnodes > 1 (every host "
+        "must name the same); unset on one host: a free port.",
+        ge=1,
+        le=65535,
+    )
     buffer_address: Address = Field(
         "127.0.0.1:5555",
         description="host:port of the buffer service. Unset: buffer.host:buffer.port (127.0.0.1 for a wildcard "

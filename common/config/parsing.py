@@ -342,10 +342,10 @@ def chat_template_path(written: str, config_path: Path | None) -> str:
     return os.path.abspath(folder / Path(written).expanduser())
 
 
-def write_resolved(config: TandemConfig, run_dir: Path) -> Path:
-    """Write the resolved config as `config.json` in the run directory (atomically) and return its path."""
+def write_resolved(config: TandemConfig, run_dir: Path, name: str = "config.json") -> Path:
+    """Write the resolved config as `name` in the run directory (atomically) and return its path."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    target = run_dir / "config.json"
+    target = run_dir / name
     tmp = target.with_suffix(".json.tmp")
     tmp.write_text(config.model_dump_json(indent=2))
     tmp.replace(target)

@@ -38,7 +38,7 @@ from common.config import TandemConfig
 from common.logs import setup_logging
 from common.run_dir import reuse_problem
 from common.signals import caught_signals
-from launch.local import resumed_from
+from launch.local import nodes_refused, resumed_from
 from launch.progress import RunProgress, summarize
 from launch.ray.local import LocalCluster, busy_problem, forget, start_local
 from launch.ray.plan import NAMESPACE, capacity_problem, controller_name, resource_demand
@@ -56,6 +56,9 @@ def run(config: TandemConfig) -> int:
     """Launch the fleet on Ray and follow it to its end; returns the exit code (see the module docstring)."""
     if config.run.placement != "split":  # before Ray starts: a `tandem run` placement, meaningless on Ray
         print(f"tandem ray: {PLACEMENT_REFUSED}", file=sys.stderr)
+        return 2
+    if refused := nodes_refused(config, "Ray places learner.world_size ranks on its nodes itself"):
+        print(f"tandem ray: {refused}", file=sys.stderr)
         return 2
     import ray
 

@@ -220,7 +220,7 @@ def process_config(model_dir: object, run_root: Path, **overrides: object) -> Ta
     them back from the config: `config.buffer.port`, `config.generator.weights_address`)."""
     ports = loopback_overrides(free_port(), free_port())
     wiring = {key.replace(".", "__"): value for key, value in ports.items()}
-    return learner_config(model_dir, run__root=str(run_root), run__name="run", **wiring, **overrides)
+    return learner_config(model_dir, run__root=str(run_root), run__name="run", **{**wiring, **overrides})
 
 
 def run_learner_to_end(config: TandemConfig, groups_per_step: int, group_size: int) -> SyntheticBuffer:
