@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from launch.testing import free_port
 
@@ -21,6 +22,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# CI (CI=true) draws hypothesis' examples from a fixed seed: the same examples every run, so a run fails only for
+# what changed. Elsewhere they are random, and each one found is replayed from .hypothesis/ until fixed.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI", "").lower() in ("1", "true"):
+    settings.load_profile("ci")
 
 
 ENGINE_MARKERS = ("vllm", "deepspeed", "ray")  # each starts an engine: integration by definition

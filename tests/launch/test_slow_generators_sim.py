@@ -1,8 +1,8 @@
 """Liveness is not speed (issue 30), end to end in SIMULATION: real buffer, real sockets, real generator and learner
 processes, the simulation engine and trainer.
 
-A generator whose every engine step takes 3 x buffer.heartbeat_timeout_s, and whose every sample takes
-3 x buffer.lease_timeout_s, is alive: its heartbeats come from a thread of their own (actors.liveness) and renew its
+A generator whose every engine step takes 1.5 x buffer.heartbeat_timeout_s, and whose every sample takes
+1.5 x buffer.lease_timeout_s, is alive: its heartbeats come from a thread of their own (actors.liveness) and renew its
 leases for as long as its progress counter moves. The learner trains every step, no finished group is refused, no
 lease expires and the ledger balances. A SIGKILLed generator is still found dead, and its leases re-issued, within
 heartbeat_timeout_s (plus the buffer's housekeeping period).
@@ -22,9 +22,12 @@ from tests.launch.ray_runs import buffer_counters
 
 pytestmark = pytest.mark.integration  # starts role processes
 
-HEARTBEAT_TIMEOUT_S, LEASE_TIMEOUT_S = 1.0, 2.0
-STEP_S = 3 * HEARTBEAT_TIMEOUT_S  # one engine step: a heartbeat sent between steps would come 3x too late
-SIM_TOKENS = 2  # a sample takes SIM_TOKENS x STEP_S = 6 s = 3 x LEASE_TIMEOUT_S
+# The heartbeat thread beats every heartbeat_timeout_s / 4, so a silence of heartbeat_timeout_s needs the thread
+# kept from running for 3/4 of it. With 1 s, a loaded 2-core machine did that once (two pytest workers, one starting
+# two vLLM engines: "generator 0 silent for 1s" while its loop was fine); 2 s needs a 1.5 s stall.
+HEARTBEAT_TIMEOUT_S, LEASE_TIMEOUT_S = 2.0, 4.0
+STEP_S = 1.5 * HEARTBEAT_TIMEOUT_S  # one engine step: a heartbeat sent between steps would come 1.5x too late
+SIM_TOKENS = 2  # a sample takes SIM_TOKENS x STEP_S = 6 s = 1.5 x LEASE_TIMEOUT_S
 STEPS = 2
 
 

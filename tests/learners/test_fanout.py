@@ -106,7 +106,8 @@ def test_any_sequence_of_joins_and_failures_keeps_k_direct_children_and_no_cycle
     parents: dict[int, str] = {}
     for gid, fails, host in events:
         failed = parents.get(gid) if fails and gid in parents else None
-        parents[gid] = tree.attach(1, gid, address(gid), f"host-{host}", failed, "stalled" if failed else "").parent
+        reason = "stalled" if failed is not None else ""  # the publisher's address is "": reported failed too
+        parents[gid] = tree.attach(1, gid, address(gid), f"host-{host}", failed, reason).parent
         assert tree.publisher_children(1) <= 2 + tree.counters["over_fanout"]
         if not tree.counters["reattached/stalled"]:
             assert tree.counters["over_fanout"] == 0
