@@ -48,6 +48,7 @@ BENCHMARKS = (
     "broadcast_rounds",
     "architectures",
     "house_counts",
+    "slurm_run",
 )
 OPTIONAL = frozenset({"ray_overhead", "env_latency"})  # run when present
 HERE = Path(__file__).resolve().parent

@@ -113,6 +113,11 @@ def count_fault(counter: MutableMapping[str, int], where: str, error: BaseExcept
     _faults.log(logging.ERROR, f"{where}:{kind}", "%s: %s (counted as rejected_%s)", where, error, kind, exc_info=error)
 
 
+# Set by common.sockets.release_context as the process lets go of its sockets: a serving thread whose socket is
+# closed under it then ends quietly, instead of logging a death and restarting on a context that is gone.
+PROCESS_ENDING = threading.Event()
+
+
 def supervised_thread(
     target: Callable[[], None],
     name: str,
@@ -130,7 +135,7 @@ def supervised_thread(
                 target()
                 return
             except BaseException as error:
-                if stop is not None and stop.is_set():
+                if (stop is not None and stop.is_set()) or PROCESS_ENDING.is_set():
                     return
                 now = time.monotonic()
                 restarts = [t for t in restarts if now - t < RESTART_WINDOW_S] + [now]

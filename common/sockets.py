@@ -42,7 +42,7 @@ import zmq
 
 from common.config import is_loopback
 from common.keys import ROLES, SecurityError, load_public, load_secret, role_public_keys
-from common.serving import RateLimitedLog, fault_kind
+from common.serving import PROCESS_ENDING, RateLimitedLog, fault_kind
 from common.types import ErrorReply
 from common.wire import WireError, decode, encode
 
@@ -132,6 +132,7 @@ def release_context() -> None:
     -6/-11 after its last step while a generator was still fetching the final weights. Terminating the context drops
     what is pending (linger 0) and waits for the I/O threads. A later `Server` or `Client` gets a fresh context.
     """
+    PROCESS_ENDING.set()  # serving threads whose sockets close now end quietly (common.serving)
     context = zmq.Context.instance()
     authenticator = _authenticators.pop(id(context), None)
     if authenticator is not None:

@@ -56,12 +56,18 @@ NEEDS_GPU = ("demo", "run", "learner", "generator", "sft", "rm", "dpo")
 # command -> its own flags (each a store_true) -> help; every other `--section.key VALUE` is a config override.
 FLAGS = {
     "prepare-model": {"--check": "also load it with transformers and vLLM"},
+    "slurm": {"--submit": "also submit the jobs (sbatch, on a Slurm login node)"},
     "config": {
         "--no-path-checks": "do not check the paths a run needs on this machine (model.path, env.source and its "
         "first rows, run.curve_keys_dir): for a config of other machines, e.g. a Ray cluster's"
     },
 }
-TAKES_OVERRIDES = ("demo", *ROLES, "config")  # `keys` and `prepare-model` take none: any other argument is refused
+TAKES_OVERRIDES = (
+    "demo",
+    *ROLES,
+    "config",
+    "slurm",
+)  # `keys` and `prepare-model` take none: any other argument is refused
 RAY_ACTIONS = ("scale", "status", "stop")  # `tandem ray ACTION RUN ...` (launch.ray.control), not a config
 # Package data (pyproject: [tool.setuptools.package-data]); examples/demo.toml and examples/gpu_cluster.toml in the
 # repository are symbolic links to these files.
@@ -175,6 +181,13 @@ def _parser() -> argparse.ArgumentParser:
                 "`tandem ray scale RUN --generators N`, `tandem ray status RUN`, `tandem ray stop RUN`"
             ),
         ),
+        (
+            "slurm",
+            (
+                "write a run's Slurm jobs (buffer, generator array, learner nodes) as sbatch scripts under "
+                "<run_dir>/slurm (--submit: and submit them)"
+            ),
+        ),
         ("config", "print the resolved config (JSON), after checking the paths a `tandem run` needs here"),
     ]:
         cmd = _role_parser(sub, role, text, "demo ")
@@ -238,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":  # one line each: the flag for a config meant for other machines
             problems = [f"{problem} (for a config of other machines: --no-path-checks)" for problem in problems]
         return config_error(config_path, problems, overrides, override_spellings(overrides))
+    if args.command == "slurm":
+        from launch.slurm import run as write_slurm_jobs
+
+        return write_slurm_jobs(config, submit=args.submit)
     if args.command == "config":
         from common.dtypes import machine_summary, read_cpu_flags
 
@@ -260,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _checked_as(args: argparse.Namespace) -> str:
     """The role whose paths `tandem COMMAND` checks on this machine (config_checks.NEEDS): `tandem demo` and
-    `tandem config` those of a `tandem run` (`config` none with --no-path-checks); `tandem ray` none."""
+    `tandem config` those of a `tandem run` (`config` none with --no-path-checks); `tandem ray` and `tandem slurm`
+    none (the nodes check their own as each role starts)."""
     if args.command == "demo" or (args.command == "config" and not args.no_path_checks):
         return "run"
     return args.command

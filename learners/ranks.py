@@ -27,6 +27,7 @@ from common.signals import caught_signals
 from common.sockets import free_port
 
 log = logging.getLogger("tandem.learner.ranks")
+MULTI_HOST_PORT = 29500  # learner.master_port's default across hosts (torchrun's): every host must name the same
 
 
 def torchrun_command(
@@ -69,7 +70,8 @@ def launch_ranks(config: TandemConfig, command: str = "learner") -> int:
     # every host writes its own copy (a shared run directory): host 0's is the run's config.json
     name = "config.json" if learner.node_rank == 0 else f"config-node{learner.node_rank}.json"
     path = write_resolved(config, config.run.run_dir, name)
-    argv = torchrun_command(path, learner, learner.master_port or free_port(), command)
+    port = learner.master_port or (MULTI_HOST_PORT if learner.nnodes > 1 else free_port())
+    argv = torchrun_command(path, learner, port, command)
     here = learner.world_size // learner.nnodes
     log.info("starting %d of %d %s ranks: %s", here, learner.world_size, command, " ".join(argv))
     env = dict(os.environ)

@@ -11,7 +11,7 @@ naming the dotted key and what is allowed, e.g. ``learner.lr: must be > 0 (got -
 
 A package, one module per section, so that a section's keys and checks read in one place:
     run, model, env, algo, generator, buffer, learner (with [learner.lora]), weights, reward,
-    offline ([sft], [rm], [dpo]), evaluation ([eval]), ray_cluster ([ray]), tracking ([tracking])
+    offline ([sft], [rm], [dpo]), evaluation ([eval]), ray_cluster ([ray]), tracking ([tracking]), slurm ([slurm])
     base      what the sections share: limits, `ConfigError`, addresses, the `_Section` base, field checks, cores
     tandem    `TandemConfig`: every section, and the rules that cross sections (the one place for them)
     parsing   reading: TOML files, `--section.key VALUE` overrides, one-line errors, the resolved copy
@@ -70,6 +70,7 @@ from common.config.parsing import (
 from common.config.ray_cluster import RayConfig
 from common.config.reward import RewardConfig
 from common.config.run import RunConfig
+from common.config.slurm import SlurmConfig
 from common.config.tandem import TandemConfig, batch_split_problems
 from common.config.tracking import TRACKERS, TrackingConfig
 from common.config.weights import WeightsConfig
@@ -116,6 +117,7 @@ __all__ = [
     "RmConfig",
     "RunConfig",
     "SftConfig",
+    "SlurmConfig",
     "TandemConfig",
     "TrackingConfig",
     "WeightsConfig",

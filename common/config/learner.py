@@ -79,8 +79,8 @@ class LearnerConfig(_Section):
     )
     master_port: int | None = Field(
         None,
-        description="The rendezvous port on learner.master_addr. Required with learner.nnodes > 1 (every host "
-        "must name the same); unset on one host: a free port.",
+        description="The rendezvous port on learner.master_addr, the same on every host. Unset: 29500 (torchrun's "
+        "default) with learner.nnodes > 1, a free port on one host.",
         ge=1,
         le=65535,
     )

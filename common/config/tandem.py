@@ -27,6 +27,7 @@ from common.config.offline import DpoConfig, RmConfig, SftConfig
 from common.config.ray_cluster import RayConfig
 from common.config.reward import RewardConfig
 from common.config.run import RunConfig
+from common.config.slurm import SlurmConfig
 from common.config.tracking import TrackingConfig
 from common.config.weights import WeightsConfig
 
@@ -49,6 +50,7 @@ class TandemConfig(_Section):
     dpo: DpoConfig = DpoConfig()
     eval: EvalConfig = EvalConfig()
     tracking: TrackingConfig = TrackingConfig()
+    slurm: SlurmConfig = SlurmConfig()
 
     @property
     def eval_max_tokens(self) -> int:
@@ -267,8 +269,8 @@ def batch_split_problems(learner: LearnerConfig, algo: AlgoConfig, world_size: i
 
 
 def nodes_problems(learner: LearnerConfig) -> list[str]:
-    """Learner ranks across hosts started by hand (learner.nnodes): the same number on each, a place for this one,
-    and a rendezvous every host names alike."""
+    """Learner ranks across hosts started by hand (learner.nnodes): the same number on each, and a place for this
+    one."""
     problems = []
     if learner.world_size % learner.nnodes:
         problems.append(
@@ -277,9 +279,4 @@ def nodes_problems(learner: LearnerConfig) -> list[str]:
         )
     if learner.node_rank >= learner.nnodes:
         problems.append(f"learner.node_rank: must be below learner.nnodes = {learner.nnodes} (got {learner.node_rank})")
-    if learner.nnodes > 1 and learner.master_port is None:
-        problems.append(
-            f"learner.master_port: required with learner.nnodes = {learner.nnodes}: the rendezvous port on "
-            "learner.master_addr, the same on every host"
-        )
     return problems

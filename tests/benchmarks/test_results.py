@@ -37,6 +37,7 @@ def test_every_saved_result_has_a_headline(path: Path) -> None:
         "learner_throughput",
         "ray_overhead",
         "slow_generators",
+        "slurm_run",
         "weight_fanout",
         "weight_sync",
         "weights_slow_reader",
