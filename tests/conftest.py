@@ -52,7 +52,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def _cost_class(item: pytest.Item) -> int:
     """0: starts Ray (one worker runs all of it, ~5 minutes); 1: starts vLLM or DeepSpeed; 2: starts processes;
     3: neither. The workers take modules in this order, so the long ones start first and the short ones fill in at
-    the end (a long module taken last kept one worker busy for two minutes after the other had finished)."""
+    the end (a long module taken last kept one worker busy for two minutes after the others had finished). `make
+    test` passes --no-loadscope-reorder, without which xdist would sort the modules by their number of tests."""
     if item.get_closest_marker("ray"):
         return 0
     if any(item.get_closest_marker(name) for name in ENGINE_MARKERS):
@@ -64,10 +65,10 @@ RAY_MODULES = "test_ray_"  # the Ray tests' modules: one pytest-xdist worker run
 
 
 def worker_scope(nodeid: str) -> str:
-    """What one pytest-xdist worker runs as a unit (`make test` runs two). A module's tests stay together, so a
-    module-scoped fixture (two runs started at once, a shared engine) starts once, not once per worker; every Ray
-    module shares one worker, so the session's cluster (tests/launch/conftest.py) starts once and no two clusters
-    share the machine."""
+    """What one pytest-xdist worker runs as a unit (`make test` runs TEST_WORKERS, 3 by default: Makefile). A
+    module's tests stay together, so a module-scoped fixture (two runs started at once, a shared engine) starts
+    once, not once per worker; every Ray module shares one worker, so the session's cluster
+    (tests/launch/conftest.py) starts once and no two clusters share the machine."""
     module = nodeid.split("::", 1)[0]
     return "ray" if Path(module).name.startswith(RAY_MODULES) else module
 
