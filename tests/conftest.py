@@ -65,7 +65,7 @@ RAY_MODULES = "test_ray_"  # the Ray tests' modules: one pytest-xdist worker run
 
 
 def worker_scope(nodeid: str) -> str:
-    """What one pytest-xdist worker runs as a unit (`make test` runs TEST_WORKERS, 3 by default: Makefile). A
+    """What one pytest-xdist worker runs as a unit (`make test` runs TEST_WORKERS, 2 by default: Makefile). A
     module's tests stay together, so a module-scoped fixture (two runs started at once, a shared engine) starts
     once, not once per worker; every Ray module shares one worker, so the session's cluster
     (tests/launch/conftest.py) starts once and no two clusters share the machine."""
