@@ -15,15 +15,14 @@ lint: setup
 	.venv/bin/ruff format --check .
 
 # Two pytest-xdist workers: the suite waits on processes and engines more than it computes (one worker kept a 2-core
-# machine 77% busy, two 117%), so two overlap those waits. Three were 8% faster (13:43 against 14:58 of tests) but
-# 141% busy, and a vLLM test whose weight update must land mid-sample failed under that load. A module's tests, and
-# all of Ray's, share a worker (tests/conftest.py, worker_scope), and modules go out in the order tests/conftest.py
-# sorts them (Ray, then engines, then processes, then the rest), not xdist's (most tests first, which left
-# single-test vLLM modules to the end).
+# machine 77% busy, two 117%), so two overlap those waits. A module's tests, and all of Ray's, share a worker
+# (tests/conftest.py, worker_scope). Measured in fresh clones here: xdist's order (modules with most tests first)
+# 14:58 of tests; the engines' modules first 15:45 (they slowed each other); three workers 13:43, but a vLLM test
+# whose weight update must land mid-sample failed at that load.
 TEST_WORKERS ?= 2
 
 test: lint
-	.venv/bin/python -m pytest tests -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
+	.venv/bin/python -m pytest tests -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadscope
 
 test-fast: setup
 	.venv/bin/python -m pytest tests -q -ra -m "not integration"

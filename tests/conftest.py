@@ -43,22 +43,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 f"{item.nodeid} starts Ray: name its module {RAY_MODULES}*.py, so that `make test` runs it on the "
                 "worker that runs the other Ray tests (tests/conftest.py, worker_scope)"
             )
-    heaviest = {}  # module -> the cost class of its costliest test (`_cost_class`)
-    for item in items:
-        heaviest[item.path] = min(heaviest.get(item.path, 3), _cost_class(item))
-    items.sort(key=lambda item: heaviest[item.path])  # stable: a module's tests keep their order and stay together
-
-
-def _cost_class(item: pytest.Item) -> int:
-    """0: starts Ray (one worker runs all of it, ~5 minutes); 1: starts vLLM or DeepSpeed; 2: starts processes;
-    3: neither. The workers take modules in this order, so the long ones start first and the short ones fill in at
-    the end (a long module taken last kept one worker busy for two minutes after the others had finished). `make
-    test` passes --no-loadscope-reorder, without which xdist would sort the modules by their number of tests."""
-    if item.get_closest_marker("ray"):
-        return 0
-    if any(item.get_closest_marker(name) for name in ENGINE_MARKERS):
-        return 1
-    return 2 if item.get_closest_marker("integration") else 3
 
 
 RAY_MODULES = "test_ray_"  # the Ray tests' modules: one pytest-xdist worker runs them all
