@@ -34,6 +34,9 @@ from launch.ray.placement import PlacementError
 from launch.ray.plan import NAMESPACE, controller_name
 
 FOLLOWER_SILENT_S = 10.0  # a follower asks every second; silent this long, it is gone
+# The stop's outcome when the run's follower (`tandem ray CONFIG`) removed the controller as the stop ended the run,
+# before the reply left it (seen under load: the caller got ActorDiedError for a stop that had worked).
+STOPPED_BEFORE_THE_REPLY = {"outcome": "stopped: tandem ray stop", "code": 130}
 REACH_TIMEOUT_S = 3.0  # a cluster address that accepts no TCP connection in this long is unreachable
 
 
@@ -120,10 +123,11 @@ def stop_fleet(run_name: str, address: str | None = None) -> dict[str, Any]:
     from ray.exceptions import RayActorError
 
     handle, local = reach(run_name, address)
-    outcome = ray.get(handle.stop.remote("tandem ray stop"))
+    outcome = STOPPED_BEFORE_THE_REPLY
     try:
+        outcome = ray.get(handle.stop.remote("tandem ray stop"))
         followed = ray.get(handle.followed.remote(FOLLOWER_SILENT_S))
-    except RayActorError:  # the follower saw the outcome first and has already removed the controller
+    except RayActorError:  # the follower saw the run end and removed the controller (before the reply, maybe)
         followed = True
     if not followed:
         ray.kill(handle, no_restart=True)
