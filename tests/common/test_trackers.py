@@ -14,7 +14,15 @@ import pytest
 
 from common.metrics import MetricsSink, read_metrics
 from common.trackers import Background, TrackerIds, Trackers, flatten, mlflow_name
-from tests.common.tracker_reads import by_key, mlflow_history, mlflow_run, scalars_of, wandb_history, wandb_records
+from tests.common.tracker_reads import (
+    by_key,
+    mlflow_client,
+    mlflow_history,
+    mlflow_run,
+    scalars_of,
+    wandb_history,
+    wandb_records,
+)
 
 RECORDS = [  # two points at one step (the buffer reports several times a version), a NaN, a flag, a late key
     (0, {"loss/policy": 0.5, "reward/mean": 0.25, "done": True}),
@@ -58,12 +66,10 @@ def test_wandb_offline_and_mlflow_get_what_metrics_jsonl_got_and_a_restart_conti
     assert wandb_history(run_dir, ids["wandb"]) == expected  # W&B keeps both points of step 0, in order
     assert mlflow_history(both.mlflow_uri, ids["mlflow"]) == by_key(expected)
 
-    from mlflow.tracking import MlflowClient
-
     run = mlflow_run(both.mlflow_uri, ids["mlflow"])
     assert run.info.run_name == "buffer" and run.data.tags["tandem.run"] == "tracked"
     assert run.data.params == {"run.name": "tracked", "algo.max_staleness": "2", "algo.group_size": "4"}
-    assert MlflowClient(tracking_uri=both.mlflow_uri).get_experiment(run.info.experiment_id).name == "tracked"
+    assert mlflow_client(both.mlflow_uri).get_experiment(run.info.experiment_id).name == "tracked"
     header = next(r["run"] for r in wandb_records(run_dir, ids["wandb"]) if r.get("type") == "run")
     assert header["display_name"] == "tracked/buffer" and header["run_group"] == "tracked"
     assert header["config"]["update"]["algo"] == {"max_staleness": 2, "group_size": 4}

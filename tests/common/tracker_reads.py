@@ -56,10 +56,7 @@ def wandb_history(run_dir: Path, run_id: str) -> list[tuple[int, dict[str, float
 
 def mlflow_history(uri: str, run_id: str) -> dict[str, list[tuple[int, float]]]:
     """The MLflow run's metrics by MlflowClient: each key's (step, value) points in the order logged."""
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # as common.trackers does for a `file:` store
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=uri)
+    client = mlflow_client(uri)
     return {
         key: [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
         for key in client.get_run(run_id).data.metrics
@@ -78,7 +75,12 @@ def by_key(
 
 
 def mlflow_run(uri: str, run_id: str):
+    return mlflow_client(uri).get_run(run_id)
+
+
+def mlflow_client(uri: str):
+    """A reader of the store at `uri`; a `file:` store is opted into as common.trackers does for its writers."""
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=uri).get_run(run_id)
+    return MlflowClient(tracking_uri=uri)
