@@ -47,6 +47,7 @@ _TIS_LEVELS = ("token", "sequence")
 _AGGREGATIONS = ("token_mean", "seq_mean")
 _RATIOS = ("token", "sequence")
 _IS_MASKS = ("none", "token", "sequence", "geometric")
+_KINDS = ("ppo", "cispo", "sapo")
 
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str, mask: Tensor) -> Tensor:
@@ -156,12 +157,22 @@ def _check_policy_args(
     is_mask: str = "none",
     is_mask_low: float = 0.5,
     is_mask_high: float = 2.0,
+    kind: str = "ppo",
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
 ) -> None:
     """Raises ValueError naming the argument to change. ratio="sequence" (GSPO) takes one weight per sequence
     (correction "none", or "tis" at tis_level "sequence"), its sequence mean (aggregation "seq_mean") and keeps or
-    rejects whole sequences (is_mask "none", "sequence" or "geometric")."""
-    if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
-        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+    rejects whole sequences (is_mask "none", "sequence" or "geometric"). kind "cispo" and "sapo" are token-level
+    losses with no dual clip."""
+    if not 0.0 <= clip_low <= 1.0 or clip_high < 0.0:
+        raise ValueError(f"need 0 <= clip_low <= 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+    if kind not in _KINDS:
+        raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
+    if kind != "ppo" and (ratio != "token" or dual_clip is not None):
+        raise ValueError(f"kind={kind!r} is a token-level loss with its own bound: use ratio='token', dual_clip=None")
+    if not (sapo_tau_pos > 0.0 and sapo_tau_neg > 0.0):
+        raise ValueError(f"sapo_tau_pos and sapo_tau_neg must be > 0, got {sapo_tau_pos}, {sapo_tau_neg}")
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
     for name, value, allowed in (
@@ -217,6 +228,9 @@ def policy_loss(
     is_mask: str = "none",
     is_mask_low: float = 0.5,
     is_mask_high: float = 2.0,
+    kind: str = "ppo",
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped policy-gradient loss (scalar, differentiable in `logprobs`) and its statistics.
 
@@ -231,6 +245,22 @@ def policy_loss(
                      tis_level="token": w_t = min(pi_prox(x_t)/pi_behaviour(x_t), tis_cap), the same numbers as
                      "decoupled"; tis_level="sequence": w = min(prod_t pi_prox/pi_behaviour, tis_cap) over
                      the row's action tokens (exp of the summed log ratio), shared by all its tokens.
+    kind replaces the clipped surrogate -min(r A, clip(r) A) (the w, aggregation, is_mask and statistics below
+    apply to all three):
+        "ppo"    the clipped surrogate above.
+        "cispo"  CISPO (MiniMax-M1, Chen et al. 2025, eq. 4): l = -sg(clip(r, 1 - clip_low, 1 + clip_high)) A log pi,
+                 so d l / d log pi_theta = -clip(r) A: the ratio is clipped in the WEIGHT, and every token keeps
+                 its gradient (PPO's clip drops the tokens it clips). Computed as -sg(clip(r)) A exp(lp - sg(lp)):
+                 the same gradient, and the value -clip(r) A, PPO's surrogate value inside the band (the
+                 paper's form would log -clip(r) A log pi, a number with no meaning). clip_low = 1 removes the
+                 lower bound (the paper tunes only the upper one; TRL's cispo clamps only max).
+        "sapo"   SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization"): l = -A (4 / tau) sigmoid(tau (r - 1)),
+                 tau = sapo_tau_pos where A > 0, sapo_tau_neg elsewhere. d l / d log pi_theta =
+                 -A g r with the soft gate g = 4 sigmoid(x) (1 - sigmoid(x)), x = tau (r - 1): g = 1 at r = 1 (the
+                 on-policy gradient) and decays smoothly as r leaves 1, instead of a hard band; tau_neg > tau_pos
+                 decays negative updates faster (the paper's 1.05 vs 1.0, TRL's defaults). clip_low/high unused.
+                 Its value at r = 1 is -2 A / tau (the gate's own scale), not PPO's -A; the gradient is the same.
+    Both need ratio="token" and dual_clip=None.
     Aggregation: "token_mean" = sum of l over every action token of the batch / number of action tokens;
     "seq_mean" = mean of l over each row's action tokens, then mean over the rows with >= 1 action token
     (empty rows are skipped, never NaN). With no action token at all the loss is 0.
@@ -267,6 +297,9 @@ def policy_loss(
         ratio_mean                      mean of r (the applied one: s_i per token with ratio="sequence")
         is_masked_frac                  share of the action tokens rejected by is_mask (0 with "none")
         is_masked_seq_frac              share of the rows with >= 1 action token that have >= 1 rejected token
+        sapo_gate_mean                  kind="sapo" only: mean of the soft gate g (1 = on-policy gradient)
+        (kind="cispo": clip_frac_low / _high count the tokens whose WEIGHT was clipped, r < 1 - clip_low /
+        r > 1 + clip_high, whatever the sign of A; they keep a gradient. kind="sapo": both are 0, no hard clip)
         seq_clip_frac                   ratio="sequence" only: share of the rows with >= 1 action token whose
                                         clipped branch is active (A < 0 and s_i < 1 - clip_low, or A > 0 and
                                         s_i > 1 + clip_high)
@@ -286,6 +319,9 @@ def policy_loss(
         is_mask,
         is_mask_low,
         is_mask_high,
+        kind,
+        sapo_tau_pos,
+        sapo_tau_neg,
     )
     m = action_mask(mask, logprobs.shape)
     for name, x in (
@@ -301,25 +337,64 @@ def policy_loss(
     applied = log_ratio
     if ratio == "sequence":
         applied = sequence_log_ratio(logprobs, proximal_logprobs, m).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    r = torch.exp(applied)  # [B, T]
-    pg_unclipped = -adv * r  # [B, T]
-    pg_clipped = -adv * r.clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, T]
-    pg = torch.maximum(pg_unclipped, pg_clipped)  # [B, T]
-    dual_active = torch.zeros_like(m)
-    if dual_clip is not None:
-        dual_active = m & (adv < 0) & (pg > -dual_clip * adv)
-        pg = torch.where(dual_active, -dual_clip * adv, pg)
+    if kind == "ppo":
+        pg, dual_active = _ppo_surrogate(applied, adv, m, clip_low, clip_high, dual_clip)
+    elif kind == "cispo":
+        pg, dual_active = _cispo_surrogate(applied, adv, clip_low, clip_high), torch.zeros_like(m)
+    else:
+        pg, dual_active = _sapo_surrogate(applied, adv, sapo_tau_pos, sapo_tau_neg), torch.zeros_like(m)
     kept = m  # [B, T]  the action tokens the loss uses
     if is_mask != "none":
         kept = importance_mask(proximal_logprobs, behaviour_logprobs, m, is_mask, is_mask_low, is_mask_high)
     w, truncated = _importance_weight(proximal_logprobs, behaviour_logprobs, kept, correction, tis_level, tis_cap)
     per_token = torch.where(kept, w * pg, 0)  # [B, T]
     loss = _aggregate(per_token, kept, aggregation)
-    stats = _policy_stats(kept, adv, log_ratio, applied.detach(), w, truncated, dual_active & kept, clip_low, clip_high)
+    stats = _policy_stats(
+        kept, adv, log_ratio, applied.detach(), w, truncated, dual_active & kept, clip_low, clip_high, kind
+    )
+    if kind == "sapo":
+        stats["sapo_gate_mean"] = masked_mean(_sapo_gate(applied.detach(), adv, sapo_tau_pos, sapo_tau_neg), kept)
     stats |= _mask_stats(m, kept)
     if ratio == "sequence":
         stats["seq_clip_frac"] = _sequence_clip_frac(kept, adv, applied.detach(), clip_low, clip_high)
     return loss, stats
+
+
+def _ppo_surrogate(
+    log_r: Tensor, adv: Tensor, m: Tensor, clip_low: float, clip_high: float, dual_clip: float | None
+) -> tuple[Tensor, Tensor]:
+    """PPO's -min(r A, clip(r) A) per token [B, T] (capped at dual_clip |A| for A < 0), and where that cap acts."""
+    r = torch.exp(log_r)  # [B, T]
+    pg = torch.maximum(-adv * r, -adv * r.clamp(1.0 - clip_low, 1.0 + clip_high))  # [B, T]
+    dual_active = torch.zeros_like(m)
+    if dual_clip is not None:
+        dual_active = m & (adv < 0) & (pg > -dual_clip * adv)
+        pg = torch.where(dual_active, -dual_clip * adv, pg)
+    return pg, dual_active
+
+
+def _cispo_surrogate(log_r: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> Tensor:
+    """CISPO's per-token loss [B, T]: value -clip(r) A, gradient -clip(r) A d log pi_theta (`policy_loss`)."""
+    weight = torch.exp(log_r.detach()).clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, T]  sg(clip(r))
+    return -adv * weight * torch.exp(log_r - log_r.detach())  # exp(...) = 1, with d/d log pi = 1
+
+
+def _sapo_surrogate(log_r: Tensor, adv: Tensor, tau_pos: float, tau_neg: float) -> Tensor:
+    """SAPO's per-token loss [B, T]: -A (4 / tau) sigmoid(tau (r - 1)), tau by the sign of A (`policy_loss`)."""
+    tau = _sapo_tau(log_r, adv, tau_pos, tau_neg)
+    return -adv * (4.0 / tau) * torch.sigmoid(tau * torch.expm1(log_r))
+
+
+def _sapo_tau(log_r: Tensor, adv: Tensor, tau_pos: float, tau_neg: float) -> Tensor:
+    """SAPO's temperature per token [B, T], in log_r's dtype: tau_pos where A > 0, tau_neg elsewhere."""
+    return torch.full_like(log_r, tau_neg, requires_grad=False).masked_fill(adv > 0, tau_pos)
+
+
+@torch.no_grad()
+def _sapo_gate(log_r: Tensor, adv: Tensor, tau_pos: float, tau_neg: float) -> Tensor:
+    """SAPO's soft gate g = 4 sigmoid(x) (1 - sigmoid(x)), x = tau (r - 1) [B, T]: its gradient / the on-policy one."""
+    s = torch.sigmoid(_sapo_tau(log_r, adv, tau_pos, tau_neg) * torch.expm1(log_r))
+    return 4.0 * s * (1.0 - s)
 
 
 @torch.no_grad()
@@ -345,13 +420,19 @@ def _policy_stats(
     dual_active: Tensor,
     clip_low: float,
     clip_high: float,
+    kind: str = "ppo",
 ) -> dict[str, Tensor]:
     """The statistics documented in `policy_loss`; all inputs [B, T], already zero where m is False.
     log_ratio is per token (for approx_kl); applied_log_ratio is the one the clip saw (the same for ratio="token")."""
     n = m.sum().clamp(min=1)
     ratio = torch.exp(applied_log_ratio)  # [B, T]
-    clip_low_frac = (m & (adv < 0) & (ratio < 1.0 - clip_low)).sum() / n
-    clip_high_frac = (m & (adv > 0) & (ratio > 1.0 + clip_high)).sum() / n
+    low, high = m & (ratio < 1.0 - clip_low), m & (ratio > 1.0 + clip_high)  # outside the band
+    if kind == "ppo":  # the clipped branch is active (and the gradient cut) only on the side A pushes towards
+        low, high = low & (adv < 0), high & (adv > 0)
+    elif kind == "sapo":  # no hard band
+        low, high = torch.zeros_like(m), torch.zeros_like(m)
+    clip_low_frac = low.sum() / n
+    clip_high_frac = high.sum() / n
     w_max = torch.where(m, w, -math.inf).max()
     w_min = torch.where(m, w, math.inf).min()
     stats = {

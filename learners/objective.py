@@ -29,6 +29,8 @@ statistics are means over all the steps of the batch (each epoch weighted equall
 `rollout/truncated_share` is the share of the batch's samples cut at the token limit (finish reason `length`),
 `reward/overlong_penalty` the mean penalty added to their rewards (0 unless algo.overlong = "penalty"); with
 algo.ratio = "sequence" (GSPO), `policy/seq_clip_frac` is the share of sequences whose clip is active.
+With algo.policy_loss = "sapo", `policy/sapo_gate_mean` is the mean soft gate (1 = the on-policy gradient);
+with "cispo", `policy/clip_frac` counts the tokens whose weight was clipped (they keep a gradient).
 `policy/is_masked_frac` is the share of action tokens that algo.is_mask rejected (rho = pi_prox / pi_behaviour
 outside [is_mask_low, is_mask_high]), `policy/is_masked_seq_frac` the share of sequences with a rejected token; both
 0 with is_mask = "none". A rejected token leaves its micro-batch's loss and denominator (`policy_loss`); the
@@ -150,6 +152,9 @@ def policy_objective(
         is_mask=algo.is_mask,
         is_mask_low=algo.is_mask_low,
         is_mask_high=algo.is_mask_high,
+        kind=algo.policy_loss,
+        sapo_tau_pos=algo.sapo_tau_pos,
+        sapo_tau_neg=algo.sapo_tau_neg,
     )
     stats.add("loss/policy", loss, loss_share)
     if "seq_clip_frac" in parts:  # ratio = "sequence" needs seq_mean: loss_share is the share of its rows
@@ -182,6 +187,8 @@ def policy_objective(
     stats.add("policy/is_masked_frac", parts["is_masked_frac"], token_share)
     stats.add("policy/is_masked_seq_frac", parts["is_masked_seq_frac"], token_share)
     stats.peak("policy/iw_max", parts["is_weight_max"])
+    if "sapo_gate_mean" in parts:  # algo.policy_loss = "sapo"
+        stats.add("policy/sapo_gate_mean", parts["sapo_gate_mean"], token_share)
     return loss
 
 

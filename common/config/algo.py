@@ -42,7 +42,19 @@ class AlgoConfig(_Section):
         0.5, description="Lower bound of the band of rho that is_mask keeps (1/c for a symmetric band).", gt=0, lt=1
     )
     is_mask_high: float = Field(2.0, description="Upper bound of the band of rho that is_mask keeps (c).", gt=1)
-    clip_low: float = Field(0.2, description="PPO ratio lower clip: 1 - clip_low.", ge=0, lt=1)
+    policy_loss: Literal["ppo", "cispo", "sapo"] = Field(
+        "ppo",
+        description="The policy surrogate. `ppo`: the clipped ratio (clip_low, clip_high, dual_clip). `cispo` "
+        "(MiniMax-M1): the ratio clipped to [1 - clip_low, 1 + clip_high] as a detached weight on log pi, so every "
+        "token keeps a gradient (MiniMax tunes only the upper bound: clip_low = 1 removes the lower one). `sapo` "
+        "(Qwen's SAPO): a soft sigmoid gate instead of a hard clip, with temperatures sapo_tau_pos / sapo_tau_neg "
+        "for positive / negative advantages. `cispo` and `sapo` need ratio = `token` and no dual_clip.",
+    )
+    sapo_tau_pos: float = Field(1.0, description="SAPO's gate temperature where the advantage is > 0.", gt=0)
+    sapo_tau_neg: float = Field(
+        1.05, description="SAPO's gate temperature where the advantage is <= 0 (> tau_pos: decays faster).", gt=0
+    )
+    clip_low: float = Field(0.2, description="Ratio lower clip: 1 - clip_low (1 = no lower bound).", ge=0, le=1)
     clip_high: float = Field(0.28, description="PPO ratio upper clip: 1 + clip_high.", ge=0)
     dual_clip: float | None = Field(None, description="Dual-clip constant c > 1 for negative advantages.", gt=1)
     aggregation: Literal["token_mean", "seq_mean"] = Field("token_mean", description="Loss aggregation.")
@@ -114,6 +126,11 @@ class AlgoConfig(_Section):
         if self.ratio == "sequence" and self.aggregation != "seq_mean":
             raise ValueError(
                 "ratio: 'sequence' (GSPO) averages each sequence's loss; set algo.aggregation = 'seq_mean'"
+            )
+        if self.policy_loss != "ppo" and (self.ratio != "token" or self.dual_clip is not None):
+            raise ValueError(
+                f"policy_loss: '{self.policy_loss}' is a token-level loss with its own bound; set algo.ratio = "
+                "'token' and leave algo.dual_clip unset, or algo.policy_loss = 'ppo'"
             )
         if self.kl_in_reward and self.estimator not in KL_IN_REWARD_ESTIMATORS:
             raise ValueError(

@@ -311,3 +311,15 @@ def test_gspo_first_step_equals_the_token_ratio_step(tiny_model_dir, dist, batch
     assert error <= GRADIENT_TOLERANCE, f"{error / EPS_F32:.1f} eps_f32 over {where}"
     assert gspo.stats["loss/policy"] == pytest.approx(token.stats["loss/policy"], rel=1e-6)
     assert gspo.stats["policy/seq_clip_frac"] == 0.0 and "policy/seq_clip_frac" not in token.stats
+
+
+@pytest.mark.parametrize("kind", ["cispo", "sapo"])
+def test_cispo_and_sapo_first_step_is_ppos_step(tiny_model_dir, dist, batch, reference_step, kind: str) -> None:
+    """At the first step r = 1, where CISPO's clipped weight and SAPO's gate are 1 (test_losses_cispo_sapo): the
+    same gradient as PPO's, through the trainer's objective, with token-level TIS as in the reference step."""
+    step = one_step(tiny_model_dir, dist, batch, learner__zero_stage=0, algo__policy_loss=kind)
+    assert_same_step(step, reference_step)
+    assert step.stats["policy/clip_frac"] == 0.0
+    assert ("policy/sapo_gate_mean" in step.stats) == (kind == "sapo")
+    if kind == "sapo":
+        assert step.stats["policy/sapo_gate_mean"] == pytest.approx(1.0, abs=1e-6)  # 4 s (1 - s) at r = 1: exact
