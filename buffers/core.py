@@ -41,6 +41,7 @@ from buffers.checks import (
     lease_return_problem,
     version_report_problem,
 )
+from buffers.curriculum import pass_rate_metrics
 from buffers.extensions import CoreExtension, default_extensions
 from buffers.lengths import length_metrics
 from buffers.no_signal import NoSignalFilter
@@ -391,6 +392,7 @@ class BufferCore:
         values.update(self.traffic.staleness_metrics())  # once a sample was served
         lengths = self.state.lengths  # buffers.lengths: by length bucket, and by turns in a multi-turn run
         values.update(length_metrics(self.state.ledger.counts, lengths.edges, lengths.turn_edges))
+        values.update(pass_rate_metrics(self.state.ledger.counts))  # buffers.curriculum: with it off too
         return values
 
     @staticmethod

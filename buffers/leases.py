@@ -41,8 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
-
+from buffers.prompt_order import EpochOrder, PromptOrder
 from common.types import PromptItem
 
 ACTIVE, EXPIRED, CLOSED = "active", "expired", "closed"
@@ -86,8 +85,8 @@ class Lease:
 
 
 class PromptDispenser:
-    """Owns the cursor, the re-issue queue and the leases. Not thread-safe; every method is O(lease size)
-    except `due` and `forget_ended` (O(leases))."""
+    """Owns the cursor (its `order`), the re-issue queue and the leases. Not thread-safe; every method is
+    O(lease size) except `due` and `forget_ended` (O(leases))."""
 
     def __init__(
         self,
@@ -98,7 +97,9 @@ class PromptDispenser:
         heartbeat_timeout_s: float,
         retain_s: float | None = None,
         stall_timeout_s: float = float("inf"),
+        order: PromptOrder | None = None,
     ) -> None:
+        """`order`: the fresh instances' order (None: `EpochOrder(prompt ids, seed, epochs)`)."""
         if not prompts:
             raise ValueError("prompts: the dataset is empty (check env.kind / env.source / env.num_prompts)")
         self.records = {record.prompt_id: record for record in prompts}
@@ -109,7 +110,7 @@ class PromptDispenser:
         self.lease_timeout_s, self.heartbeat_timeout_s = lease_timeout_s, heartbeat_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.retain_s = max(lease_timeout_s, heartbeat_timeout_s) if retain_s is None else retain_s
-        self.epoch, self.position = 0, 0
+        self.order = order if order is not None else EpochOrder(self.prompt_ids, seed, epochs)
         self.next_lease_id = 1
         self.queue: deque[tuple[int, int]] = deque()  # (epoch, prompt_id) to re-issue first; may hold stale keys
         self.live: dict[tuple[int, int], int | None] = {}  # instance -> holding lease id, None = queued
@@ -117,18 +118,15 @@ class PromptDispenser:
         self.last_seen: dict[int, float] = {}  # generator_id -> unix time of its last message
         self.progress: dict[int, tuple[int, float]] = {}  # generator_id -> (progress counter, when it last moved)
         self.outstanding = 0  # prompts pending in active leases
-        self._permutation: tuple[int, np.ndarray] | None = None
 
     # ------------------------------------------------------------------------------------------ the cursor
-    def permutation(self, epoch: int) -> np.ndarray:
-        """The order of epoch `epoch`: positions into the dataset, the same for a given seed."""
-        if self._permutation is None or self._permutation[0] != epoch:
-            self._permutation = (epoch, np.random.default_rng((self.seed, epoch)).permutation(len(self.prompt_ids)))
-        return self._permutation[1]
+    @property
+    def epoch(self) -> int:
+        return self.order.epoch
 
     @property
     def cursor_exhausted(self) -> bool:
-        return self.epochs > 0 and self.epoch >= self.epochs
+        return self.order.exhausted
 
     @property
     def queued(self) -> int:
@@ -164,16 +162,10 @@ class PromptDispenser:
                 break
             chosen.append(self.queue.popleft())
             in_lease.add(key[1])
-        epoch, position = self.epoch, self.position
-        while not blocked and len(chosen) < count and not (self.epochs > 0 and epoch >= self.epochs):
-            prompt_id = self.prompt_ids[int(self.permutation(epoch)[position])]
-            if prompt_id in in_lease:
-                break
-            chosen.append((epoch, prompt_id))
-            in_lease.add(prompt_id)
-            position += 1
-            if position == len(self.prompt_ids):
-                epoch, position = epoch + 1, 0
+        cursor = self.order.cursor  # unchanged unless the order draws
+        if not blocked and len(chosen) < count:
+            fresh, cursor = self.order.draw(count - len(chosen), in_lease, self.live)
+            chosen += fresh
         if not chosen:
             return None
         return {
@@ -183,7 +175,7 @@ class PromptDispenser:
             "deadline": now + self.lease_timeout_s,
             "granted_at": now,
             "prompts": [[pid, e] for e, pid in chosen],
-            "cursor": [epoch, position],
+            "cursor": cursor,
         }
 
     def open(self, grant: dict[str, Any]) -> Lease:
@@ -195,7 +187,7 @@ class PromptDispenser:
         for pid, epoch in prompts.items():
             self.live[(epoch, pid)] = lease.lease_id
         self.leases[lease.lease_id] = lease
-        self.epoch, self.position = grant["cursor"]
+        self.order.advance(grant["cursor"], prompts)
         self.next_lease_id = max(self.next_lease_id, lease.lease_id + 1)
         self.outstanding += len(prompts)
         if "granted_at" in grant:  # a new lease restarts its holder's stall clock (records written before: no)
@@ -357,8 +349,7 @@ class PromptDispenser:
         return {
             "num_prompts": len(self.prompt_ids),
             "seed": self.seed,
-            "epoch": self.epoch,
-            "position": self.position,
+            **self.order.snapshot(),
             "next_lease_id": self.next_lease_id,
             "queued": queued,
             "leases": [lease.to_record() for lease in self.leases.values()],
@@ -371,7 +362,7 @@ class PromptDispenser:
                 f"journal: written for {snapshot['num_prompts']} prompts with seed {snapshot['seed']}, but this run "
                 f"has {len(self.prompt_ids)} prompts with seed {self.seed}: use another run.name or delete the journal"
             )
-        self.epoch, self.position = snapshot["epoch"], snapshot["position"]
+        self.order.restore(snapshot)
         self.next_lease_id = snapshot["next_lease_id"]
         self.leases = {record[0]: Lease.from_record(record) for record in snapshot["leases"]}
         self.queue = deque(tuple(key) for key in snapshot["queued"])

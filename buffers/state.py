@@ -30,8 +30,9 @@ import numpy as np
 from buffers.accounting import Ledger
 from buffers.batches import BatchBook, DrawnBatch
 from buffers.checks import GroupLimits
+from buffers.curriculum import PassRates, curriculum_order, pass_bucket
 from buffers.evaluation import EvalScheduler
-from buffers.filtering import FilterWindow
+from buffers.filtering import FilterWindow, no_signal
 from buffers.journal import Journal
 from buffers.leases import Lease, PromptDispenser, PromptRecordLike
 from buffers.lengths import LengthCounts
@@ -76,6 +77,12 @@ class BufferSettings:
     min_reward_spread: float = 0.0  # buffer.min_reward_spread
     max_filtered_share: float = 0.9  # buffer.max_filtered_share
     filter_window: int = 32  # buffer.filter_window: arrivals in the filtered-share estimate
+    # The curriculum (buffers.curriculum); the defaults are the config's (off; the pass rates are kept regardless).
+    curriculum: str = "none"  # buffer.curriculum: "none" or "pass_rate"
+    curriculum_low: float = 0.0
+    curriculum_high: float = 1.0
+    curriculum_revisit: float = 0.1
+    pass_reward: float = 1.0  # buffer.curriculum_pass_reward
 
     @classmethod
     def from_config(cls, config: TandemConfig) -> BufferSettings:
@@ -104,6 +111,11 @@ class BufferSettings:
             min_reward_spread=b.min_reward_spread,
             max_filtered_share=b.max_filtered_share,
             filter_window=b.filter_window,
+            curriculum=b.curriculum,
+            curriculum_low=b.curriculum_low,
+            curriculum_high=b.curriculum_high,
+            curriculum_revisit=b.curriculum_revisit,
+            pass_reward=b.curriculum_pass_reward,
         )
 
     @property
@@ -125,6 +137,7 @@ class BufferState:
         self.settings = settings
         self.journal = journal
         self.evaluation = evaluation
+        self.pass_rates = PassRates(settings.pass_reward)  # each prompt's last group (buffers.curriculum)
         self.dispenser = PromptDispenser(
             prompts,
             settings.seed,
@@ -132,6 +145,7 @@ class BufferState:
             settings.lease_timeout_s,
             settings.heartbeat_timeout_s,
             stall_timeout_s=settings.stall_timeout_s,
+            order=curriculum_order(settings, [p.prompt_id for p in prompts], self.pass_rates),
         )
         self.replay = ReplayBuffer(settings.capacity, settings.max_reuse, settings.sampling, settings.seed)
         self.book = BatchBook()
@@ -255,6 +269,7 @@ class BufferState:
             "prompt_id": group.prompt_id,
             "samples": group.size,
             "reward_sum": float(np.sum(group.rewards, dtype=np.float64)),
+            "passed": self.pass_rates.passed(group.rewards),
             "lengths": self.lengths.tally(group),
             "t": now,
         }
@@ -322,7 +337,7 @@ class BufferState:
             },
             [],
         )
-        yield "leases", {"snapshot": self.dispenser.snapshot(), "t": now}, []
+        yield "leases", {"snapshot": self.dispenser.snapshot(), "pass_rates": self.pass_rates.snapshot(), "t": now}, []
         batches = [*self.book.drawn.values(), *([self.book.completed] if self.book.completed else [])]
         written: set[int] = set()
         for batch in batches:
@@ -355,6 +370,8 @@ class BufferState:
     # ------------------------------------------------------------------------------------------ appliers
     def _apply_grant(self, meta: dict[str, Any], _: Any) -> Lease:
         self.ledger.event("leases_issued")
+        for prompt_id, _epoch in meta["prompts"]:
+            self.ledger.event(f"pass_leased/{self.pass_rates.bucket(prompt_id)}")
         return self.dispenser.open(meta)
 
     def _apply_group(self, meta: dict[str, Any], group: RolloutGroup) -> None:
@@ -369,6 +386,9 @@ class BufferState:
             self.ledger.flow("arrived", group.size)
             self.lengths.count("generated", [group])
             self.filter_window.record(False)
+            self._came_back(group.prompt_id, self.pass_rates.passed(group.rewards), group.size)
+            if no_signal(group.rewards, self.settings.min_reward_spread):
+                self.ledger.event("groups_no_signal")
 
     def _apply_filtered(self, meta: dict[str, Any], _: Any) -> None:
         self.dispenser.complete(meta["lease_id"], meta["prompt_id"], meta["t"])
@@ -378,6 +398,15 @@ class BufferState:
         if "lengths" in meta:  # likewise: such a record's group is missing from the generated lengths
             self.lengths.add("generated", meta["lengths"])
         self.filter_window.record(True)
+        self.ledger.event("groups_no_signal")
+        if "passed" in meta:  # a record written before the pass rates were kept: its prompt keeps its old rate
+            self._came_back(meta["prompt_id"], meta["passed"], meta["samples"])
+
+    def _came_back(self, prompt_id: int, passed: int, samples: int) -> None:
+        """A prompt's group arrived, stored or filtered: its pass rate, the generated histogram, the order's pools."""
+        self.pass_rates.record(prompt_id, passed, samples)
+        self.ledger.event(f"pass_generated/{pass_bucket(passed, samples)}")
+        self.dispenser.order.came_back(prompt_id)
 
     def _apply_evict(self, meta: dict[str, Any], _: Any) -> int:
         removed = self.replay.remove(meta["seqs"])
@@ -397,6 +426,9 @@ class BufferState:
         self.ledger.flow("served", sum(e.samples for e in served), len(served))
         self.ledger.flow("trained", sum(e.samples for e in retired), len(retired))
         self.lengths.count("trained", (e.group for e in served))
+        for entry in served:
+            passed = self.pass_rates.passed(entry.group.rewards)
+            self.ledger.event(f"pass_trained/{pass_bucket(passed, entry.group.size)}")
         batch = DrawnBatch.split(meta["step"], meta["world_size"], meta["seqs"], [e.group for e in served])
         self.book.add(batch)
         self.draw_floor = max(self.draw_floor, batch.step + 1)
@@ -440,6 +472,8 @@ class BufferState:
             self.filter_window.restore(meta["filter_window"])
 
     def _apply_leases(self, meta: dict[str, Any], _: Any) -> None:
+        if "pass_rates" in meta:  # before the dispenser: a curriculum's pools are rebuilt from them
+            self.pass_rates.restore(meta["pass_rates"])
         self.dispenser.restore(meta["snapshot"], meta["t"])
 
     def _apply_pending_draw(self, meta: dict[str, Any], _: Any) -> None:

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import (
     Field,
+    model_validator,
 )
 
 from common.config.base import MAX_TIMEOUT_S, Host, _Section
@@ -103,3 +104,39 @@ class BufferConfig(_Section):
         ge=1,
         le=1_000_000,
     )
+    curriculum: Literal["none", "pass_rate"] = Field(
+        "none",
+        description="Which prompts to lease. none: epochs in a seeded permutation. pass_rate: by each prompt's pass "
+        "rate in its last group (buffers.curriculum): prompts whose groups carry signal (curriculum_low < rate < "
+        "curriculum_high) and new ones first, least drawn first; the easy and hard pools are revisited for a share "
+        "curriculum_revisit of the draws, so none is starved. Admission (how many) and eta are unchanged; with "
+        "epochs > 0 the run draws epochs x prompts.",
+    )
+    curriculum_low: float = Field(
+        0.0, description="With curriculum = pass_rate: a prompt whose pass rate is <= this is hard.", ge=0, lt=1
+    )
+    curriculum_high: float = Field(
+        1.0, description="With curriculum = pass_rate: a prompt whose pass rate is >= this is easy.", gt=0, le=1
+    )
+    curriculum_revisit: float = Field(
+        0.1,
+        description="With curriculum = pass_rate: the share of draws that go to the easy and hard pools (half each) "
+        "so that a prompt learnt or forgotten since changes pool.",
+        ge=0,
+        le=1,
+    )
+    curriculum_pass_reward: float = Field(
+        1.0,
+        description="A sample passes when its reward is >= this (the arithmetic reward's correct answer: 1.0, with "
+        "or without the format bonus). Sets the pass rates of the curriculum and of the buffer/pass_* histograms, "
+        "which are kept with the curriculum off too.",
+        allow_inf_nan=False,
+    )
+
+    @model_validator(mode="after")
+    def _curriculum_band(self) -> BufferConfig:
+        if self.curriculum_low >= self.curriculum_high:
+            raise ValueError(
+                f"curriculum_low ({self.curriculum_low}) must be below curriculum_high ({self.curriculum_high})"
+            )
+        return self

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,3 +196,15 @@ class RandomRun:
         if got:
             ask(core, VersionReport(step + 1, step + 1), self.now)
         return bool(got)
+
+
+def restarts(make: Callable[[], BufferCore], now: float) -> Iterator[BufferCore]:
+    """A core `make` builds on the journal a run wrote, restored at `now`; then, after that core compacted the
+    journal, another one restored from the compacted journal. Each is yielded restored, closed after."""
+    for compact in (False, True):
+        restarted = make()
+        restarted.state.restore(now)
+        yield restarted
+        if not compact:
+            restarted.state.compact(now)
+        restarted.state.journal.close()

@@ -27,7 +27,17 @@ from buffers.state import BufferSettings
 from common.config import ConfigError, load_config
 from common.types import Batch, BatchRequest, LeaseGrant, LeaseRefused, LeaseRequest, RolloutGroup, VersionReport
 from common.wire import decode, encode
-from tests.buffers.fakes import GROUP, OP_MIX, RandomRun, advance_learner, ask, make_core, make_group, without_deadlines
+from tests.buffers.fakes import (
+    GROUP,
+    OP_MIX,
+    RandomRun,
+    advance_learner,
+    ask,
+    make_core,
+    make_group,
+    restarts,
+    without_deadlines,
+)
 
 EPS32 = 2.0**-23
 FILTERED = {"filter": "no_signal"}
@@ -344,13 +354,8 @@ def test_restart_keeps_the_filtered_groups_and_the_window(ops) -> None:
         core.state.save_counters()
         before = fingerprint(core)
         core.state.journal.close()
-        for compact in (False, True):
-            restarted = make_core(prompts=12, journal=Journal(path), **overrides)
-            restarted.state.restore(run.now)
+        for restarted in restarts(lambda: make_core(prompts=12, journal=Journal(path), **overrides), run.now):
             assert fingerprint(restarted) == before and identity_holds(restarted)
-            if not compact:
-                restarted.state.compact(run.now)
-            restarted.state.journal.close()
 
 
 # ------------------------------------------------------------------------------------------------ config
