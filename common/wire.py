@@ -21,7 +21,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from common.types import MESSAGE_TYPES, PROTOCOL_VERSION, ContractError, from_fields, to_fields
+from common.field_checks import from_fields, to_fields
+from common.types import MESSAGE_TYPES, PROTOCOL_VERSION, ContractError
 
 ARRAY_EXT = 1
 DEFAULT_MAX_BYTES = 1 << 30

@@ -22,7 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.types import MAX_COUNT, MESSAGE_TYPES, PROTOCOL_VERSION, ContractError, LeaseRequest, from_fields
+from common.field_checks import from_fields
+from common.types import MAX_COUNT, MESSAGE_TYPES, PROTOCOL_VERSION, ContractError, LeaseRequest
 from common.wire import ALLOWED_DTYPES, ARRAY_EXT, WireError, decode, encode
 from tests.buffers.fakes import make_group
 

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common import types as t
+from common.field_checks import from_fields, to_fields
 from common.wire import WireError, decode, encode
 
 small_int = st.integers(min_value=-(2**31), max_value=2**31 - 1)
@@ -169,15 +170,15 @@ def test_a_batch_without_the_filter_counters_decodes_and_bad_ones_are_refused() 
     """A buffer from before dynamic sampling sends no dropped_no_signal / no_signal_reward_sum: 0 and 0.0. A
     negative count or a non-finite sum is refused on decode."""
     group = next_group()
-    fields = t.to_fields(t.Batch(step=1, rank=0, groups=[group], staleness=[group.versions.copy()], dropped_stale=3))
+    fields = to_fields(t.Batch(step=1, rank=0, groups=[group], staleness=[group.versions.copy()], dropped_stale=3))
     old = {k: v for k, v in fields.items() if k not in ("dropped_no_signal", "no_signal_reward_sum")}
-    decoded = t.from_fields(t.Batch, old)
+    decoded = from_fields(t.Batch, old)
     assert (decoded.dropped_stale, decoded.dropped_no_signal, decoded.no_signal_reward_sum) == (3, 0, 0.0)
     with pytest.raises(t.ContractError, match=r"dropped_no_signal: -1 is outside \[0, "):
-        t.from_fields(t.Batch, {**old, "dropped_no_signal": -1})
+        from_fields(t.Batch, {**old, "dropped_no_signal": -1})
     for bad in (math.nan, math.inf):
         with pytest.raises(t.ContractError, match="no_signal_reward_sum: must be finite"):
-            t.from_fields(t.Batch, {**old, "no_signal_reward_sum": bad})
+            from_fields(t.Batch, {**old, "no_signal_reward_sum": bad})
 
 
 def test_payload_frames_are_returned_raw() -> None:
