@@ -4,7 +4,7 @@ favours the prompts whose groups carry signal, before any generation is paid for
     rates = PassRates(pass_reward=1.0)                    # always kept: the metrics below need it
     rates.record(prompt_id, passed=3, samples=8)         # at arrival, stored or filtered (BufferState's appliers)
     bucket = rates.bucket(prompt_id)                      # "unseen", "none", "under_half", "half_or_more", "all"
-    order = CurriculumOrder(prompt_ids, seed, epochs, rates, low=0.0, high=1.0, revisit=0.1)
+    order = CurriculumOrder(prompt_ids, seed, epochs, rates, low=0.0, high=1.0, revisit=0.1, signal_share=0.5)
     chosen, cursor = order.draw(count, in_lease, live)  # PromptDispenser.take: [(visit, prompt_id)], the new cursor
     order.advance(cursor, chosen)                         # PromptDispenser.open, live and on journal replay
 
@@ -22,10 +22,15 @@ Pools and the draw. With low < high (buffer.curriculum_low / _high; default 0 an
     hard     pass rate <= low           easy     pass rate >= high
     signal   low < pass rate < high     unseen   never came back
 Each slot of a lease is drawn from easy or hard (half each, the other when one is empty) with probability `revisit`
-(buffer.curriculum_revisit), else from signal + unseen; when the chosen side is empty the other serves. Within a
-side the prompt drawn is the one drawn the fewest times so far, ties in a fixed per-seed order: new prompts go
-first (they are drawn 0 times), then the signal prompts in rotation, and every easy and hard prompt comes back at
-the revisit rate in turn, so none is starved and a prompt the policy has since learnt or forgotten moves pool.
+(buffer.curriculum_revisit); otherwise from signal with probability `signal_share` (buffer.curriculum_signal_share,
+0.5) and from unseen else. When the chosen pool is empty the next serves: the other of signal and unseen, then easy
+and hard. Within a pool the prompt drawn is the one drawn the fewest times so far, ties in a fixed per-seed order: the
+signal prompts in rotation, the unseen ones as an epoch would, and every easy and hard prompt comes back at the
+revisit rate in turn, so none is starved and a prompt the policy has since learnt or forgotten moves pool.
+Why signal and unseen share the draws rather than new prompts first: a prompt whose last group had a spread is more
+likely to have one again than a prompt never tried, so drawing it saves generation from the first pass over the
+data on; a run shorter than one pass (a large dataset) would otherwise never use what it learnt. signal_share = 0
+gives "new prompts first"; 1 drills the signal prompts, leaving the unseen ones for when none is free.
 A prompt is never drawn while an instance of it is live (leased and not back, or queued for re-issue): its rate
 would be stale, and one live instance per prompt keeps the instance key (visit, prompt_id) unique.
 
@@ -58,6 +63,7 @@ class CurriculumSettings(Protocol):
     curriculum_low: float
     curriculum_high: float
     curriculum_revisit: float
+    curriculum_signal_share: float
 
 
 BUCKETS = ("unseen", "none", "under_half", "half_or_more", "all")  # pass-rate buckets of the histograms
@@ -116,11 +122,15 @@ class CurriculumOrder:
         low: float = 0.0,
         high: float = 1.0,
         revisit: float = 0.1,
+        signal_share: float = 0.5,
     ) -> None:
-        if not 0.0 <= low < high <= 1.0 or not 0.0 <= revisit <= 1.0:
-            raise ValueError(f"need 0 <= low < high <= 1 and 0 <= revisit <= 1, got {low}, {high}, {revisit}")
+        if not 0.0 <= low < high <= 1.0 or not 0.0 <= revisit <= 1.0 or not 0.0 <= signal_share <= 1.0:
+            raise ValueError(
+                f"need 0 <= low < high <= 1 and revisit, signal_share in [0, 1], got {low}, {high}, {revisit}, "
+                f"{signal_share}"
+            )
         self.prompt_ids, self.seed, self.epochs, self.rates = list(prompt_ids), seed, epochs, rates
-        self.low, self.high, self.revisit = low, high, revisit
+        self.low, self.high, self.revisit, self.signal_share = low, high, revisit, signal_share
         ranks = np.random.default_rng([seed, 0xC0]).permutation(len(self.prompt_ids))
         self.rank = {pid: int(r) for pid, r in zip(self.prompt_ids, ranks)}  # the fixed tie order
         self.visits: dict[int, int] = {}
@@ -203,9 +213,14 @@ class CurriculumOrder:
 
     # ------------------------------------------------------------------------------------------ the pools
     def _sides(self, u: float) -> tuple[tuple[str, ...], ...]:
-        """The pools to try, in order, for one slot drawn with u ~ U[0, 1)."""
-        wanted, revisit = ("signal", "unseen"), ("easy", "hard") if u < self.revisit / 2 else ("hard", "easy")
-        return (revisit[:1], revisit[1:], wanted) if u < self.revisit else (wanted, revisit)
+        """The pools to try, in order, for one slot drawn with u ~ U[0, 1) (module docstring)."""
+        revisit = ("easy",), ("hard",)
+        if u < self.revisit:
+            return (*(revisit if u < self.revisit / 2 else revisit[::-1]), ("signal",), ("unseen",))
+        wanted = ("signal",), ("unseen",)
+        if (u - self.revisit) >= self.signal_share * (1.0 - self.revisit):
+            wanted = wanted[::-1]
+        return (*wanted, ("easy", "hard"))
 
     def _next(
         self,
@@ -273,6 +288,7 @@ def curriculum_order(
         settings.curriculum_low,
         settings.curriculum_high,
         settings.curriculum_revisit,
+        settings.curriculum_signal_share,
     )
 
 

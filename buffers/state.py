@@ -82,6 +82,7 @@ class BufferSettings:
     curriculum_low: float = 0.0
     curriculum_high: float = 1.0
     curriculum_revisit: float = 0.1
+    curriculum_signal_share: float = 0.5
     pass_reward: float = 1.0  # buffer.curriculum_pass_reward
 
     @classmethod
@@ -115,6 +116,7 @@ class BufferSettings:
             curriculum_low=b.curriculum_low,
             curriculum_high=b.curriculum_high,
             curriculum_revisit=b.curriculum_revisit,
+            curriculum_signal_share=b.curriculum_signal_share,
             pass_reward=b.curriculum_pass_reward,
         )
 

@@ -108,8 +108,8 @@ class BufferConfig(_Section):
         "none",
         description="Which prompts to lease. none: epochs in a seeded permutation. pass_rate: by each prompt's pass "
         "rate in its last group (buffers.curriculum): prompts whose groups carry signal (curriculum_low < rate < "
-        "curriculum_high) and new ones first, least drawn first; the easy and hard pools are revisited for a share "
-        "curriculum_revisit of the draws, so none is starved. Admission (how many) and eta are unchanged; with "
+        "curriculum_high) and new ones share the draws (curriculum_signal_share), least drawn first; the easy and "
+        "hard pools are revisited for a share curriculum_revisit of the draws, so none is starved. Admission (how many) and eta are unchanged; with "
         "epochs > 0 the run draws epochs x prompts.",
     )
     curriculum_low: float = Field(
@@ -122,6 +122,14 @@ class BufferConfig(_Section):
         0.1,
         description="With curriculum = pass_rate: the share of draws that go to the easy and hard pools (half each) "
         "so that a prompt learnt or forgotten since changes pool.",
+        ge=0,
+        le=1,
+    )
+    curriculum_signal_share: float = Field(
+        0.5,
+        description="With curriculum = pass_rate: of the draws that are not revisits, the share that goes to prompts "
+        "whose last group had signal (in rotation); the rest go to prompts never tried. 0: new prompts first (the "
+        "curriculum then acts only from the second pass over the data); 1: the signal prompts first.",
         ge=0,
         le=1,
     )

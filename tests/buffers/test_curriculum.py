@@ -91,6 +91,27 @@ def test_signal_first_least_drawn_first_then_the_other_pools() -> None:
     assert sorted(take(order, 4, live={(1, 0): 1, (1, 3): 1})) == [1, 2, 4, 5]
 
 
+@pytest.mark.parametrize("signal_share", [0.0, 0.5, 1.0])
+def test_signal_and_new_prompts_share_the_draws(signal_share: float) -> None:
+    """Prompts 0-3 had signal, 4-203 were never tried, and every group that comes back has signal: of 100 single
+    draws at revisit 0, a share signal_share goes to the signal pool (repeats: prompts drawn or given a rate
+    before), in rotation, and the rest to new prompts (0: new prompts first; 1: the signal ones first)."""
+    order = order_over(204, {p: (2, 4) for p in range(4)}, revisit=0.0, signal_share=signal_share)
+    seen, repeats = set(range(4)), 0
+    for _ in range(100):
+        (pid,) = take(order, 1)
+        repeats += pid in seen
+        seen.add(pid)
+        back(order, pid, 2)
+    if signal_share == 0.0:
+        assert repeats == 0  # 100 of the 200 new prompts, none twice
+    elif signal_share == 1.0:
+        assert repeats == 100 and seen == set(range(4))  # the signal pool is never dry: 0-3 in rotation
+    else:
+        # each draw is a repeat with probability 1/2: std sqrt(0.25 / 100) = 0.05; 5 std = 0.25
+        assert abs(repeats / 100 - 0.5) < 0.25, repeats
+
+
 def test_a_band_moves_the_pools() -> None:
     order = order_over(3, {0: (1, 4), 1: (3, 4), 2: (4, 4)}, low=0.25, high=0.75)
     assert [order.pool(p) for p in range(3)] == ["hard", "easy", "easy"]  # 0.25 <= low, 0.75 >= high
