@@ -39,6 +39,7 @@ BENCHMARKS = (
     "length_bias",
     "time_to_reward",
     "time_to_accuracy",
+    "curriculum_effect",
     "demo_runs",
     "ray_overhead",
     "env_latency",

@@ -29,6 +29,7 @@ def test_every_saved_result_has_a_headline(path: Path) -> None:
         "broadcast_rounds",
         "buffer_flood",
         "buffer_throughput",
+        "curriculum_effect",
         "demo_wall",
         "env_latency",
         "generator_throughput",
