@@ -35,10 +35,10 @@ EMBEDDED = " or ".join(BUILT_IN_MEANING.values())
 
 # role -> the checks it needs; `run` starts every role on this machine
 NEEDS = {
-    "run": ("prompts", "rewards", "eval_sets", "model", "chat_template", "reward_model", "keys", "trackers"),
+    "run": ("prompts", "rewards", "eval_sets", "model", "teacher", "chat_template", "reward_model", "keys", "trackers"),
     "buffer": ("prompts", "eval_sets", "keys", "trackers"),
     "generator": ("model", "chat_template", "reward_model", "keys", "trackers"),
-    "learner": ("model", "keys", "trackers"),
+    "learner": ("model", "teacher", "keys", "trackers"),
     "sft": ("model", "chat_template", "stage_data", "trackers"),
     "rm": ("model", "chat_template", "stage_data", "trackers"),
     "dpo": ("model", "chat_template", "stage_data", "reference", "trackers"),
@@ -210,16 +210,31 @@ def _stage_data_problem(config: TandemConfig, role: str) -> str | None:
 
 def _reference_problem(config: TandemConfig, role: str) -> str | None:
     """dpo.reference: empty (model.path is the reference), a built-in model, or a Hugging Face model directory."""
-    reference = config.dpo.reference
-    if not reference or reference in BUILT_IN_MODELS:
+    return _optional_model_problem(
+        "dpo.reference", config.dpo.reference, "the SFT model, <run_dir>/model), leave it empty for model.path"
+    )
+
+
+def _teacher_problem(config: TandemConfig, role: str) -> str | None:
+    """algo.teacher_model: empty (no distillation), a built-in model, or a Hugging Face model directory."""
+    if config.run.simulate:  # SIMULATION loads no model
         return None
-    path = Path(reference).expanduser()
+    return _optional_model_problem(
+        "algo.teacher_model", config.algo.teacher_model, "a `tandem sft` run's <run_dir>/model), leave it empty"
+    )
+
+
+def _optional_model_problem(key: str, value: str, example: str) -> str | None:
+    """A model key that may be empty: `example` closes the hint's parenthesis and names what else to do."""
+    if not value or value in BUILT_IN_MODELS or value.startswith("tiny:"):
+        return None
+    path = Path(value).expanduser()
     if (path / "config.json").is_file():
         return None
     what = "is not a Hugging Face model directory (no config.json in it)" if path.exists() else "does not exist"
     return (
-        f"dpo.reference: '{reference}' {what} on this machine{_relative_hint(path)}: name a model directory (the "
-        f"SFT model, <run_dir>/model), leave it empty for model.path, or use {EMBEDDED}"
+        f"{key}: '{value}' {what} on this machine{_relative_hint(path)}: name a model directory ({example}, "
+        f"or use {EMBEDDED}"
     )
 
 
@@ -268,6 +283,7 @@ CHECKS = {
     "keys": _keys_problem,
     "stage_data": _stage_data_problem,
     "reference": _reference_problem,
+    "teacher": _teacher_problem,
     "trackers": _trackers_problem,
 }
 

@@ -50,6 +50,7 @@ import torch
 from common.config import AlgoConfig
 from common.types import RolloutGroup
 from learners.batching import ModelInputs, PaddedBatch
+from learners.distillation import distill_advantages
 from learners.estimators import SumRanks, batch_advantages
 from learners.losses import kl_estimate, policy_loss, value_loss
 from learners.overlong import mask_rows, model_tokens, overlong_penalty, truncated_rows
@@ -64,6 +65,7 @@ class PreUpdate:
     ref_logprobs: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None  # the policy before the update: the proximal policy, kl_in_reward's pi
+    teacher_logprobs: torch.Tensor | None = None  # algo.teacher_model's (learners.distillation)
 
 
 def overlong_shaping(
@@ -100,11 +102,12 @@ def advantages_and_returns(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(advantages [B, T], returns [B, T] for the critic or None), zero off the action tokens
     (`learners.estimators.batch_advantages`; the KL to the reference goes into the reward when both log-probs
-    were taken, i.e. with algo.kl_in_reward)."""
+    were taken, i.e. with algo.kl_in_reward), with the teacher's term when it scored the batch
+    (`learners.distillation.distill_advantages`; the critic's returns do not see it)."""
     kl = None
     if pre.logprobs is not None and pre.ref_logprobs is not None:
         kl = kl_estimate(pre.logprobs, pre.ref_logprobs, algo.kl_estimator, batch.loss_mask)  # [B, T]
-    return batch_advantages(
+    advantages, returns = batch_advantages(
         algo,
         batch.rewards,
         batch.group_ids,
@@ -113,6 +116,11 @@ def advantages_and_returns(
         kl=kl,
         sum_ranks=sum_ranks,
     )
+    if pre.teacher_logprobs is not None:
+        advantages = distill_advantages(
+            advantages, pre.logprobs, pre.teacher_logprobs, batch.loss_mask, algo.distill_coef, algo.distill_alone
+        )
+    return advantages, returns
 
 
 def policy_objective(

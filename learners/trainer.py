@@ -16,8 +16,9 @@ The update, in order (B samples on this rank, T completion columns, V vocabulary
      output (logits, hidden states, values) at the positions that predict the completion tokens, padded or
      packed alike;
   2. no-grad pass, only when needed: reference log-probs (algo.kl_coef > 0), critic values (estimator gae),
-     the current policy's log-probs (KL in the reward, and the proximal log-probs when there is more than one
-     optimizer step per batch);
+     the current policy's log-probs (KL in the reward, the proximal log-probs when there is more than one
+     optimizer step per batch, and distillation), the teacher's log-probs (algo.teacher_model: its per-token
+     reverse KL joins the advantages, `learners.distillation`);
   3. advantages for the estimator (`learners.estimators`); batch-level normalisations (reinforce_pp, gae)
      use the statistics of the GLOBAL batch (summed over ranks), so every rank count gives the same update.
      algo.overlong (`learners.overlong`, wired in `learners.objective`): "penalty" adds DAPO's soft overlong
@@ -95,6 +96,7 @@ from learners.batching import (
 from learners.checkpoint import check_resume_dtype, export_adapter, export_hf_model
 from learners.checkpoint_names import checkpoint_layout, checkpoint_weights
 from learners.completion_logprobs import completion_logprobs, fused_head
+from learners.distillation import distill_metrics, load_teacher
 from learners.models import (
     ADAPTER,
     AdaptersOff,
@@ -177,6 +179,11 @@ class Trainer:
                 if self.lora
                 else load_reference(self.model_dir, dtype, learner.attn_implementation).to(self.device)
             )
+        self.teacher = None  # on-policy distillation: the same dtype and attention as the reference
+        if algo.teacher_model:
+            teacher_dir = resolve_model_path(algo.teacher_model)
+            self.teacher = load_teacher(teacher_dir, self.model_dir, dtype, learner.attn_implementation)
+            self.teacher.to(self.device)
         self.critic = None
         if algo.estimator == "gae":
             critic_settings = replace(settings, lr=learner.critic_lr)
@@ -229,6 +236,8 @@ class Trainer:
         pre_s = time.perf_counter() - start
         stats, forward_s, backward_s = self._update(batch, schedule, pre, advantages, returns)
         stats.update(overlong_metrics(truncated, penalty, self._sum_ranks))
+        if pre.teacher_logprobs is not None:
+            stats.update(distill_metrics(pre.logprobs, pre.teacher_logprobs, batch.loss_mask, self._sum_ranks))
         stats.update(self._skipped_steps())
         stats["perf/forward_s"] = pre_s + forward_s
         stats["perf/backward_s"] = backward_s
@@ -267,13 +276,16 @@ class Trainer:
         return inputs.predicting(self.critic(**inputs.forward_kwargs(), values_to_keep=inputs.keep))
 
     def _pre_update(self, batch: PaddedBatch, rows: list[Rows]) -> PreUpdate:
-        need_ref = self.reference is not None
-        # the proximal log-probs, once before the first of several steps (with one step they are logprobs.detach())
-        need_logprobs = (need_ref and self.algo.kl_in_reward) or self.steps_per_batch > 1
+        need_ref, need_teacher = self.reference is not None, self.teacher is not None
+        # the proximal log-probs, once before the first of several steps (with one step they are logprobs.detach()),
+        # and for the teacher's term (learners.distillation: the KL of the weights before the update)
+        need_logprobs = (need_ref and self.algo.kl_in_reward) or self.steps_per_batch > 1 or need_teacher
         pre = PreUpdate()
         shape = (batch.size, batch.width)
         if need_ref:
             pre.ref_logprobs = torch.zeros(shape)
+        if need_teacher:
+            pre.teacher_logprobs = torch.zeros(shape)
         if need_logprobs:
             pre.logprobs = torch.zeros(shape)
         if self.critic is not None:
@@ -286,6 +298,8 @@ class Trainer:
                 pre.ref_logprobs[part, :width] = self._model_logprobs(self.reference, inputs)[0].float().cpu()
             if need_logprobs:
                 pre.logprobs[part, :width] = self._model_logprobs(self.policy, inputs)[0].float().cpu()
+            if need_teacher:
+                pre.teacher_logprobs[part, :width] = self._model_logprobs(self.teacher, inputs)[0].float().cpu()
             if self.critic is not None:
                 pre.old_values[part, :width] = self._critic_values(inputs).float().cpu()
         if self.critic is not None:

@@ -91,6 +91,22 @@ class AlgoConfig(_Section):
         "`reinforce_pp_baseline` or `gae` only).",
     )
     entropy_coef: float = Field(0.0, description="Entropy bonus coefficient.", ge=0)
+    teacher_model: str = Field(
+        "",
+        description="On-policy distillation (off when empty): a teacher model directory (or `smollm2`, "
+        "`tiny:<family>`, as model.path) with the policy's tokenizer. The learner scores every sampled token under "
+        "it and adds distill_coef * (log pi_teacher - log pi_prox) to the token's advantage: the per-token reverse "
+        "KL to the teacher (learners.distillation). Costs a frozen copy of the teacher on every learner rank and "
+        "one no-grad forward of it and of the policy per batch.",
+    )
+    distill_coef: float = Field(
+        1.0, description="Weight of the teacher term in the advantage (with teacher_model).", gt=0
+    )
+    distill_alone: bool = Field(
+        False,
+        description="Train on the teacher term alone: the task advantages are left out (rewards are still "
+        "computed and logged). Needs teacher_model.",
+    )
     gamma: float = Field(1.0, description="Discount (gae).", ge=0, le=1)
     lam: float = Field(0.95, description="GAE lambda.", ge=0, le=1)
     value_clip: float = Field(0.2, description="Critic value clip (gae).", ge=0)
@@ -132,6 +148,8 @@ class AlgoConfig(_Section):
                 f"policy_loss: '{self.policy_loss}' is a token-level loss with its own bound; set algo.ratio = "
                 "'token' and leave algo.dual_clip unset, or algo.policy_loss = 'ppo'"
             )
+        if self.distill_alone and not self.teacher_model:
+            raise ValueError("distill_alone: trains on the teacher's term alone; set algo.teacher_model too")
         if self.kl_in_reward and self.estimator not in KL_IN_REWARD_ESTIMATORS:
             raise ValueError(
                 f"kl_in_reward: only with estimator in {KL_IN_REWARD_ESTIMATORS} (got '{self.estimator}'); "
