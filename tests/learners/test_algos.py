@@ -501,7 +501,7 @@ def test_policy_loss_argument_errors() -> None:
         ({"correction": "tis"}, "needs behaviour_logprobs"),
         ({"dual_clip": 0.5}, "dual_clip"),
         ({"aggregation": "sum"}, "aggregation"),
-        ({"clip_low": 1.0}, "clip_low"),
+        ({"clip_low": 1.5}, "clip_low"),  # 1 is allowed: no lower bound (CISPO)
         ({"correction": "decoupled", "tis_level": "sequence"}, "tis_level='sequence'"),
     ):
         with pytest.raises(ValueError, match=match):
