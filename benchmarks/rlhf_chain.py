@@ -57,7 +57,7 @@ def _last_eval(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def _first_last(records: list[dict[str, Any]], key: str, share: float = 0.2) -> tuple[float | None, float | None]:
+def first_last(records: list[dict[str, Any]], key: str, share: float = 0.2) -> tuple[float | None, float | None]:
     """Mean of `key` over the first and the last `share` of the records that have it."""
     values = [r[key] for r in records if key in r]
     if not values:
@@ -76,8 +76,8 @@ def report(root: Path, seconds: dict[str, float] | None) -> dict[str, Any]:
     lenient = {name: by_model[name]["sets"][EVAL_SET]["lenient_accuracy"] for name in MODELS}
     rm_score = {name: by_model[name]["sets"][EVAL_SET].get("rm_score") for name in MODELS}
     ppo_records = read_metrics(root / "rlhf-ppo" / "metrics.jsonl")
-    ppo_rm = _first_last(ppo_records, "reward/reward_model")
-    ppo_correct = _first_last(ppo_records, "reward/correct")
+    ppo_rm = first_last(ppo_records, "reward/reward_model")
+    ppo_correct = first_last(ppo_records, "reward/correct")
     rm_accuracy = rm["last_eval"]["eval/rm/accuracy"]
     headline = {
         "eval_set": EVAL_SET,

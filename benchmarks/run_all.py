@@ -40,6 +40,7 @@ BENCHMARKS = (
     "time_to_reward",
     "time_to_accuracy",
     "curriculum_effect",
+    "distillation",
     "demo_runs",
     "ray_overhead",
     "env_latency",

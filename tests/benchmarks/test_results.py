@@ -31,6 +31,7 @@ def test_every_saved_result_has_a_headline(path: Path) -> None:
         "buffer_throughput",
         "curriculum_effect",
         "demo_wall",
+        "distillation",
         "env_latency",
         "generator_throughput",
         "house_counts",

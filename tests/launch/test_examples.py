@@ -11,10 +11,10 @@ from common.config import load_config
 from launch.cli import DEMO_CONFIG, PACKAGED_CONFIGS, packaged_configs, resolve_config_path
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted((REPO / "examples").glob("*.toml"))
+EXAMPLES = sorted((REPO / "examples").rglob("*.toml"))  # examples/rlhf and examples/distill too
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+@pytest.mark.parametrize("path", EXAMPLES, ids=[str(p.relative_to(REPO / "examples")) for p in EXAMPLES])
 def test_example_validates(path: Path) -> None:
     load_config(path)
 
