@@ -285,8 +285,8 @@ def test_several_problems_are_one_line_each(tmp_path: Path, capsys: pytest.Captu
 )
 def test_every_packaged_config_still_loads(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # gpu_cluster's and math_gpu's paths are a GPU machine's (/mnt/shared, /data, /models); examples/rlhf's later
-    # stages read what the earlier ones write
-    other_machine = path.stem in ("gpu_cluster", "math_gpu") or path.parent.name == "rlhf"
+    # stages and examples/distill's run read what an earlier `tandem sft` writes
+    other_machine = path.stem in ("gpu_cluster", "math_gpu") or path.parent.name in ("rlhf", "distill")
     elsewhere = ["--no-path-checks"] if other_machine else []
     assert main(["config", str(path), *elsewhere]) == 0, capsys.readouterr().err
     assert json.loads(capsys.readouterr().out)["run"]["name"]
