@@ -213,6 +213,12 @@ class TandemConfig(_Section):
                 "buffer.filter: no_signal needs algo.group_size >= 2 (a group of one sample has no reward spread, "
                 'so every group would be dropped); raise algo.group_size, or buffer.filter = "none"'
             )
+        if self.buffer.filter == "no_signal" and self.algo.distill_alone:
+            problems.append(
+                "buffer.filter: no_signal drops the groups whose rewards are all equal, but with algo.distill_alone "
+                "the teacher's term, not the reward, is the signal, and every group has it; set buffer.filter = "
+                '"none", or algo.distill_alone = false'
+            )
         if 0 < self.ray.generator_gpus < self.generator.tensor_parallel_size:
             problems.append(
                 f"ray.generator_gpus: must be 0 (CPU) or >= generator.tensor_parallel_size = "

@@ -210,3 +210,12 @@ def test_a_missing_teacher_is_a_config_error_before_any_role_starts(tmp_path) ->
     for fine in ("", "smollm2", "tiny:qwen3"):
         config = load_config(None, {"algo.teacher_model": fine})
         assert not [p for p in missing_paths(config, "learner") if p.startswith("algo.teacher_model")]
+
+
+def test_distill_alone_refuses_the_no_signal_filter() -> None:
+    """The filter would drop groups of equal rewards, which still carry the teacher's term."""
+    from common.config import load_config
+
+    with pytest.raises(ValueError, match='set buffer.filter = "none", or algo.distill_alone = false'):
+        load_config(None, {"algo.teacher_model": "tiny", "algo.distill_alone": True, "buffer.filter": "no_signal"})
+    load_config(None, {"algo.teacher_model": "tiny", "buffer.filter": "no_signal"})  # beside the reward: allowed
