@@ -102,6 +102,13 @@ VOCAB, MAX_MODEL_LEN, MAX_ABS_REWARD = 1000, 64, 1e6  # make_group: ids < 1000, 
 OP_MIX = ["lease"] * 2 + ["push"] * 3 + ["learn"] * 2 + ["sync"] * 2 + ["resend", "bad", "time", "return"]
 
 
+def random_ops(min_size: int = 20, max_size: int = 120) -> Any:
+    """The hypothesis strategy of a `RandomRun`'s operations: (kind from OP_MIX, a seed for its choices) pairs."""
+    from hypothesis import strategies as st
+
+    return st.lists(st.tuples(st.sampled_from(OP_MIX), st.integers(0, 1 << 16)), min_size=min_size, max_size=max_size)
+
+
 def make_settings(**overrides: Any) -> BufferSettings:
     values = {
         "capacity": 400,

@@ -28,7 +28,7 @@ from common.types import (
     VersionReport,
     WeightsRequest,
 )
-from tests.buffers.fakes import GROUP, OP_MIX, RandomRun, advance_learner, ask, make_core, make_group
+from tests.buffers.fakes import GROUP, RandomRun, advance_learner, ask, make_core, make_group, random_ops
 
 
 def lease(core: BufferCore, count: int, version: int = 0, generator: int = 0, now: float = 0.0) -> LeaseGrant:
@@ -211,7 +211,7 @@ def test_exhausted_after_the_last_epoch() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ properties
-OPS = st.lists(st.tuples(st.sampled_from(OP_MIX), st.integers(0, 1 << 16)), min_size=20, max_size=120)
+OPS = random_ops()
 
 
 @settings(max_examples=300, deadline=None)

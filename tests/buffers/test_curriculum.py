@@ -26,12 +26,12 @@ from common.config import ConfigError, load_config
 from common.types import LeaseGrant, LeaseRequest, RolloutGroup
 from tests.buffers.fakes import (
     GROUP,
-    OP_MIX,
     RandomRun,
     advance_learner,
     ask,
     make_core,
     make_group,
+    random_ops,
     restarts,
     without_deadlines,
 )
@@ -208,7 +208,7 @@ def fingerprint(core: BufferCore) -> dict[str, Any]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(OP_MIX), st.integers(0, 1 << 16)), min_size=10, max_size=80))
+@given(ops=random_ops(10, 80))
 def test_a_restart_and_a_compaction_keep_the_rates_and_the_order(ops) -> None:
     overrides = {"capacity": 6 * GROUP, "heartbeat_timeout_s": 50.0, **CURRICULUM}
     with tempfile.TemporaryDirectory() as tmp:
@@ -227,7 +227,7 @@ def test_a_restart_and_a_compaction_keep_the_rates_and_the_order(ops) -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    ops=st.lists(st.tuples(st.sampled_from(OP_MIX), st.integers(0, 1 << 16)), min_size=20, max_size=120),
+    ops=random_ops(),
     eta=st.integers(0, 2),
     reuse=st.integers(1, 2),
     world_size=st.sampled_from([1, 2]),

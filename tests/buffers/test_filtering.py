@@ -29,12 +29,12 @@ from common.types import Batch, BatchRequest, LeaseGrant, LeaseRefused, LeaseReq
 from common.wire import decode, encode
 from tests.buffers.fakes import (
     GROUP,
-    OP_MIX,
     RandomRun,
     advance_learner,
     ask,
     make_core,
     make_group,
+    random_ops,
     restarts,
     without_deadlines,
 )
@@ -308,7 +308,7 @@ class EveryOtherFlat:
         return getattr(self.core, name)
 
 
-OPS = st.lists(st.tuples(st.sampled_from(OP_MIX), st.integers(0, 1 << 16)), min_size=20, max_size=120)
+OPS = random_ops()
 
 
 @settings(max_examples=200, deadline=None)
@@ -341,7 +341,7 @@ def fingerprint(core: BufferCore) -> dict[str, Any]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(OP_MIX), st.integers(0, 1 << 16)), min_size=10, max_size=80))
+@given(ops=random_ops(10, 80))
 def test_restart_keeps_the_filtered_groups_and_the_window(ops) -> None:
     overrides = {"capacity": 6 * GROUP, "heartbeat_timeout_s": 50.0, "filter_window": 8, **FILTERED}
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,6 +25,7 @@ from tests.buffers.fakes import (
     hostile_group,
     make_core,
     make_group,
+    random_ops,
     without_deadlines,
 )
 
@@ -106,7 +107,7 @@ def _journaled_run(tmp: Path, reuse: int, world_size: int) -> tuple[dict[str, An
 
 @settings(max_examples=100, deadline=None)
 @given(
-    ops=st.lists(st.tuples(st.sampled_from(OP_MIX), st.integers(0, 1 << 16)), min_size=10, max_size=100),
+    ops=random_ops(10, 100),
     reuse=st.integers(1, 2),
     world_size=st.sampled_from([1, 2]),
     half_step=st.booleans(),

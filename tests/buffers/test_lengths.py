@@ -20,7 +20,7 @@ from buffers.lengths import LengthCounts, bucket_counts, bucket_names, length_ed
 from buffers.replay import choose_positions, draw_order_key
 from common.metrics import MetricsSink, read_metrics
 from common.types import Batch, BatchNotReady, BatchRequest, LeaseGrant, LeaseRequest, VersionReport
-from tests.buffers.fakes import GROUP, OP_MIX, RandomRun, ask, make_core, make_group
+from tests.buffers.fakes import GROUP, RandomRun, ask, make_core, make_group, random_ops
 
 SHORT, LONG = 4, 64  # completion tokens of a short and of a long sample; max_tokens 64: edges 2, 4, ..., 64
 
@@ -181,7 +181,7 @@ def test_the_histograms_reach_the_metrics_file_and_survive_a_restart(tmp_path: P
 
 @settings(max_examples=150, deadline=None)
 @given(
-    ops=st.lists(st.tuples(st.sampled_from(OP_MIX), st.integers(0, 1 << 16)), min_size=20, max_size=120),
+    ops=random_ops(),
     eta=st.integers(0, 2),
     reuse=st.integers(1, 2),
     world_size=st.sampled_from([1, 2]),
