@@ -165,12 +165,14 @@ class CurriculumOrder:
         budget = count if self.epochs == 0 else min(count, self.epochs * len(self.prompt_ids) - self.draws)
         rng = np.random.default_rng([self.seed, 0xC1, self.draws])
         chosen: list[tuple[int, int]] = []
+        taken: set[int] = set()  # the prompts of `chosen`
         popped: list[tuple[str, tuple[int, int, int]]] = []  # every valid entry met: pushed back before returning
         while len(chosen) < budget:
-            entry = self._next(self._sides(rng.random()), busy, in_lease, chosen, popped)
+            entry = self._next(self._sides(rng.random()), busy, in_lease, taken, popped)
             if entry is None:
                 break
             chosen.append((entry[0], entry[2]))
+            taken.add(entry[2])
         for pool, entry in popped:
             heapq.heappush(self.heaps[pool], entry)
         return chosen, [self.draws + len(chosen)]
@@ -227,11 +229,10 @@ class CurriculumOrder:
         sides: tuple[tuple[str, ...], ...],
         busy: set[int],
         in_lease: Container[int],
-        chosen: list[tuple[int, int]],
+        taken: set[int],
         popped: list[tuple[str, tuple[int, int, int]]],
     ) -> tuple[int, int, int] | None:
         """The least-drawn free prompt of the first side that has one (its entry), or None when every pool is dry."""
-        taken = {pid for _, pid in chosen}
         for side in sides:
             best: tuple[str, tuple[int, int, int]] | None = None
             for pool in side:
