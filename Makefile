@@ -16,9 +16,10 @@ lint: setup
 
 # Two pytest-xdist workers: the suite waits on processes and engines more than it computes (one worker kept a 2-core
 # machine 77% busy, two 117%), so two overlap those waits. A module's tests, and all of Ray's, share a worker
-# (tests/conftest.py, worker_scope). Measured in fresh clones here: xdist's order (modules with most tests first)
-# 14:58 of tests; the engines' modules first 15:45 (they slowed each other); three workers 13:43, but a vLLM test
-# whose weight update must land mid-sample failed at that load.
+# (tests/conftest.py, worker_scope). Measured in fresh clones on a 2-core AVX-512 EPYC: xdist's order (modules with
+# most tests first) 14:58 of tests; the engines' modules first 15:45 (they slowed each other); three workers 13:43,
+# but a vLLM test whose weight update must land mid-sample failed at that load. On a 2-core AVX2-only EPYC (Zen 3)
+# the suite is CPU-bound: two workers 17:29-19:22 of tests, three 19:51 (1,964 CPU-seconds in 1,191 s: 1.65 cores).
 TEST_WORKERS ?= 2
 
 test: lint
