@@ -3,6 +3,7 @@
 
     .venv/bin/python -m benchmarks.staleness_effect                     # 5 η x 4 corrections x 3 seeds (a day here)
     .venv/bin/python -m benchmarks.staleness_effect --quick             # η in {0, 4}, tis and tis-icepop, seed 0
+    .venv/bin/python -m benchmarks.staleness_effect --quick --seeds 1   # another seed beside the saved runs
     .venv/bin/python -m benchmarks.staleness_effect --etas 0 4 --corrections tis tis-icepop --seeds 0 1 2
     .venv/bin/python -m benchmarks.staleness_effect --from-runs runs/staleness_effect/<stamp>   # recompute
 
@@ -17,9 +18,13 @@ sequences whose geometric-mean ratio does). The default grid takes tis-icepop as
 
 The measure: held-out strict accuracy at temperature 1 (eval.jsonl, set word_problems-d2, 4 samples of 32
 questions) at the last two evaluated versions, averaged: `end_accuracy` of a run. Per cell (η, correction): the mean
-over seeds and its standard error, sqrt(seed variance / seeds) when there are >= 2 seeds (it holds both the
-training's and the evaluation's noise), else the run's own evaluation error over prompts (the larger of its two end
-evaluations': they ask the same prompts, so their mean does not halve the variance).
+over seeds and its standard error, sqrt(max(seed variance, mean evaluation variance) / seeds) when there are >= 2
+seeds (the seed variance holds both the training's and the evaluation's noise; the evaluation's is its floor, since
+the variance of two or three seeds has one or two degrees of freedom and falls below it by chance: two η = 4 runs
+ending 0.301 and 0.332 give a seed standard error of 0.016 against evaluation errors of ~0.06 each, while two
+same-config η = 0 runs ended 0.066 and 0.285), else the run's own evaluation error over prompts. A run's evaluation
+error is the larger of its two end evaluations' (they ask the same prompts, so their mean does not halve the
+variance).
 Headline: `best_correction`, the correction with the highest mean end accuracy over the η > 0 cells (the runs
 where a correction has anything to correct); `eta4_gap_stderr`, (acc(η = 4, best) - acc(η = 0, best)) /
 sqrt(se4^2 + se0^2): the issue's target is >= -1 (η = 4 within one standard error of η = 0); `end_accuracy`
@@ -106,8 +111,10 @@ def cells(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if not mine:
             continue
         values = [r["end_accuracy"] for r in mine]
+        evals = [r["end_eval_stderr"] ** 2 for r in mine if r["end_eval_stderr"] is not None]
+        floor = statistics.fmean(evals) if evals else 0.0  # a run's end accuracy varies at least by its evaluation
         if len(values) >= 2:
-            se = statistics.stdev(values) / math.sqrt(len(values))
+            se = math.sqrt(max(statistics.variance(values), floor) / len(values))
         else:
             se = mine[0]["end_eval_stderr"]
         rates = [r["samples_per_s"] for r in mine if r["samples_per_s"] is not None]

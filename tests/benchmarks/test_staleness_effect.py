@@ -38,6 +38,8 @@ def test_cells_best_correction_and_the_eta4_gap(tmp_path: Path, monkeypatch: pyt
     make_run(runs, "eta4-tis-seed0", {0: 0.1, 4: 0.2, 8: 0.3, 12: 0.4})  # 0.35
     make_run(runs, "eta4-tis-seed1", {0: 0.1, 4: 0.2, 8: 0.4, 12: 0.5})  # 0.45
     make_run(runs, "eta4-none-seed0", {0: 0.1, 4: 0.1, 8: 0.2, 12: 0.2})  # 0.20: one seed, its eval stderr
+    make_run(runs, "eta2-tis-seed0", {0: 0.1, 4: 0.2, 8: 0.3, 12: 0.3})  # 0.30
+    make_run(runs, "eta2-tis-seed1", {0: 0.1, 4: 0.2, 8: 0.3, 12: 0.32})  # 0.31: two seeds closer than their evals
     monkeypatch.setattr(benchmarks.common, "RESULTS", tmp_path / "results")
     assert se.main(["--from-runs", str(runs), "--out", "se"]) == 0
     result = json.loads((tmp_path / "results" / "se.json").read_text())
@@ -49,6 +51,8 @@ def test_cells_best_correction_and_the_eta4_gap(tmp_path: Path, monkeypatch: pyt
         0.05
     )
     assert cells["eta4_none"]["stderr"] == pytest.approx(0.052)  # the larger end eval stderr (version 12)
+    # seed variance 0.01**2 / 2 = 5e-5 is below each run's eval variance 0.052**2: the floor, sqrt(0.052**2 / 2)
+    assert cells["eta2_tis"]["stderr"] == pytest.approx(0.052 / math.sqrt(2))
     top = result["headline"]
     assert top == se.headline(result)
     assert top["best_correction"] == "tis"  # 0.40 against none's 0.20 over η > 0
