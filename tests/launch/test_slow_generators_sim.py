@@ -31,7 +31,7 @@ SIM_TOKENS = 2  # a sample takes SIM_TOKENS x STEP_S = 6 s = 1.5 x LEASE_TIMEOUT
 STEPS = 2
 
 
-def _config(tmp_path: Path, name: str, steps: int = STEPS):
+def _config(tmp_path: Path, name: str, steps: int = STEPS, sim_tokens: int = SIM_TOKENS):
     return run_config(
         tmp_path,
         name,
@@ -44,7 +44,7 @@ def _config(tmp_path: Path, name: str, steps: int = STEPS):
             "stall_timeout_s": 60.0,
         },
         learner={"total_steps": steps, "groups_per_step": 2, "sim_sample_s": 0.01, "sim_weights_mb": 1.0},
-        generator={"sim_tokens": SIM_TOKENS, "sim_token_s": STEP_S, "prompts_in_flight": 2, "drain_timeout_s": 5},
+        generator={"sim_tokens": sim_tokens, "sim_token_s": STEP_S, "prompts_in_flight": 2, "drain_timeout_s": 5},
     )
 
 
@@ -74,12 +74,16 @@ def _counter(address: str, key: str) -> int:
 
 
 def test_a_sigkilled_generators_leases_are_reissued_within_the_heartbeat_timeout(tmp_path: Path) -> None:
-    config = _config(tmp_path, "killed", steps=50)
+    # Killed 1.5 steps into its first samples, which take 4 steps (12 s): past lease_timeout_s (4 s), so heartbeats
+    # alone kept the leases, and 7.5 s before the samples end. (Samples of 2 steps, killed after 2 steps, raced their
+    # end: a kill between pushing the groups and leasing again left no lease to expire, and the test timed out.)
+    config = _config(tmp_path, "killed", steps=50, sim_tokens=4)
     address = config.generator.buffer_address
     with RoleUnderTest(config, "buffer") as buffer, RoleUnderTest(config, "generator") as generator:
         buffer.wait_until(lambda: _counter(address, "leases_issued") > 0, 60, "a lease")
-        time.sleep(2 * STEP_S)  # mid-sample: several heartbeats renewed the lease meanwhile
-        assert stats(address)["leases_expired"] == 0
+        time.sleep(1.5 * STEP_S)
+        before = stats(address)
+        assert before["leases_expired"] == 0 and before["outstanding"] > 0, before
         generator.kill()
         killed = time.monotonic()
         buffer.wait_until(lambda: _counter(address, "leases_expired") > 0, 30, "the dead generator's lease expiry")
