@@ -54,6 +54,7 @@ from actors.engine.api import EVAL_PRIORITY, Engine, FinishedSample
 from actors.outbox import BufferLink
 from actors.rewards.functions import TimedFunction
 from common.config import TandemConfig
+from common.eval_messages import EvalAck, EvalGrant, EvalResult
 from common.eval_metrics import (
     TRUNCATED,
     Completion,
@@ -62,7 +63,7 @@ from common.eval_metrics import (
     expected_answer,
     score_completion,
 )
-from common.types import ErrorReply, EvalAck, EvalGrant, EvalResult, RunOver
+from common.types import ErrorReply, RunOver
 
 log = logging.getLogger("tandem.actors.evaluation")
 MAX_UNSENT = 8  # finished results kept while the buffer does not answer (one per round at most; older ones dropped)

@@ -40,7 +40,8 @@ import numpy as np
 from benchmarks.common import best_seconds, save
 from common.config import load_config
 from common.sockets import Client, SocketSecurity
-from common.types import RolloutGroup, WeightsHeader, WeightsRequest
+from common.types import RolloutGroup
+from common.weight_messages import WeightsHeader, WeightsRequest
 
 GROUPS, GROUP_SIZE, PROMPT_TOKENS, COMPLETION_TOKENS = 4, 8, 40, (80, 121)
 

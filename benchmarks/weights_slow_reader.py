@@ -25,7 +25,7 @@ import numpy as np
 
 from benchmarks.common import save
 from common.sockets import Client, SocketSecurity, free_port
-from common.types import WeightsHeader, WeightsRequest
+from common.weight_messages import WeightsHeader, WeightsRequest
 from launch.testing import unpack_weights
 from learners.publisher import ZmqWeightsPublisher
 

@@ -32,16 +32,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from common.types import (
-    BatchRequest,
-    EvalResult,
-    Heartbeat,
-    LeaseRequest,
-    LeaseReturn,
-    RolloutGroup,
-    StatsRequest,
-    VersionReport,
-)
+from common.eval_messages import EvalResult
+from common.types import BatchRequest, Heartbeat, LeaseRequest, LeaseReturn, RolloutGroup, StatsRequest, VersionReport
 
 Problem = tuple[str, str] | None
 ANY_ROLE = frozenset({"generator", "learner", "reward", "eval", "monitor"})

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 from buffers.checks import RequestRejected
 from buffers.extensions import CoreExtension
 from buffers.staleness import RETRY_FULL_S, RETRY_STALE_S
+from common.eval_messages import EvalResult
 from common.metrics import MetricsSink
-from common.types import EvalResult, Heartbeat, LeaseRefused, LeaseRequest, VersionReport
+from common.types import Heartbeat, LeaseRefused, LeaseRequest, VersionReport
 
 if TYPE_CHECKING:
     from buffers.run_end import RunEnd

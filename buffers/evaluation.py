@@ -50,15 +50,11 @@ from typing import Any
 
 from buffers.leases import PromptRecordLike
 from common.config import EvalConfig, TandemConfig
+from common.eval_messages import EvalAck, EvalGrant, EvalResult
 from common.eval_metrics import result_metrics
 from common.eval_sets import eval_set, set_label
 from common.prompt_sources import RowMapping, env_row_mapping
-from common.types import (
-    EvalAck,
-    EvalGrant,
-    EvalResult,
-    PromptItem,
-)
+from common.types import PromptItem
 
 log = logging.getLogger("tandem.buffer.eval")
 

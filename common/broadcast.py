@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from common.types import TensorSpec, WeightsHeader
+from common.weight_messages import TensorSpec, WeightsHeader
 from common.weights import check_frames
 
 log = logging.getLogger("tandem.common.broadcast")

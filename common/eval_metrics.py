@@ -207,12 +207,12 @@ def set_metrics(groups: Sequence[Sequence[ScoredCompletion]], k: int | None = No
 
 
 def _verdict(value: int) -> bool | None:
-    """An EvalResult verdict (`common.types.VERDICTS`: -1 not defined, 0 wrong, 1 right) as score_completion's."""
+    """An EvalResult verdict (`common.eval_messages.VERDICTS`: -1 not defined, 0 wrong, 1 right) as score_completion's."""
     return None if value < 0 else bool(value)
 
 
 def result_metrics(result: Any, greedy: bool, samples: int) -> dict[str, Any]:
-    """The metrics of one `common.types.EvalResult` (evaluation during training): the same `set_metrics` as
+    """The metrics of one `common.eval_messages.EvalResult` (evaluation during training): the same `set_metrics` as
     `tandem eval`, over completions rebuilt from the result's columns. Completion p * m + j belongs to prompt p
     (m = greedy + samples, the greedy one first), as the result's docstring lays them out.
 

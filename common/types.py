@@ -1,6 +1,8 @@
 """The types that cross process boundaries: defined once, each field saying its shape and alignment.
 
-Every message is a frozen dataclass registered under a wire name (see `common.wire`). Token data is columnar:
+Every message is a frozen dataclass registered under a wire name (see `common.wire`). Those of evaluation during
+training are in `common.eval_messages`, those of a weights update in `common.weight_messages`: `common.wire`
+imports both, so every message is registered wherever one is decoded. Token data is columnar:
 a `RolloutGroup` holds the `n` completions of one prompt as flat arrays with `offsets`, so that a group of
 64 samples travels as a handful of zero-copy frames, not thousands of small objects.
 
@@ -64,7 +66,7 @@ def count(low: int = 0, high: int = MAX_COUNT) -> Any:
     return field(metadata={"low": low, "high": high})
 
 
-def _default(value: Any, low: int = 0, high: int = MAX_COUNT) -> Any:
+def defaulted(value: Any, low: int = 0, high: int = MAX_COUNT) -> Any:
     """An integer field with a default (older peers may omit it), decoded within [low, high]."""
     return field(default=value, metadata={"low": low, "high": high})
 
@@ -123,10 +125,10 @@ class Heartbeat:
     lease_ids: list[int] = count()
     # Monotone counter of work done (engine steps that ran a request + samples finished + env calls answered): the buffer
     # takes a generator whose counter stands still for buffer.stall_timeout_s as stuck. 0 from older peers.
-    progress: int = _default(0)
+    progress: int = defaulted(0)
     # Completion tokens sampled so far, unfinished samples included (one per request an engine step ran): the
     # buffer's generation rate, for the learner's report of a long wait (learners.stall_report). 0 from older peers.
-    tokens: int = _default(0)
+    tokens: int = defaulted(0)
     # The eval lease the generator is sampling (at most one; ids of buffers.evaluation, not of lease_ids): renewed.
     eval_lease_ids: list[int] = field(default_factory=list, metadata={"low": 0, "high": MAX_COUNT})
 
@@ -259,7 +261,7 @@ class Batch:
     # far, and the float64 sum of their rewards (finite, as every float on the wire; rewards may be negative). With
     # the learner's own reward/mean they give the mean reward of every generated sample (benchmarks.time_to_reward).
     # Defaults: a buffer from before them omits them (0: nothing filtered).
-    dropped_no_signal: int = _default(0)
+    dropped_no_signal: int = defaulted(0)
     no_signal_reward_sum: float = 0.0
 
 
@@ -322,252 +324,6 @@ class BufferStats:
 
     counters: dict[str, int]
     learner_version: int = version()
-
-
-# ---------------------------------------------------------------------------------------------------- evaluation
-# Evaluation during training (buffers.evaluation, actors.evaluation): an eval lease is one eval set, sampled by one
-# generator with one policy version and answered by one EvalResult. Not a training lease: outside admission, the
-# staleness bound and the replay buffer, with its own numbering and its own line in the buffer's accounting.
-MAX_EVAL_COMPLETIONS = 1 << 16  # completions in one EvalResult (eval.max_prompts x (greedy + eval.samples) is below)
-VERDICTS = (-1, 0, 1)  # strict / lenient / passed per completion: -1 = not defined for this set, 0 = wrong, 1 = right
-
-
-@message("eval_grant")
-class EvalGrant:
-    """Buffer -> generator, the reply to a LeaseRequest while an evaluation is due (ahead of training prompts):
-    sample every prompt of eval set `set_name` with weights of version >= `min_version`, all with one version (no
-    weights load in between: hold it, or redo the samples), and send one EvalResult before `deadline` (unix time).
-    Per prompt: one greedy completion first if `greedy`, then `samples` at `temperature`, each of at most
-    `max_tokens` tokens."""
-
-    lease_id: int = count()  # eval leases have their own numbering (not a training lease id)
-    deadline: float
-    set_name: str
-    min_version: int = version()  # the version the evaluation round is for
-    greedy: bool
-    samples: int = count()
-    temperature: float
-    max_tokens: int = count(1)
-    prompts: list[PromptItem]
-
-    @property
-    def per_prompt(self) -> int:
-        """Completions per prompt: the greedy one (if any) and the samples."""
-        return int(self.greedy) + self.samples
-
-
-@message("eval_result")
-class EvalResult:
-    """Generator -> buffer: the scored completions of eval lease `lease_id`, all made by weights `policy_version`.
-
-    Columnar, prompt-major: prompt `prompt_ids[p]` owns completions [p * m, (p + 1) * m) with m =
-    `EvalGrant.per_prompt` (the greedy one first). Per completion: the scalar reward and its components, the
-    completion's token count, whether it stopped at the token limit, and the verdicts of
-    `common.eval_metrics.score_completion` (VERDICTS: -1 where not defined)."""
-
-    generator_id: int = count()
-    lease_id: int = count()
-    policy_version: int = version()
-    prompt_ids: list[int] = count()  # [P], the lease's prompts in its order
-    rewards: np.ndarray = array("float32")  # [P * m]
-    num_tokens: np.ndarray = array("int32")  # [P * m]
-    truncated: np.ndarray = array("uint8")  # [P * m]: 1 = stopped at max_tokens
-    strict: np.ndarray = array("int8")  # [P * m]: the answer after the marker is right
-    lenient: np.ndarray = array("int8")  # [P * m]: strict, or the last number is right
-    passed: np.ndarray = array("int8")  # [P * m]: counts toward pass@k
-    reward_components: dict[str, np.ndarray] = field(default_factory=dict)  # name -> float32 [P * m]
-    started_at: float = 0.0  # unix time the first eval request went to the engine
-    finished_at: float = 0.0  # unix time the last one finished
-
-    def validate(self) -> None:
-        """Alignment and value ranges (the lease's layout, P x m, is the buffer's check)."""
-        total = len(self.rewards)
-        if not self.prompt_ids or total == 0 or total % len(self.prompt_ids):
-            raise ContractError(
-                f"eval_result: {total} completions for {len(self.prompt_ids)} prompts (need a multiple, >= 1 each)"
-            )
-        if total > MAX_EVAL_COMPLETIONS:
-            raise ContractError(f"eval_result: {total} completions (at most {MAX_EVAL_COMPLETIONS})")
-        if len(set(self.prompt_ids)) != len(self.prompt_ids):
-            raise ContractError("eval_result.prompt_ids: a prompt appears twice")
-        for name in ("num_tokens", "truncated", "strict", "lenient", "passed"):
-            if len(getattr(self, name)) != total:
-                raise ContractError(f"eval_result.{name}: length {len(getattr(self, name))} != {total} completions")
-        if len(self.reward_components) > MAX_REWARD_COMPONENTS:
-            raise ContractError(f"eval_result.reward_components: more than {MAX_REWARD_COMPONENTS}")
-        for name, values in self.reward_components.items():
-            if len(name) > MAX_NAME_CHARS:
-                raise ContractError(f"eval_result.reward_components: a name longer than {MAX_NAME_CHARS} characters")
-            if values.dtype != np.float32 or values.shape != (total,) or not np.all(np.isfinite(values)):
-                raise ContractError(f"eval_result.reward_components.{name}: must be finite float32 [{total}]")
-        if not np.all(np.isfinite(self.rewards)):
-            raise ContractError("eval_result.rewards: must be finite")
-        if np.any(self.num_tokens < 0) or np.any(self.truncated > 1):
-            raise ContractError("eval_result: num_tokens must be >= 0 and truncated 0 or 1")
-        for name in ("strict", "lenient", "passed"):
-            if np.any((getattr(self, name) < -1) | (getattr(self, name) > 1)):
-                raise ContractError(f"eval_result.{name}: values must be -1, 0 or 1")
-
-
-@message("eval_ack")
-class EvalAck:
-    """Buffer -> generator: status 'accepted', 'duplicate' (that eval lease was answered already: fine) or
-    'rejected' (+ reason: the set is sampled again, by whichever generator asks next)."""
-
-    lease_id: int = count()
-    status: str
-    reason: str = ""
-
-
-# ---------------------------------------------------------------------------------------------------- weights
-@message("tensor_spec")
-class TensorSpec:
-    """Where one tensor lies in the concatenated payload of a weights update."""
-
-    name: str
-    dtype: str  # numpy/torch dtype name: "bfloat16", "float32", ...
-    shape: list[int] = count()
-    bucket: int = count()  # index of the bucket (frame) that holds it
-    offset: int = count()  # byte offset inside that bucket
-    nbytes: int = count()
-
-
-MAX_ADDRESS_CHARS = 300  # host:port, or "host:<generator id>" for a host copy
-MAX_LORA_RANK = 4096  # an adapter's rank (vLLM 0.32 serves up to 512: actors.engine.vllm refuses more at start)
-MAX_LORA_ALPHA = 1e6  # the adapter's scale is lora_alpha / lora_rank
-MAX_LORA_MODULES = 64  # target module names of an adapter (Llama has 7 projections)
-MAX_MODULE_NAME_CHARS = 100
-
-
-@message("weights_request")
-class WeightsRequest:
-    """Generator -> learner publisher: send weights newer than `have_version` (-1 = any).
-
-    Relay transport (learners/fanout.py): `relay_address` is where this generator serves chunks to children
-    ("" = it cannot relay), `host_id` the host whose copy it shares. A generator whose parent failed asks again with
-    `failed_parent` (the parent's address as the publisher gave it) and `failure` ("stalled", "bad_chunk",
-    "unavailable"), for `version`: the update it was receiving (-1 = none)."""
-
-    generator_id: int = count()
-    have_version: int = version(low=-1)
-    relay_address: str = ""
-    host_id: str = ""
-    failed_parent: str = ""
-    failure: str = ""
-    version: int = _default(-1, -1, MAX_VERSION)
-    # Broadcast transport (learners/broadcast_publisher.py): `ready_version` = the announced round this generator
-    # can receive at once (-1 = none yet); `group_workers` = its vLLM workers, one group rank each (its TP size).
-    ready_version: int = _default(-1, -1, MAX_VERSION)
-    group_workers: int = _default(1, 1, 4096)
-
-    def validate(self) -> None:
-        for name in ("relay_address", "host_id", "failed_parent", "failure"):
-            if len(getattr(self, name)) > MAX_ADDRESS_CHARS:
-                raise ContractError(f"weights_request.{name}: longer than {MAX_ADDRESS_CHARS} characters")
-
-
-@message("weights_header")
-class WeightsHeader:
-    """Learner -> generator: the header of a weights update. `transport` says how the payload travels: 'zmq' (the
-    buckets follow this header as raw frames), 'relay' (chunks pulled from `parent`, checked against
-    `chunk_digests`), 'broadcast' (over the static group). `lora_rank` > 0: an adapter-only update (the LoRA matrices,
-    `common.weights.check_adapter`); 0: the full weights."""
-
-    policy_version: int = version()
-    tensors: list[TensorSpec]
-    bucket_sizes: list[int] = count()  # bytes of each bucket
-    transport: str = "zmq"
-    # relay: the payload comes in chunks (`common.weights.chunk_ranges`) pulled from `parent` ("" = this publisher,
-    # "host:<generator id>" = that generator's copy on this host, else a generator's relay address); every chunk's
-    # sha256 comes here, from the publisher, so a relay cannot alter what it forwards. `depth`: hops from the
-    # publisher once attached there.
-    chunk_bytes: int = _default(0)
-    chunk_digests: list[str] = field(default_factory=list)
-    parent: str = ""
-    depth: int = _default(0)
-    # An adapter-only update (learner.lora.sync = "adapter"): `lora_rank` > 0, the tensors are the LoRA A/B matrices
-    # of the modules named in `lora_target_modules` (peft's names without "base_model.model.", e.g.
-    # "model.layers.0.self_attn.q_proj.lora_A.weight"), scaled by lora_alpha / lora_rank. 0 = full weights.
-    lora_rank: int = _default(0, 0, MAX_LORA_RANK)
-    lora_alpha: float = 0.0
-    lora_target_modules: list[str] = field(default_factory=list)
-    # broadcast: the round's group, set once every member is known (`group_epoch` -1: announced, not yet sealed).
-    # A member's workers are ranks group_rank .. group_rank + its workers - 1 of `group_size` (rank 0: the
-    # publisher), rendezvous at the publisher's broadcast_host:group_port; group_rank -1 = not in this round.
-    group_epoch: int = _default(-1, -1, MAX_VERSION)
-    group_port: int = _default(0, 0, 65535)
-    group_size: int = _default(0, 0, 1 << 20)
-    group_rank: int = _default(-1, -1, 1 << 20)
-
-    def validate(self) -> None:
-        if len(self.parent) > MAX_ADDRESS_CHARS:
-            raise ContractError(f"weights_header.parent: longer than {MAX_ADDRESS_CHARS} characters")
-        self._validate_adapter()
-        if any(len(d) != 64 for d in self.chunk_digests):
-            raise ContractError("weights_header.chunk_digests: each must be a sha256 hex digest (64 characters)")
-        for spec in self.tensors:
-            if not 0 <= spec.bucket < len(self.bucket_sizes):
-                raise ContractError(f"weights_header.{spec.name}: bucket {spec.bucket} out of range")
-            if spec.offset < 0 or spec.offset + spec.nbytes > self.bucket_sizes[spec.bucket]:
-                raise ContractError(f"weights_header.{spec.name}: bytes outside its bucket")
-
-    def _validate_adapter(self) -> None:
-        if self.lora_rank == 0:
-            if self.lora_alpha != 0.0 or self.lora_target_modules:
-                raise ContractError("weights_header: lora_alpha / lora_target_modules set on a full update (rank 0)")
-            return
-        if not 0 < self.lora_alpha <= MAX_LORA_ALPHA:
-            raise ContractError(f"weights_header.lora_alpha: {self.lora_alpha} is outside (0, {MAX_LORA_ALPHA}]")
-        modules = self.lora_target_modules
-        if not 1 <= len(modules) <= MAX_LORA_MODULES:
-            raise ContractError(f"weights_header.lora_target_modules: {len(modules)} names (1 to {MAX_LORA_MODULES})")
-        if len(set(modules)) != len(modules):
-            raise ContractError("weights_header.lora_target_modules: a name is repeated")
-        for name in modules:
-            if len(name) > MAX_MODULE_NAME_CHARS or not name.isidentifier() or not name.isascii():
-                raise ContractError(
-                    f"weights_header.lora_target_modules: {name[:40]!r} is not a module name (an ASCII identifier "
-                    f"of at most {MAX_MODULE_NAME_CHARS} characters, e.g. 'q_proj')"
-                )
-
-
-@message("weights_not_newer")
-class WeightsNotNewer:
-    """Learner -> generator: nothing newer than what you have; `latest_version` is the current one."""
-
-    latest_version: int = version(low=-1)
-
-
-@message("chunk_request")
-class ChunkRequest:
-    """Generator -> its relay parent (or the publisher): chunks of `version` from index `first`, at most
-    `max_chunks` of them. The parent answers with the contiguous run of chunks it holds from `first` (at least
-    one: it holds the request until chunk `first` arrives), or `ChunkUnavailable`."""
-
-    generator_id: int = count()
-    version: int = version()
-    first: int = count()
-    max_chunks: int = count(1, 1024)
-
-
-@message("chunk_reply")
-class ChunkReply:
-    """The chunks `first .. first + n_chunks - 1` of `version`, one raw frame each (checked against the digests of
-    the publisher's header by the receiver, never trusted). n_chunks = 0: the parent is alive but does not hold
-    chunk `first` yet (it answers a held request so after a while, so a child tells a waiting parent from a dead
-    one)."""
-
-    version: int = version()
-    first: int = count()
-    n_chunks: int = count(0, 1024)
-
-
-@message("chunk_unavailable")
-class ChunkUnavailable:
-    """The parent holds no copy of `version` (any more): ask the publisher for another parent."""
-
-    version: int = version()
-    reason: str = ""
 
 
 # ---------------------------------------------------------------------------------------------------- rewards

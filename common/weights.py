@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from common.types import TensorSpec, WeightsHeader
+from common.weight_messages import TensorSpec, WeightsHeader
 
 log = logging.getLogger("tandem.common.weights")
 

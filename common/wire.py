@@ -21,6 +21,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from common import eval_messages, weight_messages  # noqa: F401 (imported, they register their messages)
 from common.field_checks import from_fields, to_fields
 from common.types import MESSAGE_TYPES, PROTOCOL_VERSION, ContractError
 

@@ -48,11 +48,8 @@ from common.types import (
     LeaseReturn,
     PromptItem,
     RolloutGroup,
-    TensorSpec,
-    WeightsHeader,
-    WeightsNotNewer,
-    WeightsRequest,
 )
+from common.weight_messages import TensorSpec, WeightsHeader, WeightsNotNewer, WeightsRequest
 from common.weights import DEFAULT_BUCKET_MB, check_frames, plan_buckets, storage_dtype
 from launch.local import Role
 

@@ -51,7 +51,7 @@ from common.broadcast import (
 from common.config import WeightsConfig
 from common.serving import answer_safely, supervised_thread
 from common.sockets import Request, Server, SocketSecurity, free_port
-from common.types import WeightsHeader, WeightsNotNewer, WeightsRequest
+from common.weight_messages import WeightsHeader, WeightsNotNewer, WeightsRequest
 from common.weights import DEFAULT_BUCKET_MB, plan_buckets
 from learners.publisher import WEIGHTS_READERS
 from learners.snapshot import Layout

@@ -68,7 +68,7 @@ from common.config import LoraConfig, WeightsConfig
 from common.connections import disconnect_tcp, tcp_connection
 from common.serving import answer_safely, supervised_thread
 from common.sockets import Request, Server, SocketSecurity
-from common.types import ChunkReply, ChunkRequest, ChunkUnavailable, WeightsNotNewer, WeightsRequest
+from common.weight_messages import ChunkReply, ChunkRequest, ChunkUnavailable, WeightsNotNewer, WeightsRequest
 from common.weights import ALIGN, DEFAULT_BUCKET_MB, chunk_ranges, digest_chunks
 from learners.fanout import FanoutTree, MembershipRefused
 from learners.snapshot import Layout, Snapshot, buckets_reusable, copy_into_snapshot, needs_digests

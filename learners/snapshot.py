@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from common.config import LoraConfig
-from common.types import WeightsHeader
+from common.weight_messages import WeightsHeader
 from common.weights import plan_buckets, storage_dtype
 
 Layout = Sequence[tuple[str, str, Sequence[int]]]  # (HF name, dtype name, shape) per tensor, in publish order

@@ -35,7 +35,7 @@ from actors.weights.updates import LayoutGuard, WeightsRejected, WeightsTranspor
 from common.broadcast import check_header, refuse_exposed_group, resolve_backend
 from common.config import WeightsConfig
 from common.sockets import Client, SocketSecurity
-from common.types import WeightsHeader, WeightsRequest
+from common.weight_messages import WeightsHeader, WeightsRequest
 from common.weights import WeightsLayoutError
 
 SEAL_POLL_S = 0.02  # how often a ready generator asks whether its round is sealed

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from common.processes import pid_alive
-from common.types import WeightsHeader
+from common.weight_messages import WeightsHeader
 from common.weights import ALIGN, chunk_ranges, no_room
 
 HEADER_BYTES = 4096

@@ -67,14 +67,8 @@ from common.config import WeightsConfig
 from common.connections import TcpConnection, disconnect_tcp, tcp_connection
 from common.serving import answer_safely, supervised_thread
 from common.sockets import Client, PeerUnavailable, Request, SecurityError, Server, SocketSecurity
-from common.types import (
-    ChunkReply,
-    ChunkRequest,
-    ChunkUnavailable,
-    ErrorReply,
-    WeightsHeader,
-    WeightsRequest,
-)
+from common.types import ErrorReply
+from common.weight_messages import ChunkReply, ChunkRequest, ChunkUnavailable, WeightsHeader, WeightsRequest
 from common.weights import (
     ALIGN,
     WeightsLayoutError,

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from common.broadcast import BroadcastGroup, bucket_tensors, receive_round
-from common.types import TensorSpec, WeightsHeader
+from common.weight_messages import TensorSpec, WeightsHeader
 
 log = logging.getLogger("tandem.actors.weight_transfer")
 

@@ -54,7 +54,8 @@ from typing import Any, Protocol
 
 from common.config import WeightsConfig
 from common.sockets import Client, PeerUnavailable, SocketSecurity, backoff_delays
-from common.types import ErrorReply, WeightsHeader, WeightsNotNewer, WeightsRequest
+from common.types import ErrorReply
+from common.weight_messages import WeightsHeader, WeightsNotNewer, WeightsRequest
 from common.weights import (  # noqa: F401 - shared_memory_dir, weights_store_dir: this module's API too
     ALIGN,
     WeightsLayoutError,

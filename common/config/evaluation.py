@@ -12,7 +12,7 @@ from pydantic import (
 
 from common.config.base import MAX_TIMEOUT_S, REWARD_FN_PATTERN, _check_reward_fn_name, _Section
 
-MAX_EVAL_SAMPLES = 64  # completions per prompt in one eval lease at eval.temperature (common.types.EvalGrant)
+MAX_EVAL_SAMPLES = 64  # completions per prompt in one eval lease at eval.temperature (common.eval_messages.EvalGrant)
 MAX_EVAL_PROMPTS = 1000  # prompts per eval set: one set is one eval lease, answered by one EvalResult message
 
 

@@ -13,7 +13,7 @@ from common.config.base import MAX_MESSAGE_MB, MAX_TIMEOUT_S, Address, CoreList,
 
 # Llama's (and SmolLM2's) linear projections: every attention and MLP matrix, the usual LoRA targets.
 LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-MAX_LORA_RANK = 4096  # as common.types.WeightsHeader.lora_rank (vLLM serves adapters up to rank 512)
+MAX_LORA_RANK = 4096  # as common.weight_messages.WeightsHeader.lora_rank (vLLM serves adapters up to rank 512)
 
 
 def _check_module_names(names: list[str]) -> list[str]:

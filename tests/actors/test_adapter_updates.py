@@ -16,7 +16,7 @@ import pytest
 from actors.engine.simulated import SimEngine
 from actors.weights.updates import WeightsPoller, WeightsRejected, WeightsUpdate, ZmqWeightsSource, check_update_kind
 from common.sockets import SocketSecurity
-from common.types import MAX_LORA_RANK, WeightsHeader
+from common.weight_messages import MAX_LORA_RANK, WeightsHeader
 from common.weights import WeightsLayoutError, check_frames
 from common.wire import WireError, decode, encode
 from launch.testing import free_port, pack_weights

@@ -30,22 +30,11 @@ from actors.liveness import Pulse
 from actors.rewards.functions import TimedFunction
 from actors.rollouts import rollouts_maker
 from actors.weights.updates import WeightsUpdate
+from common.eval_messages import EvalAck, EvalGrant, EvalResult
 from common.eval_metrics import result_metrics
 from common.metrics import MetricsSink
-from common.types import (
-    EvalAck,
-    EvalGrant,
-    EvalResult,
-    GroupAck,
-    Heartbeat,
-    LeaseGrant,
-    LeaseRefused,
-    LeaseRequest,
-    Ok,
-    PromptItem,
-    RolloutGroup,
-    WeightsHeader,
-)
+from common.types import GroupAck, Heartbeat, LeaseGrant, LeaseRefused, LeaseRequest, Ok, PromptItem, RolloutGroup
+from common.weight_messages import WeightsHeader
 from launch.testing import run_config
 
 HERE = "tests.actors.test_generator_eval"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from actors.weights.transfer import BroadcastLoad, GroupTicket
-from common.types import TensorSpec, WeightsHeader
+from common.weight_messages import TensorSpec, WeightsHeader
 
 HEADER = WeightsHeader(
     policy_version=3, tensors=[TensorSpec("w", "float32", [2], 0, 0, 8)], bucket_sizes=[8], transport="broadcast"

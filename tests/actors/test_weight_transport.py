@@ -15,7 +15,7 @@ from actors.weights.updates import (
     ZmqWeightsSource,
 )
 from common.sockets import SocketSecurity
-from common.types import WeightsHeader
+from common.weight_messages import WeightsHeader
 from common.weights import storage_dtype
 from launch.testing import FakePublisher, free_port
 from tests.shm_fakes import small_shared_memory

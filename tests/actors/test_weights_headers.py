@@ -10,7 +10,7 @@ import pytest
 
 from actors.weights.updates import WeightsTransportError, ZmqWeightsSource
 from common.sockets import SocketSecurity
-from common.types import TensorSpec, WeightsHeader
+from common.weight_messages import TensorSpec, WeightsHeader
 from common.weights import MAX_POLICY_VERSION, WeightsLayoutError, check_frames
 from launch.testing import FakePublisher, free_port, pack_weights
 

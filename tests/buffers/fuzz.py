@@ -27,8 +27,8 @@ from common.types import (
     LeaseReturn,
     StatsRequest,
     VersionReport,
-    WeightsRequest,
 )
+from common.weight_messages import WeightsRequest
 from common.wire import decode, encode
 from tests.buffers.fakes import make_group
 

@@ -26,8 +26,8 @@ from common.types import (
     Ok,
     StatsRequest,
     VersionReport,
-    WeightsRequest,
 )
+from common.weight_messages import WeightsRequest
 from tests.buffers.fakes import GROUP, RandomRun, advance_learner, ask, make_core, make_group, random_ops
 
 

@@ -18,12 +18,10 @@ from buffers.evaluation import EvalScheduler
 from buffers.journal import Journal
 from buffers.state import BufferState
 from common.config import EvalConfig
+from common.eval_messages import EvalAck, EvalGrant, EvalResult
 from common.types import (
     Batch,
     BatchRequest,
-    EvalAck,
-    EvalGrant,
-    EvalResult,
     Heartbeat,
     LeaseGrant,
     LeaseRefused,

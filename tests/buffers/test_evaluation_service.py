@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from common.eval_messages import EvalGrant, EvalResult
 from common.sockets import Client
-from common.types import EvalGrant, EvalResult, Heartbeat, LeaseRequest, Ok, RunOver, VersionReport
+from common.types import Heartbeat, LeaseRequest, Ok, RunOver, VersionReport
 from tests.buffers.peers import SECURITY, call, stats
 from tests.buffers.test_service import BufferProcess
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from common.eval_messages import EvalResult
 from common.eval_metrics import result_metrics
-from common.types import EvalResult
 
 # Per completion, prompt-major, greedy first: (strict, lenient, passed, reward, tokens, truncated, format component)
 ROWS = [

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.types import WeightsHeader
+from common.weight_messages import WeightsHeader
 from common.weights import (
     ALIGN,
     WeightsLayoutError,

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common import types as t
+from common import weight_messages as wm
 from common.field_checks import from_fields, to_fields
 from common.wire import WireError, decode, encode
 
@@ -63,7 +64,7 @@ prompt_items = st.builds(
     metadata=metadata,
 )
 tensor_specs = st.builds(
-    t.TensorSpec,
+    wm.TensorSpec,
     name=text,
     dtype=st.sampled_from(["bfloat16", "float32"]),
     shape=st.lists(st.integers(0, 9), max_size=3),
@@ -110,15 +111,15 @@ MESSAGES = st.one_of(
     st.builds(t.ErrorReply, reason=text),
     st.builds(t.StatsRequest),
     st.builds(t.BufferStats, counters=st.dictionaries(text, st.integers(0, 2**40)), learner_version=version),
-    st.builds(t.WeightsRequest, generator_id=st.integers(0, 99), have_version=st.integers(-1, t.MAX_VERSION)),
+    st.builds(wm.WeightsRequest, generator_id=st.integers(0, 99), have_version=st.integers(-1, t.MAX_VERSION)),
     st.builds(
-        t.WeightsHeader,
+        wm.WeightsHeader,
         policy_version=version,
         tensors=st.lists(tensor_specs, max_size=3),
         bucket_sizes=st.just([16]),
         transport=st.sampled_from(["zmq", "nccl"]),
     ),
-    st.builds(t.WeightsNotNewer, latest_version=st.integers(-1, t.MAX_VERSION)),
+    st.builds(wm.WeightsNotNewer, latest_version=st.integers(-1, t.MAX_VERSION)),
 )
 
 
@@ -182,7 +183,7 @@ def test_a_batch_without_the_filter_counters_decodes_and_bad_ones_are_refused() 
 
 
 def test_payload_frames_are_returned_raw() -> None:
-    header = t.WeightsHeader(policy_version=1, tensors=[], bucket_sizes=[3, 2])
+    header = wm.WeightsHeader(policy_version=1, tensors=[], bucket_sizes=[3, 2])
     message, payload = decode(encode(header, [b"abc", b"de"]))
     assert message == header and [bytes(p) for p in payload] == [b"abc", b"de"]
 
@@ -316,7 +317,7 @@ def test_object_arrays_cannot_be_sent() -> None:
         t.BatchRequest(step=0, rank=0, world_size=1, num_groups=1, timeout_s=float("nan")),
         t.LeaseGrant(lease_id=1, deadline=float("inf"), prompts=[]),
         t.BufferStats(counters={"arrived": -(2**60)}, learner_version=0),
-        t.WeightsRequest(generator_id=0, have_version=-2),
+        wm.WeightsRequest(generator_id=0, have_version=-2),
     ],
 )
 def test_numbers_beyond_what_the_system_represents_are_rejected(message: object) -> None:

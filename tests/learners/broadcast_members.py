@@ -29,7 +29,7 @@ from actors.weights.updates import WeightsRejected, WeightsTransportError
 from common.broadcast import BroadcastError, BroadcastGroup, receive_round
 from common.config import WeightsConfig
 from common.sockets import PeerUnavailable, SocketSecurity
-from common.types import WeightsHeader
+from common.weight_messages import WeightsHeader
 from learners.broadcast_publisher import BroadcastWeightsPublisher
 
 BUCKET_BYTES = 8192  # several buckets: the embedding alone spans more than one

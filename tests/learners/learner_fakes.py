@@ -19,15 +19,8 @@ from buffers.core import BufferCore, RequestRejected
 from buffers.state import BufferSettings, BufferState
 from common.config import TandemConfig, load_config
 from common.sockets import Client, Server
-from common.types import (
-    BatchRequest,
-    LeaseGrant,
-    LeaseRequest,
-    RolloutGroup,
-    VersionReport,
-    WeightsHeader,
-    WeightsRequest,
-)
+from common.types import BatchRequest, LeaseGrant, LeaseRequest, RolloutGroup, VersionReport
+from common.weight_messages import WeightsHeader, WeightsRequest
 from launch.testing import RoleUnderTest, ServerThread, free_port, loopback_overrides, unpack_weights
 from tests.buffers.fakes import fake_prompts
 

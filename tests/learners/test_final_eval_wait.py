@@ -15,8 +15,9 @@ from buffers.core import BufferCore, RequestRejected
 from buffers.evaluation import EvalScheduler
 from buffers.state import BufferState
 from common.config import EvalConfig
+from common.eval_messages import EvalGrant, EvalResult
 from common.sockets import Server, SocketSecurity
-from common.types import EvalGrant, EvalResult, LeaseRequest
+from common.types import LeaseRequest
 from launch.testing import ServerThread, free_port
 from learners import learner
 from learners.buffer_link import BufferLink

@@ -13,7 +13,7 @@ import pytest
 
 from common.metrics import read_metrics
 from common.sockets import Client, SocketSecurity
-from common.types import WeightsNotNewer
+from common.weight_messages import WeightsNotNewer
 from launch.testing import RoleUnderTest
 from learners.sim_trainer import SimulatedTrainer
 from tests.learners.learner_fakes import (

@@ -13,7 +13,8 @@ from pydantic import ValidationError
 
 from common.config import WeightsConfig
 from common.sockets import Client, SocketSecurity
-from common.types import ErrorReply, LeaseRequest, WeightsHeader, WeightsNotNewer
+from common.types import ErrorReply, LeaseRequest
+from common.weight_messages import WeightsHeader, WeightsNotNewer
 from launch.testing import free_port
 from learners.publisher import ZmqWeightsPublisher
 from learners.snapshot import buckets_reusable, copy_into_snapshot

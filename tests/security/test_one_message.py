@@ -30,17 +30,14 @@ from common.sockets import Client, Server, SocketSecurity, free_port
 from common.types import (
     PROTOCOL_VERSION,
     BufferStats,
-    ChunkRequest,
-    ChunkUnavailable,
     ErrorReply,
     LeaseGrant,
     LeaseRequest,
     RewardReply,
     RewardRequest,
     StatsRequest,
-    WeightsHeader,
-    WeightsRequest,
 )
+from common.weight_messages import ChunkRequest, ChunkUnavailable, WeightsHeader, WeightsRequest
 from common.wire import decode
 from launch.testing import RoleUnderTest, run_config, wait_until
 from learners.publisher import ZmqWeightsPublisher

@@ -26,7 +26,7 @@ from actors.weights.relay import RelayServer, RelayWeightsSource
 from actors.weights.updates import WeightsPoller, open_weights_source
 from common.config import WeightsConfig
 from common.sockets import Client, SocketSecurity, free_port
-from common.types import ChunkReply, ChunkRequest, WeightsHeader, WeightsRequest
+from common.weight_messages import ChunkReply, ChunkRequest, WeightsHeader, WeightsRequest
 from common.wire import decode, encode
 from launch.testing import pack_weights, wait_until
 from learners.fanout import FanoutTree

@@ -25,7 +25,8 @@ import zmq
 
 from actors.weights.updates import WeightsPoller, WeightsUpdate, ZmqWeightsSource
 from common.sockets import Client, SocketSecurity
-from common.types import ErrorReply, TensorSpec, WeightsHeader, WeightsNotNewer, WeightsRequest
+from common.types import ErrorReply
+from common.weight_messages import TensorSpec, WeightsHeader, WeightsNotNewer, WeightsRequest
 from common.wire import encode
 from launch.testing import ServerThread, free_port, pack_weights, wait_until
 from learners.publisher import ZmqWeightsPublisher
