@@ -196,7 +196,7 @@ class BroadcastWeightsPublisher:
         with self._lock:
             while not self._stop.is_set():
                 now = time.monotonic()
-                heard = {g: m for g, m in self._roster.items() if now - m.seen <= self.member_timeout_s}
+                heard = self._heard(now)
                 ready = [(g, m.workers) for g, m in sorted(heard.items()) if m.ready == version]
                 if ready and (len(ready) == len(heard) or now >= deadline):
                     self.counters["late_members"] += len(heard) - len(ready)
@@ -207,6 +207,15 @@ class BroadcastWeightsPublisher:
                     return []
                 self._lock.wait(timeout=0.05)
         return []
+
+    def _heard(self, now: float) -> dict[int, _Member]:
+        """The generators that asked the doorbell within member_timeout_s (under the lock)."""
+        return {g: m for g, m in self._roster.items() if now - m.seen <= self.member_timeout_s}
+
+    def generators_heard(self) -> list[int]:
+        """The ids of the generators heard recently: a round announced now waits for each of them to be ready."""
+        with self._lock:
+            return sorted(self._heard(time.monotonic()))
 
     def _send(self, current: _Round, members: list[tuple[int, int]], stream: Any) -> None:
         epoch = self._epoch if self._epoch is not None and self._epoch.members == tuple(members) else None

@@ -1,10 +1,13 @@
 """Members of a gloo broadcast fleet for tests/learners/test_broadcast.py, each its own process:
 
-    python -m tests.learners.broadcast_members publisher DOORBELL GROUP_PORT OUT_DIR VERSIONS [PAUSE_S]
+    python -m tests.learners.broadcast_members publisher DOORBELL GROUP_PORT OUT_DIR VERSIONS [PAUSE_S [HEARD]]
     python -m tests.learners.broadcast_members receiver  DOORBELL GROUP_PORT OUT_DIR INDEX WANT WORKERS [DIE_IN]
 
 The publisher publishes versions 1..VERSIONS (`member_weights`), each once the previous round ended (sent or
-failed) and PAUSE_S passed, then writes OUT_DIR/publisher.json (counters, bytes per version, epoch forming times).
+failed), PAUSE_S passed and as many generators as HEARD says for it have asked its doorbell (HEARD: counts by
+version separated by commas, "1,2" = one before version 1, two before version 2; none past the list): processes
+start in any order, and one that starts slowly on a loaded machine would otherwise miss its round. Then it writes
+OUT_DIR/publisher.json (counters, bytes per version, epoch forming times).
 A receiver plays a generator with WORKERS vLLM workers: it fetches, seals the round (`BroadcastWeightsSource`) and
 receives it in one thread per worker, each its own group rank, as `actors.weights.transfer` does inside vLLM;
 worker 0 writes every bucket to OUT_DIR/r{INDEX}-v{version}-b{bucket}.bin, the others check they got the same bytes.
@@ -63,13 +66,16 @@ def layout_of(weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, l
     return [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in weights]
 
 
-def run_publisher(doorbell: int, group: int, out: Path, versions: int, pause_s: float) -> None:
+def run_publisher(doorbell: int, group: int, out: Path, versions: int, pause_s: float, heard: list[int]) -> None:
     publisher = BroadcastWeightsPublisher(
         "127.0.0.1", doorbell, SocketSecurity(), weights_config(group), bucket_bytes=BUCKET_BYTES
     )
     deadline = time.monotonic() + RUN_S
     for version in range(1, versions + 1):
         time.sleep(pause_s)
+        expected = heard[version - 1] if version <= len(heard) else 0
+        while len(publisher.generators_heard()) < expected and time.monotonic() < deadline:
+            time.sleep(0.01)
         weights = member_weights(version)
         publisher.publish(version, layout_of(weights), iter(weights))
         while (
@@ -184,7 +190,9 @@ if __name__ == "__main__":
     role, doorbell_port, group_port, out_dir = sys.argv[1:5]
     ports = (int(doorbell_port), int(group_port), Path(out_dir))
     if role == "publisher":
-        run_publisher(*ports, int(sys.argv[5]), float(sys.argv[6]) if len(sys.argv) > 6 else 0.0)
+        pause_s = float(sys.argv[6]) if len(sys.argv) > 6 else 0.0
+        heard = [int(count) for count in sys.argv[7].split(",")] if len(sys.argv) > 7 else []
+        run_publisher(*ports, int(sys.argv[5]), pause_s, heard)
     else:
         index, want, workers = (int(a) for a in sys.argv[5:8])
         run_receiver(*ports, index, want, workers, int(sys.argv[8]) if len(sys.argv) > 8 else -1)

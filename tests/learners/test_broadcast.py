@@ -64,7 +64,8 @@ def test_every_worker_of_every_generator_receives_the_zeromq_bytes(tmp_path: Pat
     receivers = [
         _start("receiver", doorbell, group, tmp_path, index, 2, workers) for index, workers in ((0, 1), (1, 2))
     ]
-    publisher = _start("publisher", doorbell, group, tmp_path, 2, 1.0)  # started last: members come in any order
+    # started last (members come in any order); round 1 waits until both have asked the doorbell
+    publisher = _start("publisher", doorbell, group, tmp_path, 2, 1.0, "2")
     for process in (publisher, *receivers):
         output = _finish(process)
         assert process.returncode == 0, output
@@ -88,7 +89,7 @@ def test_a_member_that_dies_mid_round_costs_that_round_only(tmp_path: Path) -> N
     doorbell, group = free_port(), free_port()
     dying = _start("receiver", doorbell, group, tmp_path, 0, 3, 1, 2)
     survivor = _start("receiver", doorbell, group, tmp_path, 1, 3, 1)
-    publisher = _start("publisher", doorbell, group, tmp_path, 3, 1.0)
+    publisher = _start("publisher", doorbell, group, tmp_path, 3, 1.0, "2")  # round 1 once both have asked
     for process in (publisher, dying, survivor):
         output = _finish(process)
         assert process.returncode == 0, output
@@ -106,7 +107,8 @@ def test_a_generator_that_joins_later_gets_the_next_round(tmp_path: Path) -> Non
     round 2, in a group re-formed with it (the time to form each group is measured)."""
     doorbell, group = free_port(), free_port()
     first = _start("receiver", doorbell, group, tmp_path, 0, 2, 1)
-    publisher = _start("publisher", doorbell, group, tmp_path, 2, 4.0)
+    # round 1 once the first generator has asked the doorbell, round 2 once the late one has too
+    publisher = _start("publisher", doorbell, group, tmp_path, 2, 1.0, "1,2")
     deadline = time.monotonic() + 60
     while not (tmp_path / "r0-v1-b0.bin").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
