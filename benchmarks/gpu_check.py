@@ -26,10 +26,9 @@ The exit code is 0 when every check passed, else 1 (c3d failed before learners.e
 tensors to the device for NCCL: review finding 1).
 
 Without CUDA it says so, lists what it would run, and exits 0, writing nothing. `--device cpu` runs the checks
-that have a CPU form (smaller sizes; records in --out only, never in benchmarks/results): the tests use it. On a
-CPU, DeepSpeed builds its shared-memory op at the first init (over a minute on 2 cores; not on CUDA): build it
-once before the c3 checks (`python -c "from learners.engine import init_distributed; init_distributed()"`), since a
-build their timeout kills leaves a lock in ~/.cache/torch_extensions that stalls every later one.
+that have a CPU form (smaller sizes; records in --out only, never in benchmarks/results): the tests use it.
+(`learners.engine.init_distributed` keeps DeepSpeed from compiling its shared-memory op on a CPU, so no check
+waits on that build or its lock.)
 
 The lent machine has CUDA torch, transformers, numpy and msgpack, but not pyzmq, pydantic or deepspeed (imported by
 the modules checked: c0, c1b-e, c2, c4 need none of them), and reaches no registry: carry them (22 MB of the

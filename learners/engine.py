@@ -75,8 +75,26 @@ def init_distributed() -> DistInfo:
     cuda = torch.cuda.is_available()
     if cuda:
         bind_local_gpu(local_rank)
+    else:
+        skip_cpu_shm_op()
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
     return DistInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank)
+
+
+def skip_cpu_shm_op() -> None:
+    """Keep DeepSpeed from compiling its shared-memory collective op on the CPU (`deepspeed.comm.torch.build_shm_op`,
+    called by every `init_distributed`). That op serves only `inference_all_reduce` (DeepSpeed's tensor-parallel
+    inference); training's all-reduce is torch.distributed's over gloo either way. The compile took 37-46 s of both
+    cores of a 2-core EPYC at each new venv path (a fresh clone, the demo's first run), every learner started meanwhile
+    waited on its lock, and one interrupted mid-build left a lock in ~/.cache/torch_extensions that stalled every later
+    learner for good. `build_shm_op` builds only what `deepspeed.ops.__compatible_ops__` marks compatible; that dict
+    is made once per process and edits to it persist (deepspeed/ops/__init__.py)."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
 def bind_local_gpu(local_rank: int) -> None:

@@ -185,6 +185,19 @@ def test_the_attention_kernel_is_the_configured_one(tiny_model_dir, dist, batch)
     assert not trainer.one_row  # the varlen layout is flash's only
 
 
+def test_the_process_group_compiles_nothing_on_a_cpu(dist) -> None:
+    """init_distributed on a CPU leaves DeepSpeed's shared-memory op unbuilt (learners.engine.skip_cpu_shm_op): it
+    serves only DeepSpeed's tensor-parallel inference, and building it took ~40 s at every new venv and could leave a
+    lock that stalled later learners. The all-reduce the learner trains with still sums over the group."""
+    import deepspeed.comm
+
+    from learners.engine import all_reduce
+
+    backend = deepspeed.comm.comm.cdb
+    assert backend is not None and backend.shm_comm_op is None
+    assert float(all_reduce(torch.tensor([2.0]))[0]) == 2.0 * dist.world_size
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stages_train_in_bfloat16(tiny_model_dir, dist, batch, stage) -> None:
     step = one_step(tiny_model_dir, dist, batch, learner__zero_stage=stage, model__dtype="bfloat16")
