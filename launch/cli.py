@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError, load_config, override_spellings
+from common.teardown import skip_exit_gc
 from launch.config_checks import missing_paths
 
 # role -> "module:function" taking the validated TandemConfig; imported only when that role runs.
@@ -214,6 +215,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    skip_exit_gc()  # role processes hold torch and vLLM: exit without automatic collections (common/teardown.py)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["ray"] and argv[1:2] and argv[1] in RAY_ACTIONS:
         from launch.ray.control import main as ray_control
