@@ -188,14 +188,12 @@ def test_the_attention_kernel_is_the_configured_one(tiny_model_dir, dist, batch)
 def test_the_process_group_compiles_nothing_on_a_cpu(dist) -> None:
     """init_distributed on a CPU leaves DeepSpeed's shared-memory op unbuilt (learners.engine.skip_cpu_shm_op): it
     serves only DeepSpeed's tensor-parallel inference, and building it took ~40 s at every new venv and could leave a
-    lock that stalled later learners. The all-reduce the learner trains with still sums over the group."""
+    lock that stalled later learners. (Training's all-reduce over two gloo ranks, which does not use the op, is
+    tests/learners/test_data_parallel.py's: one rank here reduces nothing.)"""
     import deepspeed.comm
-
-    from learners.engine import all_reduce
 
     backend = deepspeed.comm.comm.cdb
     assert backend is not None and backend.shm_comm_op is None
-    assert float(all_reduce(torch.tensor([2.0]))[0]) == 2.0 * dist.world_size
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
