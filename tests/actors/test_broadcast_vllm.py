@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.actors.greedy_engine import MAX_TOKENS
+from tests.actors.greedy_engine import engine as _engine
 from tests.actors.greedy_engine import greedy as _greedy
 from tests.actors.test_engine_load import _start_fresh_engine
 
@@ -31,10 +31,8 @@ def _checkpoint(model_dir: Path) -> list[tuple[str, object]]:
 def test_a_broadcast_round_loads_in_the_workers_as_a_fresh_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
     import json
 
-    from actors.engine.api import SamplingSettings
-    from actors.engine.vllm import VllmEngine, configure_cpu_environment
     from actors.weights.broadcast_source import BroadcastRound, open_broadcast_source
-    from common.config import GeneratorConfig, ModelConfig, WeightsConfig
+    from common.config import WeightsConfig
     from common.model_prep import make_tiny_model
     from common.sockets import SocketSecurity
     from launch.testing import free_port
@@ -48,10 +46,7 @@ def test_a_broadcast_round_loads_in_the_workers_as_a_fresh_engine(tiny_model_dir
     publisher = BroadcastWeightsPublisher("127.0.0.1", doorbell, SocketSecurity(), weights)
     source = open_broadcast_source(weights, f"127.0.0.1:{doorbell}", SocketSecurity(), generator_id=0)
     try:
-        configure_cpu_environment(GeneratorConfig(kv_cache_gib=1.0))  # as tests/actors/greedy_engine.py
-        settings = SamplingSettings(temperature=0.0, top_p=1.0, max_tokens=MAX_TOKENS, seed=0)
-        model = ModelConfig(path=str(tiny_model_dir), max_model_len=256)
-        engine = VllmEngine(tiny_model_dir, model, settings, 8, True, broadcast=True)
+        engine = _engine(tiny_model_dir, broadcast=True)  # as the fresh one, with the weight-transfer API on
         try:
             before = _greedy(engine)
             for version, model_dir in ((1, new_dir), (2, new_dir)):

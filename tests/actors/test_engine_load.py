@@ -9,8 +9,8 @@ that the reused scratch weights and rebuilt oneDNN layers carry nothing from one
 
 The fresh engine runs in a process of its own (tests/actors/greedy_engine.py), started first: starting a vLLM engine
 is mostly one core importing and warming up, so the two engines start side by side rather than one after the other.
-Its samples reach this process as JSON, which carries every float32 log-prob exactly. Both engines are set up as
-before (vLLM's own CPU binding): the same threads, the same split of a batch's work.
+Its samples reach this process as JSON, which carries every float32 log-prob exactly. Both engines compute with one
+thread, so they split a batch's work the same way on any machine (tests/actors/greedy_engine.py).
 """
 
 from __future__ import annotations
