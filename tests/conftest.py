@@ -8,6 +8,7 @@ with what to change, so the split cannot drift.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -43,6 +44,61 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 f"{item.nodeid} starts Ray: name its module {RAY_MODULES}*.py, so that `make test` runs it on the "
                 "worker that runs the other Ray tests (tests/conftest.py, worker_scope)"
             )
+    items[:] = costliest_scopes_first(items)
+
+
+# How long each unit of work (worker_scope) took, in seconds: tests/durations.json, written by
+# `make durations` (pytest --store-durations). pytest-xdist hands the units out costliest first (ByModule, below), so
+# the long ones start early and the many short unit-test modules come last, where they even out the two workers'
+# ends. In xdist's own order (most tests first) the long modules of one or two tests came last, and one worker ran
+# one of them for up to a minute while the other had nothing left. A unit not in the file (a new module) is costed
+# by what its tests start, rough means of the suite's own: only the order depends on these figures, no test does.
+DURATIONS = Path(__file__).with_name("durations.json")
+COST_S = {"vllm": 40.0, "ray": 30.0, "deepspeed": 15.0, "integration": 8.0}
+UNIT_TEST_COST_S = 0.1
+
+
+def test_cost_s(item: pytest.Item) -> float:
+    return next((cost for name, cost in COST_S.items() if item.get_closest_marker(name)), UNIT_TEST_COST_S)
+
+
+def costliest_scopes_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """`items` with the units of work in order of their cost (measured, else estimated), costliest first; the tests
+    of a unit keep their order."""
+    measured = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    units: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        units.setdefault(worker_scope(item.nodeid), []).append(item)
+    cost = {scope: measured.get(scope, sum(map(test_cost_s, unit))) for scope, unit in units.items()}
+    ranked = sorted(units, key=lambda scope: -cost[scope])  # stable: ties keep the collection's order
+    return [item for scope in ranked for item in units[scope]]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--store-durations",
+        action="store_true",
+        help=f"write how long each unit of work took to {DURATIONS.name} (the order of the next runs)",
+    )
+
+
+_unit_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Set-up, call and tear-down of every test, added up per unit (in the process that reports: pytest-xdist's
+    controller gets every worker's reports)."""
+    _unit_seconds[worker_scope(report.nodeid)] = _unit_seconds.get(worker_scope(report.nodeid), 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    config = session.config
+    """With --store-durations: the units this run ran, measured again, into DURATIONS (the others kept)."""
+    config = session.config
+    if config.getoption("store_durations") and not hasattr(config, "workerinput") and _unit_seconds:
+        known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+        known.update({scope: round(seconds, 1) for scope, seconds in _unit_seconds.items()})
+        DURATIONS.write_text(json.dumps(dict(sorted(known.items(), key=lambda unit: -unit[1])), indent=0) + "\n")
 
 
 RAY_MODULES = "test_ray_"  # the Ray tests' modules: one pytest-xdist worker runs them all
@@ -65,6 +121,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
         def _split_scope(self, nodeid: str) -> str:
             return worker_scope(nodeid)
 
+    config.option.loadscopereorder = False  # the units in collection order: costliest first (costliest_scopes_first)
     return ByModule(config, log)
 
 
