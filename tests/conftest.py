@@ -58,7 +58,7 @@ COST_S = {"vllm": 40.0, "ray": 30.0, "deepspeed": 15.0, "integration": 8.0}
 UNIT_TEST_COST_S = 0.1
 
 
-def test_cost_s(item: pytest.Item) -> float:
+def estimated_cost_s(item: pytest.Item) -> float:
     return next((cost for name, cost in COST_S.items() if item.get_closest_marker(name)), UNIT_TEST_COST_S)
 
 
@@ -69,7 +69,7 @@ def costliest_scopes_first(items: list[pytest.Item]) -> list[pytest.Item]:
     units: dict[str, list[pytest.Item]] = {}
     for item in items:
         units.setdefault(worker_scope(item.nodeid), []).append(item)
-    cost = {scope: measured.get(scope, sum(map(test_cost_s, unit))) for scope, unit in units.items()}
+    cost = {scope: measured.get(scope, sum(map(estimated_cost_s, unit))) for scope, unit in units.items()}
     ranked = sorted(units, key=lambda scope: -cost[scope])  # stable: ties keep the collection's order
     return [item for scope in ranked for item in units[scope]]
 
@@ -88,11 +88,11 @@ _unit_seconds: dict[str, float] = {}
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Set-up, call and tear-down of every test, added up per unit (in the process that reports: pytest-xdist's
     controller gets every worker's reports)."""
-    _unit_seconds[worker_scope(report.nodeid)] = _unit_seconds.get(worker_scope(report.nodeid), 0.0) + report.duration
+    scope = worker_scope(report.nodeid)
+    _unit_seconds[scope] = _unit_seconds.get(scope, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    config = session.config
     """With --store-durations: the units this run ran, measured again, into DURATIONS (the others kept)."""
     config = session.config
     if config.getoption("store_durations") and not hasattr(config, "workerinput") and _unit_seconds:

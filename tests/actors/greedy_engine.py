@@ -56,8 +56,7 @@ def engine(model_dir: Path, dtype: str = "auto", **options: object):
     configure_cpu_environment(GeneratorConfig(kv_cache_gib=1.0))
     settings = SamplingSettings(temperature=0.0, top_p=1.0, max_tokens=MAX_TOKENS, seed=0)
     model = ModelConfig(path=str(model_dir), dtype=dtype, max_model_len=256)
-    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-    with contextlib.nullcontext() if in_process else one_thread_binding():
+    with one_thread_binding():  # read only where the engine core has a process of its own (not in main's)
         return VllmEngine(model_dir, model, settings, 8, True, **options)
 
 
